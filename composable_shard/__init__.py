@@ -1,0 +1,1 @@
+"""composable_shard: in-place composable data parallelism for PyTorch."""

@@ -1,0 +1,23 @@
+"""The only uses of private torch APIs in composable_shard, each with why and the torch
+versions checked (2.6, 2.11, 2.13).
+
+* ``queue_backward_callback``: a callback that runs once when the current ``backward()``
+  finishes is needed to wait for pending gradient reductions before ``backward()`` returns.
+  No public API offers "end of this backward pass"; torch's own DDP and FSDP use the autograd
+  engine's ``queue_callback`` for it (``torch.autograd.Variable._execution_engine``, present
+  unchanged in 2.6 through 2.13).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+__all__ = ["queue_backward_callback"]
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once, after the backward pass now executing has finished (on the
+    thread that drives it). Must be called from inside a backward hook."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]  # private engine API, see module docstring
