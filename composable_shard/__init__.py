@@ -1,1 +1,37 @@
-"""composable_shard: in-place composable data parallelism for PyTorch."""
+"""composable_shard: in-place composable data parallelism for PyTorch.
+
+``fully_shard`` (ZeRO-3 with flat parameters), ``replicate`` (DDP) and ``checkpoint``
+(activation recomputation) apply to modules in place and mix freely on different submodules.
+"""
+
+from .api import (
+    BackwardPrefetch,
+    CPUOffload,
+    FullStateDictConfig,
+    MixedPrecision,
+    ShardedStateDictConfig,
+    ShardingStrategy,
+    StateDictType,
+)
+from .contract import contract
+from .fully_shard import FSDPModule, clip_grad_norm_, fully_shard
+from ._unshard_params import unshard_params
+from .wrap import (
+    CustomPolicy,
+    ModuleWrapPolicy,
+    always_wrap_policy,
+    enable_wrap,
+    lambda_auto_wrap_policy,
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
+    wrap,
+)
+
+__all__ = [
+    "contract", "fully_shard", "FSDPModule",
+    "ShardingStrategy", "BackwardPrefetch", "MixedPrecision", "CPUOffload",
+    "StateDictType", "FullStateDictConfig", "ShardedStateDictConfig",
+    "ModuleWrapPolicy", "CustomPolicy", "always_wrap_policy", "lambda_auto_wrap_policy",
+    "transformer_auto_wrap_policy", "size_based_auto_wrap_policy", "enable_wrap", "wrap",
+    "unshard_params", "clip_grad_norm_",
+]

@@ -47,6 +47,7 @@ class Pending:
     work: Optional[Any]  # dist.Work, or None when the collective ran synchronously / W == 1
     output: torch.Tensor
     kind: str = ""
+    event: Optional[Any] = None  # CUDA: event recorded on the issuing stream (None on CPU)
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
@@ -161,13 +162,14 @@ def reduce_scatter_into(
     return Pending(work, output, "reduce_scatter")
 
 
-def all_reduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], *, tag: str = "") -> Pending:
-    """Sum-reduce ``tensor`` in place across the group, async."""
+def all_reduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], *, tag: str = "",
+               op: Any = dist.ReduceOp.SUM) -> Pending:
+    """Reduce ``tensor`` in place across the group (sum unless ``op`` says otherwise), async."""
     world_size = _group_size(group)
     _report("all_reduce", tensor.numel() * tensor.element_size(), world_size, tag)
     if world_size == 1:
         return Pending(None, tensor, "all_reduce")
-    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
     return Pending(work, tensor, "all_reduce")
 
 

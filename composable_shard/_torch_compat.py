@@ -21,3 +21,17 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
     """Run ``callback`` once, after the backward pass now executing has finished (on the
     thread that drives it). Must be called from inside a backward hook."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]  # private engine API, see module docstring
+
+
+def set_module_tensor(module: "torch.nn.Module", name: str, tensor: "torch.Tensor") -> None:
+    """Make ``module.<name>`` return ``tensor`` while keeping the parameter's slot (and so
+    the order of ``named_parameters()``) unchanged.
+
+    ``fully_shard`` swaps a module's registered parameter for a plain tensor view of the
+    unsharded flat buffer during forward/backward (so autograd routes gradients into one flat
+    gradient) and back to the original ``nn.Parameter`` afterwards. ``register_parameter``
+    rejects plain tensors and ``del`` + re-register would move the name to the end of
+    ``_parameters``, so the slot in ``Module._parameters`` (a private dict whose lookup by
+    ``Module.__getattr__`` is unchanged in 2.6 through 2.13) is written directly.
+    """
+    module._parameters[name] = tensor  # type: ignore[assignment]  # plain tensor on purpose, see docstring

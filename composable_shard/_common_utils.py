@@ -1,0 +1,168 @@
+"""State of ``fully_shard`` and small FQN helpers shared across the package.
+
+Every field of :class:`_FSDPState` is declared here, typed, with one comment each. Fields
+marked *root only* are meaningful on the root state alone (the outermost fully sharded module
+of a forward), which caches everything the runtime needs so no step traverses the module tree.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from .contract import _State
+
+if TYPE_CHECKING:
+    from ._flat_param import FlatParamHandle
+
+__all__ = [
+    "TrainingState",
+    "HandleTrainingState",
+    "_FSDPState",
+    "clean_tensor_name",
+    "_is_fsdp_flattened",
+    "_set_fsdp_flattened",
+    "_get_root_modules",
+    "_apply_to_modules",
+    "_get_param_to_fqns",
+    "FSDP_API_NAME",
+]
+
+FSDP_API_NAME = "fully_shard"  # registry key of fully_shard (see contract.py)
+_FLATTENED_ATTR = "_composable_shard_flattened"
+
+
+class TrainingState(enum.Enum):
+    """What a fully sharded module's state is doing."""
+
+    IDLE = enum.auto()
+    FORWARD_BACKWARD = enum.auto()
+    SUMMON_FULL_PARAMS = enum.auto()
+
+
+class HandleTrainingState(enum.Enum):
+    """Where a handle is in one training step (see [Note: Life of a parameter])."""
+
+    IDLE = enum.auto()
+    FORWARD = enum.auto()
+    BACKWARD_PRE = enum.auto()
+    BACKWARD_POST = enum.auto()
+    SUMMON_FULL_PARAMS = enum.auto()
+
+
+class _FSDPState(_State):
+    """Per fully-sharded-module state of ``fully_shard``. Every field is declared here."""
+
+    def __init__(self) -> None:
+        # -- configuration (set once by fully_shard) --
+        self.module: Optional[nn.Module] = None  # the fully sharded module this state belongs to
+        self.fqn: str = ""  # its FQN relative to the module fully_shard was called on
+        self.process_group: Optional[dist.ProcessGroup] = None  # shard group
+        self.replicate_group: Optional[dist.ProcessGroup] = None  # HYBRID: group across replicas
+        self.rank: int = 0  # rank within the shard group
+        self.world_size: int = 1  # shard group size
+        self.dp_world_size: int = 1  # data-parallel world (shard x replicate): gradient divisor
+        self.strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
+        self.mixed_precision: Optional[MixedPrecision] = None
+        self.cpu_offload: CPUOffload = CPUOffload()
+        self.backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE
+        self.forward_prefetch: bool = False
+        self.limit_all_gathers: bool = True
+        self.compute_device: torch.device = torch.device("cpu")  # where forward runs
+        self.ignored_params: Set[nn.Parameter] = set()  # never flattened nor reduced
+        self.handle: Optional["FlatParamHandle"] = None  # None if the module owns no parameters
+        # -- per-module switches (FSDPModule methods) --
+        self.sync_gradients: bool = True  # False: accumulate unsharded grads, no communication
+        self.reshard_after_backward: bool = True  # False: keep parameters unsharded after backward
+        # -- runtime --
+        self.training_state: TrainingState = TrainingState.IDLE
+        self.is_root: Optional[bool] = None  # None until lazy init decides
+        self.root: Optional["_FSDPState"] = None  # the root state of the last forward (set at lazy init)
+        # -- root only --
+        self.all_states: List["_FSDPState"] = []  # every state of the tree, DFS order
+        self.all_handles: List["FlatParamHandle"] = []  # every handle of the tree, DFS order
+        self.handle_states: Dict[int, "_FSDPState"] = {}  # id(handle) -> its state (for prefetch)
+        self.exec_order: List["FlatParamHandle"] = []  # forward order, recorded in iteration 1
+        self.exec_order_recorded: bool = False  # True once the first iteration finished
+        self.exec_index: int = 0  # position in exec_order during the current forward
+        self.warned_order_change: bool = False  # one warning per root when the order changes
+        self.final_callback_queued: bool = False  # end-of-backward callback queued this pass
+        self.pending_reductions: List[Any] = []  # reductions issued, not yet finished
+        self.streams: Optional[Any] = None  # _runtime_utils._Streams: CUDA streams (no-ops on CPU)
+
+    # Convenience for error messages.
+    def describe(self) -> str:
+        return f"fully_shard({self.fqn or '<root>'})"
+
+
+def clean_tensor_name(name: str) -> str:
+    """Strip wrapper prefixes from an FQN. composable_shard adds none, but checkpoints from
+    wrapper-based APIs carry ``_fsdp_wrapped_module.`` / ``_checkpoint_wrapped_module.`` /
+    ``module.`` prefixes; removing them lets such names be compared with ours."""
+    for prefix in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod."):
+        name = name.replace(prefix, "")
+    return name
+
+
+def _is_fsdp_flattened(tensor: torch.Tensor) -> bool:
+    """True if ``tensor`` is (or is marked as) a flat parameter of composable_shard."""
+    return bool(getattr(tensor, _FLATTENED_ATTR, False))
+
+
+def _set_fsdp_flattened(tensor: torch.Tensor) -> None:
+    """Mark ``tensor`` as flattened by composable_shard (nesting one raises)."""
+    setattr(tensor, _FLATTENED_ATTR, True)
+
+
+def _get_root_modules(modules: Iterable[nn.Module]) -> List[nn.Module]:
+    """The modules of ``modules`` that no other module of ``modules`` contains, in order."""
+    module_list = list(modules)
+    members = {id(m) for m in module_list}
+    nested: Set[int] = set()
+    for m in module_list:
+        for sub in m.modules():
+            if sub is not m and id(sub) in members:
+                nested.add(id(sub))
+    roots: List[nn.Module] = []
+    seen: Set[int] = set()
+    for m in module_list:
+        if id(m) not in nested and id(m) not in seen:
+            seen.add(id(m))
+            roots.append(m)
+    return roots
+
+
+def _apply_to_modules(
+    root: nn.Module,
+    visit: Callable[[nn.Module, str], None],
+    filter_fqns: Optional[Iterable[str]] = None,
+) -> None:
+    """Call ``visit(module, prefix)`` on every module in pre-order (``.modules()`` order),
+    where ``prefix`` is the module's FQN plus a dot (``""`` for ``root``). Each module is
+    visited once even if registered under several names."""
+    seen: Set[int] = set()
+    stack: List[Tuple[nn.Module, str]] = [(root, "")]
+    filtered = set(filter_fqns) if filter_fqns is not None else None
+    while stack:
+        module, prefix = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        if filtered is None or prefix.rstrip(".") in filtered or prefix == "":
+            visit(module, prefix)
+        children = [(c, f"{prefix}{n}.") for n, c in module.named_children()]
+        stack.extend(reversed(children))
+
+
+def _get_param_to_fqns(model: nn.Module) -> Dict[nn.Parameter, List[str]]:
+    """Map each parameter to every FQN it is reachable under (shared parameters have several;
+    the first is the canonical one, in ``named_parameters(remove_duplicate=False)`` order)."""
+    out: Dict[nn.Parameter, List[str]] = {}
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        out.setdefault(param, []).append(fqn)
+    return out

@@ -1,0 +1,163 @@
+"""``unshard_params`` / ``summon_full_params``: full parameters (and optionally gradients)
+outside forward/backward, with optional write-back into the shards.
+
+Inside the context every original ``nn.Parameter`` of the selected handles has its full shape
+and value (on rank 0 only with ``rank0_only``): its ``.data`` is a view of a full-precision
+buffer gathered for the occasion, independent of the runtime's (possibly low-precision)
+unsharded buffers. ``writeback=True`` copies this rank's chunk of that buffer back into the
+shard on exit; ``writeback=False`` discards edits. ``writeback=True`` with ``rank0_only=True``
+raises ``NotImplementedError``: other ranks would have nothing to write back, so the shards
+would silently diverge from what rank 0 edited.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator, List, Optional
+
+import torch
+import torch.nn as nn
+
+from . import _collectives
+from ._common_utils import HandleTrainingState, TrainingState, _FSDPState
+from ._flat_param import FlatGroup, FlatParamHandle
+from ._traversal_utils import _get_fsdp_states
+from .contract import _get_module_state
+
+__all__ = ["unshard_params"]
+
+
+@dataclass
+class _Summoned:
+    state: _FSDPState
+    handle: FlatParamHandle
+    group: FlatGroup
+    full: torch.Tensor  # padded full-precision flat values (aliases the shard for one rank)
+    saved_shard: Optional[torch.Tensor]  # copy to restore when writeback=False and full aliases the shard
+    full_grad: Optional[torch.Tensor]  # padded full gradient (with_grads)
+    had_grads: bool  # the original parameters had (sharded) .grad views on entry
+    offloaded: bool = False  # full parameters exposed as CPU copies of ``full``
+
+
+@contextlib.contextmanager
+def unshard_params(module: nn.Module, *, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,
+                   offload_to_cpu: bool = False, with_grads: bool = False) -> Iterator[None]:
+    """Expose full parameters of ``module``'s fully sharded modules inside the context.
+
+    Example::
+
+        with unshard_params(model):
+            print(model.layers[0].weight.shape)   # full shape on every rank
+        with unshard_params(model, writeback=True):
+            model.head.weight.zero_()              # written back to every rank's shard
+
+    Args:
+        module: a module containing fully sharded modules (or one itself).
+        recurse: all handles in the subtree; False: only ``module``'s own handle.
+        writeback: copy edits back to the shards on exit (False: discard them).
+        rank0_only: only rank 0 sees full parameters (others keep their shards).
+        offload_to_cpu: full parameters are CPU copies (edits still written back).
+        with_grads: also expose full gradients as ``.grad`` (``None`` where no rank has one).
+    """
+    if rank0_only and writeback:
+        raise NotImplementedError("unshard_params(writeback=True, rank0_only=True) is not supported: ranks other "
+                                  "than 0 have no full parameters to write back. Use writeback=False with rank0_only.")
+    states = _selected_states(module, recurse)
+    for s in states:
+        if s.training_state is not TrainingState.IDLE or (s.handle is not None and s.handle.training_state is not HandleTrainingState.IDLE):
+            raise RuntimeError(f"{s.describe()}: unshard_params/summon_full_params cannot be used during forward/backward "
+                               f"or nested on the same module (state {s.training_state.name}); call it between steps.")
+    summoned: List[_Summoned] = []
+    for s in states:
+        s.training_state = TrainingState.SUMMON_FULL_PARAMS
+        if s.handle is not None:
+            s.handle.training_state = HandleTrainingState.SUMMON_FULL_PARAMS
+            summoned.extend(_gather(s, s.handle, g, writeback, with_grads) for g in s.handle.groups)
+    try:
+        for item in summoned:
+            _expose(item, rank0_only, offload_to_cpu)
+        yield
+    finally:
+        for item in summoned:
+            _restore(item, writeback and not rank0_only)
+        for s in states:
+            s.training_state = TrainingState.IDLE
+            if s.handle is not None:
+                s.handle.training_state = HandleTrainingState.IDLE
+
+
+def _selected_states(module: nn.Module, recurse: bool) -> List[_FSDPState]:
+    if recurse:
+        return _get_fsdp_states(module)
+    state = _get_module_state(module, _FSDPState)
+    if state is None:
+        raise ValueError(f"unshard_params(recurse=False): {type(module).__name__} is not a fully sharded module; "
+                         "pass a module fully_shard was applied to, or recurse=True.")
+    return [state]
+
+
+def _gather(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup, writeback: bool, with_grads: bool) -> _Summoned:
+    shard = group.flat_param.data
+    padded = group.padded_numel
+    if state.world_size == 1:
+        full = shard
+        saved = None if writeback else shard.clone()
+    else:
+        full = torch.empty(padded, dtype=shard.dtype, device=shard.device)
+        _collectives.all_gather_into(full, shard, state.process_group, tag=f"summon:{handle.fqn}").wait()
+        saved = None
+    full_grad = _gather_grad(state, handle, group) if with_grads else None
+    had_grads = any(p.grad is not None for p in group.orig_params)
+    return _Summoned(state, handle, group, full, saved, full_grad, had_grads)
+
+
+def _gather_grad(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup) -> Optional[torch.Tensor]:
+    if not group.requires_grad:
+        return None
+    shard = group.flat_param.data
+    local = group.sharded_grad if group.sharded_grad is not None and any(p.grad is not None for p in group.orig_params) else None
+    if state.world_size == 1:
+        return local
+    has_any = torch.tensor([0 if local is None else 1], device=shard.device)
+    _collectives.all_reduce(has_any, state.process_group, tag="summon_has_grad").wait()
+    if int(has_any.item()) == 0:
+        return None
+    src = local if local is not None else torch.zeros_like(shard)
+    full = torch.empty(group.padded_numel, dtype=src.dtype, device=src.device)
+    _collectives.all_gather_into(full, src, state.process_group, tag=f"summon_grad:{handle.fqn}").wait()
+    return full
+
+
+def _expose(item: _Summoned, rank0_only: bool, offload_to_cpu: bool) -> None:
+    if rank0_only and item.state.rank != 0:
+        return
+    fp = item.group.flat_param
+    full = item.full.cpu() if offload_to_cpu and item.full.device.type != "cpu" else item.full
+    pieces = torch.split(full[: fp._unpadded_unsharded_size.numel()], list(fp._numels))
+    grad_pieces = torch.split(item.full_grad[: fp._unpadded_unsharded_size.numel()], list(fp._numels)) if item.full_grad is not None else None
+    for i, (p, shape) in enumerate(zip(item.group.orig_params, fp._shapes)):
+        p.data = pieces[i].view(shape)
+        if grad_pieces is not None:
+            p.grad = grad_pieces[i].view(shape).to(p.device)
+        elif p.grad is not None:
+            p.grad = None  # a sharded grad would not match the full shape; restored on exit
+    item.offloaded = full is not item.full
+
+
+def _restore(item: _Summoned, writeback: bool) -> None:
+    group, handle, fp = item.group, item.handle, item.group.flat_param
+    if writeback and group.orig_params and item.offloaded:
+        # Edits landed in the CPU copy: bring them back into the gathered buffer first.
+        full_cpu = torch.cat([p.data.reshape(-1) for p in group.orig_params])
+        item.full[: full_cpu.numel()].copy_(full_cpu)
+    if writeback and item.state.world_size > 1:
+        start = item.state.rank * fp.numel()
+        fp.data.copy_(item.full[start:start + fp.numel()])
+    if item.saved_shard is not None:
+        fp.data.copy_(item.saved_shard)
+    handle._point_params_at_shard(group)
+    for p in group.orig_params:
+        p.grad = None
+    if item.had_grads:
+        handle._attach_grads(group)

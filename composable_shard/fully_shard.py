@@ -1,0 +1,203 @@
+"""``fully_shard``: ZeRO-3 data parallelism applied in place, with flat parameters.
+
+Thin public layer: validate (``_init_utils.plan_fully_shard``) -> build handles
+(``_init_utils.apply_plan``) -> register hooks (``_runtime_utils``) -> return the module.
+
+[Note: Groups]  Every strategy is a (shard group, replicate group) pair: FULL_SHARD and
+SHARD_GRAD_OP shard over the whole group and replicate over none; NO_SHARD shards over one
+rank (the unsharded buffer is the shard itself) and replicates over the group; the hybrid
+strategies shard within one group and replicate across the other. Gradients are
+reduce-scattered in the shard group, all-reduced in the replicate group, and divided by the
+product of both sizes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import _collectives
+from ._common_utils import FSDP_API_NAME, _FSDPState
+from ._init_utils import apply_plan, plan_fully_shard, resolve_groups
+from ._runtime_utils import _Streams, register_runtime_hooks, reshard_handle, wait_unshard
+from ._subclass import _NoCopyMixin, make_subclass
+from ._traversal_utils import _get_fsdp_states
+from ._unshard_params import unshard_params
+from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from .contract import _get_module_state, _register_api, contract
+
+__all__ = ["fully_shard", "FSDPModule", "clip_grad_norm_"]
+
+
+class FSDPModule(_NoCopyMixin):
+    """Mixin of every fully sharded module (its class becomes ``FSDP<Orig>`` with bases
+    ``(FSDPModule, Orig)``). ``copy.deepcopy``/pickle raise: use the state-dict APIs."""
+
+    _api_name = "fully_shard"
+
+    def _fsdp_state(self) -> _FSDPState:
+        state = _get_module_state(self, _FSDPState)  # type: ignore[arg-type]  # self is an nn.Module
+        if state is None:
+            raise RuntimeError(f"{type(self).__name__} has no fully_shard state")
+        return state  # type: ignore[no-any-return]
+
+    def _states(self, recurse: bool) -> List[_FSDPState]:
+        state = self._fsdp_state()
+        if not recurse:
+            return [state]
+        if state.is_root and state.all_states:
+            return state.all_states
+        return _get_fsdp_states(self)  # type: ignore[arg-type]  # self is an nn.Module
+
+    def unshard(self) -> None:
+        """All-gather this module's parameters now (a later forward reuses them). Idempotent."""
+        state = self._fsdp_state()
+        if state.handle is not None and state.handle.needs_unshard():
+            wait_unshard(state, state.handle)
+            state.handle.use_sharded_views()
+
+    def reshard(self) -> None:
+        """Free this module's unsharded parameters. Idempotent."""
+        state = self._fsdp_state()
+        if state.handle is not None:
+            reshard_handle(state, state.handle, free=True)
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False: backward communicates nothing and accumulates unsharded gradients; the next
+        backward with True reduces their sum. Example: gradient accumulation over micro-batches."""
+        for s in self._states(recurse):
+            s.sync_gradients = requires_gradient_sync
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """False: keep parameters unsharded after backward (saves the next forward's
+        all-gather; the caller must reshard before the optimizer updates the shards)."""
+        for s in self._states(recurse):
+            s.reshard_after_backward = reshard_after_backward
+
+    def summon_full_params(self, writeback: bool = True, rank0_only: bool = False, offload_to_cpu: bool = False,
+                           with_grads: bool = False, recurse: bool = True) -> "contextlib.AbstractContextManager[None]":
+        """Context manager exposing full parameters; same as :func:`unshard_params`."""
+        return unshard_params(self, recurse=recurse, writeback=writeback, rank0_only=rank0_only,  # type: ignore[arg-type]  # self is an nn.Module
+                              offload_to_cpu=offload_to_cpu, with_grads=with_grads)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip gradients of the whole tree by their total norm over all shards and ranks;
+        returns the total norm (before clipping)."""
+        return clip_grad_norm_(self, max_norm, norm_type)  # type: ignore[arg-type]  # self is an nn.Module
+
+
+@contract(state_cls=_FSDPState)
+def fully_shard(
+    module: nn.Module,
+    *,
+    process_group: Any = None,
+    mesh: Any = None,
+    policy: Any = None,
+    strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
+    mixed_precision: Optional[MixedPrecision] = None,
+    cpu_offload: Optional[CPUOffload] = None,
+    ignored_modules: Optional[Iterable[nn.Module]] = None,
+    ignored_states: Optional[Iterable[Any]] = None,
+    device_id: Union[int, torch.device, None] = None,
+    param_init_fn: Optional[Callable[[nn.Module], None]] = None,
+    sync_module_states: bool = False,
+    forward_prefetch: bool = False,
+    backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE,
+    limit_all_gathers: bool = True,
+) -> nn.Module:
+    """Shard ``module``'s parameters across ranks in place (ZeRO-3 by default).
+
+    Example::
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)                      # or: fully_shard(model, policy=ModuleWrapPolicy({Block}))
+        optim = torch.optim.AdamW(model.parameters())   # built after fully_shard
+        loss = model(x).sum(); loss.backward(); optim.step()
+
+    Args:
+        module: the module to shard; returned, with class ``FSDP<Orig>``.
+        process_group: shard group (default: world); a ``(shard, replicate)`` pair for hybrid.
+        mesh: a 1-D ``DeviceMesh``, or 2-D ``(replicate, shard)`` for hybrid strategies.
+        policy: a ``_Policy`` or function policy choosing more fully sharded modules.
+        strategy: a :class:`ShardingStrategy`.
+        mixed_precision: low-precision compute/communication (:class:`MixedPrecision`).
+        cpu_offload: :class:`CPUOffload` keeps shards and gradients on the CPU.
+        ignored_modules: modules whose parameters are left alone (not sharded, not reduced).
+        ignored_states: parameters (or modules) left alone.
+        device_id: compute device; CPU-initialized modules are moved there first.
+        param_init_fn: materializes meta-device parameters (else ``reset_parameters()``).
+        sync_module_states: broadcast parameters and buffers from rank 0 first.
+        forward_prefetch: all-gather the next handle before the current forward computes.
+        backward_prefetch: when to all-gather the next handle in backward (None: never).
+        limit_all_gathers: at most two unsharded handles in flight.
+    """
+    kwargs = dict(process_group=process_group, mesh=mesh, policy=policy, strategy=strategy,
+                  mixed_precision=mixed_precision, cpu_offload=cpu_offload, ignored_modules=ignored_modules,
+                  ignored_states=ignored_states, device_id=device_id, param_init_fn=param_init_fn,
+                  sync_module_states=sync_module_states, forward_prefetch=forward_prefetch,
+                  backward_prefetch=backward_prefetch, limit_all_gathers=limit_all_gathers)
+    if mixed_precision is not None and mixed_precision.keep_low_precision_grads:
+        raise NotImplementedError("fully_shard: MixedPrecision(keep_low_precision_grads=True) is not supported yet; "
+                                  "gradients are returned in the parameters' dtype.")
+    plan = plan_fully_shard(module, kwargs)
+    root_state = fully_shard.state(module)
+    groups = resolve_groups(strategy, process_group, mesh)
+    apply_plan(plan, root_state, groups, _FSDPState, _finish_target)  # type: ignore[arg-type]  # state set by contract
+    return module
+
+
+def _finish_target(module: nn.Module, state: _FSDPState) -> None:
+    """Attach the state, swap the class, register the hooks."""
+    if _get_module_state(module, _FSDPState) is not state:
+        _register_api(module, FSDP_API_NAME, state)
+    state.streams = _Streams(state.compute_device)
+    make_subclass(module, "FSDP", FSDPModule)
+    register_runtime_hooks(state, module)
+
+
+def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip the gradients of every parameter of ``module`` by their total norm, computed over
+    all shards on all ranks (parameters outside fully sharded modules count once). Returns the
+    total norm.
+
+    Example::
+
+        loss.backward()
+        total = clip_grad_norm_(model, 1.0)
+        optim.step()
+    """
+    states = _get_fsdp_states(module)
+    sharded = {id(p) for s in states if s.handle is not None for g in s.handle.groups for p in g.orig_params}
+    params = [p for p in module.parameters() if p.grad is not None]
+    norm_type = float(norm_type)
+    sharded_grads = [p.grad for p in params if id(p) in sharded]
+    other_grads = [p.grad for p in params if id(p) not in sharded]
+    device = states[0].compute_device if states else torch.device("cpu")
+    local = _norm_accumulate(sharded_grads, norm_type, device)
+    groups = {id(s.process_group): s.process_group for s in states if s.process_group is not None and s.world_size > 1}
+    for group in groups.values():
+        op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
+        _collectives.all_reduce(local, group, tag="clip_grad_norm", op=op).wait()
+    other = _norm_accumulate(other_grads, norm_type, device)
+    if norm_type == float("inf"):
+        total = torch.maximum(local, other)
+    else:
+        total = (local + other) ** (1.0 / norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))  # type: ignore[union-attr]  # filtered above
+    return total
+
+
+def _norm_accumulate(grads: List[Any], norm_type: float, device: torch.device) -> torch.Tensor:
+    """Sum of |g|^p (or max |g| for inf) over ``grads`` as a float32 scalar tensor."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    if norm_type == float("inf"):
+        return torch.stack([g.detach().abs().max().float() if g.numel() else torch.zeros((), device=g.device) for g in grads]).max().to(device)
+    return torch.stack([torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type for g in grads]).sum().to(device)
