@@ -1,0 +1,161 @@
+"""Small models and the single-process reference loop shared by distributed tests.
+
+``ParityModel`` packs the cases that break naive sharding into one model: a tied
+embedding/output weight, a frozen submodule, parameters whose numel is not divisible by 2 or 4
+and a fully sharded module (``Scale``) with a single element (fewer elements than ranks).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable, List, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB = 13
+WIDTH = 6
+SEQ = 5
+BATCH_PER_RANK = 2
+
+
+class Block(nn.Module):
+    """LayerNorm -> Linear(6, 7) -> ReLU -> Linear(7, 6) with a residual (49 + 42 + 12 params)."""
+
+    def __init__(self, width: int = WIDTH) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, width + 1)
+        self.fc2 = nn.Linear(width + 1, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(self.ln(x))))
+
+
+class Scale(nn.Module):
+    """One learnable scalar: a handle of one element (smaller than any W > 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.tensor([1.25]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gain
+
+
+class ParityModel(nn.Module):
+    """Embedding tied with the head, two Blocks, a frozen Linear, a Scale."""
+
+    def __init__(self, num_blocks: int = 2) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList([Block() for _ in range(num_blocks)])
+        self.frozen = nn.Linear(WIDTH, WIDTH)
+        self.frozen.requires_grad_(False)
+        self.scale = Scale()
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)
+        for block in self.blocks:
+            x = block(x)
+        x = self.scale(self.frozen(x))
+        return self.head(x)
+
+
+def make_model(seed: int = 0, num_blocks: int = 2) -> ParityModel:
+    torch.manual_seed(seed)
+    return ParityModel(num_blocks)
+
+
+def batch(step: int, world_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of a step (inputs, targets): same on every rank, rank r uses rows
+    ``[r * BATCH_PER_RANK, (r + 1) * BATCH_PER_RANK)``."""
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, VOCAB, (world_size * BATCH_PER_RANK, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def local_rows(t: torch.Tensor, rank: int) -> torch.Tensor:
+    return t[rank * BATCH_PER_RANK:(rank + 1) * BATCH_PER_RANK]
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def reference_training(model: nn.Module, steps: int, world_size: int, lr: float = 1e-2) -> List[float]:
+    """Single-process AdamW training on the concatenated batch; returns the losses and
+    leaves ``model`` trained."""
+    optim = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        inputs, targets = batch(step, world_size)
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def distributed_training(model: nn.Module, steps: int, lr: float = 1e-2,
+                         before_step: Callable[[int], None] = lambda step: None) -> List[float]:
+    """AdamW on each rank's rows; returns the global mean loss of each step."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    optim = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        before_step(step)
+        inputs, targets = batch(step, world_size)
+        loss = loss_fn(model(local_rows(inputs, rank)), local_rows(targets, rank))
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        global_loss = loss.detach().clone()
+        dist.all_reduce(global_loss)
+        losses.append(global_loss.item() / world_size)
+    return losses
+
+
+def reference_grads(model: nn.Module, step: int, world_size: int) -> List[Tuple[str, torch.Tensor]]:
+    """Gradients of one backward on the concatenated batch of ``step`` (no optimizer step)."""
+    inputs, targets = batch(step, world_size)
+    loss_fn(model(inputs), targets).backward()
+    out = [(n, p.grad.detach().clone()) for n, p in model.named_parameters() if p.grad is not None]
+    model.zero_grad()
+    return out
+
+
+def local_backward(model: nn.Module, step: int) -> None:
+    """One backward on this rank's rows of ``step``'s batch (gradients left in place)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    inputs, targets = batch(step, world_size)
+    loss_fn(model(local_rows(inputs, rank)), local_rows(targets, rank)).backward()
+
+
+def clone(model: nn.Module) -> nn.Module:
+    return copy.deepcopy(model)
+
+
+def assert_losses_close(actual: List[float], expected: List[float], atol: float = 1e-5, what: str = "") -> None:
+    for step, (a, e) in enumerate(zip(actual, expected)):
+        if abs(a - e) > atol:
+            raise AssertionError(f"{what} step {step}: loss {a!r} != reference {e!r} (atol {atol})")
+
+
+def assert_params_close(named_actual: List[Tuple[str, torch.Tensor]], named_expected: List[Tuple[str, torch.Tensor]],
+                        atol: float = 1e-5, what: str = "") -> None:
+    names_a = [n for n, _ in named_actual]
+    names_e = [n for n, _ in named_expected]
+    if names_a != names_e:
+        raise AssertionError(f"{what} parameter names differ: {names_a} vs {names_e}")
+    for (name, a), (_, e) in zip(named_actual, named_expected):
+        if a.shape != e.shape:
+            raise AssertionError(f"{what} {name}: shape {tuple(a.shape)} != {tuple(e.shape)}")
+        diff = (a.detach().float() - e.detach().float()).abs().max().item() if a.numel() else 0.0
+        if diff > atol:
+            raise AssertionError(f"{what} {name}: max abs diff {diff} > {atol}")
