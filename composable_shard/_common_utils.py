@@ -103,7 +103,8 @@ class _FSDPState(_State):
 def clean_tensor_name(name: str) -> str:
     """Strip wrapper prefixes from an FQN. composable_shard adds none, but checkpoints from
     wrapper-based APIs carry ``_fsdp_wrapped_module.`` / ``_checkpoint_wrapped_module.`` /
-    ``module.`` prefixes; removing them lets such names be compared with ours."""
+    ``_orig_mod.`` (torch.compile) prefixes; removing them lets such names be compared with
+    ours. A plain ``module.`` prefix is kept: it may be a user's own submodule name."""
     for prefix in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod."):
         name = name.replace(prefix, "")
     return name

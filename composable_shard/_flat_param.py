@@ -74,7 +74,7 @@ class FlatParameter(nn.Parameter):
     _shard_slices: Tuple[_shard_math.ParamSlice, ...]
 
 
-@dataclass
+@dataclass(eq=False)
 class FlatGroup:
     """Runtime buffers of one flat parameter. Names say the state of each tensor."""
 

@@ -119,9 +119,13 @@ def lazy_init(state: _FSDPState) -> None:
     module = state.module
     assert_internal(module is not None, "state without module")
     states = _get_fsdp_states(module)  # type: ignore[arg-type]  # checked above
+    names = {id(m): n for n, m in module.named_modules()}  # type: ignore[union-attr]  # checked above
     for s in states:
         s.is_root = s is state
         s.root = state
+        s.fqn = names.get(id(s.module), s.fqn)  # FQNs relative to the root, for messages and tags
+        if s.handle is not None:
+            s.handle.fqn = s.fqn
     state.all_states = states
     state.all_handles = [s.handle for s in states if s.handle is not None]
     state.handle_states = {id(s.handle): s for s in states if s.handle is not None}

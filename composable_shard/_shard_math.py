@@ -67,6 +67,8 @@ class ParamSlice:
 def rank_param_slices(numels: Sequence[int], world_size: int, rank: int) -> List[ParamSlice]:
     """One :class:`ParamSlice` per parameter (empty ones included, in order) describing what
     rank ``rank`` holds of each parameter in a flat parameter built from ``numels``."""
+    if any(n < 0 for n in numels):
+        raise ValueError(f"parameter numels must be >= 0, got {list(numels)}")
     total = sum(numels)
     start, end = chunk_bounds(total, world_size, rank)
     slices: List[ParamSlice] = []

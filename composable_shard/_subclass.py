@@ -36,7 +36,7 @@ def make_subclass(module: nn.Module, prefix: str, mixin: type) -> type:
     if orig.__dict__.get(_ORIG_CLS_ATTR) is not None:
         if issubclass(orig, mixin):
             return orig
-        # A module already subclassed by another API keeps one level: stack on its original.
+        # Already subclassed by another API: stack one more level on the current class.
     key = (prefix, mixin, orig)
     cls = _CLASS_CACHE.get(key)
     if cls is None:

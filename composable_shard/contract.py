@@ -47,25 +47,24 @@ def _get_registry(module: nn.Module) -> Optional["OrderedDict[str, _RegistryItem
 
 
 def _get_module_state(module: nn.Module, state_cls: Optional[Type[_S]] = None) -> Optional[Any]:
-    """Return the state of ``state_cls`` attached to ``module`` (any state if ``None``)."""
-    states: Dict[Type[_State], _State] = module.__dict__.get(_STATE_KEY, {})
-    if state_cls is None:
-        return next(iter(states.values()), None)
-    for cls, state in states.items():
-        if issubclass(cls, state_cls):
+    """Return the first state attached to ``module`` that is an instance of ``state_cls``
+    (any state if ``None``). APIs look up their own state by name via ``fn.state``."""
+    states: Dict[str, _State] = module.__dict__.get(_STATE_KEY, {})
+    for state in states.values():
+        if state_cls is None or isinstance(state, state_cls):
             return state
     return None
 
 
-def _insert_module_state(module: nn.Module, state: _State) -> None:
-    """Attach ``state`` to ``module`` keyed by its class (one state per class)."""
-    states: Dict[Type[_State], _State] = module.__dict__.setdefault(_STATE_KEY, {})
-    if type(state) in states:
+def _insert_module_state(module: nn.Module, state: _State, api_name: str) -> None:
+    """Attach ``state`` to ``module`` as ``api_name``'s state (one per API)."""
+    states: Dict[str, _State] = module.__dict__.setdefault(_STATE_KEY, {})
+    if api_name in states:
         raise RuntimeError(
-            f"{type(module).__name__} already has a {type(state).__name__} attached; "
+            f"{type(module).__name__} already has {api_name}'s state attached; "
             "each composable API may be applied to a module once."
         )
-    states[type(state)] = state
+    states[api_name] = state
 
 
 def _register_api(module: nn.Module, api_name: str, state: Optional[_State] = None) -> None:
@@ -75,14 +74,13 @@ def _register_api(module: nn.Module, api_name: str, state: Optional[_State] = No
     makes every selected module a fully sharded module of its own).
     """
     if state is not None:
-        _insert_module_state(module, state)
+        _insert_module_state(module, state, api_name)
     module.__dict__.setdefault(_REGISTRY_KEY, OrderedDict())[api_name] = _RegistryItem(api_name)
 
 
-def _unregister_api(module: nn.Module, api_name: str, state_cls: Optional[Type[_State]] = None) -> None:
-    """Undo :func:`_register_api` (used when applying an API fails half way)."""
-    if state_cls is not None:
-        _remove_module_state(module, state_cls)
+def _unregister_api(module: nn.Module, api_name: str) -> None:
+    """Undo :func:`_register_api` (used when applying an API fails)."""
+    _remove_module_state(module, api_name)
     registry = module.__dict__.get(_REGISTRY_KEY)
     if registry is not None:
         registry.pop(api_name, None)
@@ -90,9 +88,9 @@ def _unregister_api(module: nn.Module, api_name: str, state_cls: Optional[Type[_
             module.__dict__.pop(_REGISTRY_KEY, None)
 
 
-def _remove_module_state(module: nn.Module, state_cls: Type[_State]) -> None:
-    states: Dict[Type[_State], _State] = module.__dict__.get(_STATE_KEY, {})
-    states.pop(state_cls, None)
+def _remove_module_state(module: nn.Module, api_name: str) -> None:
+    states: Dict[str, _State] = module.__dict__.get(_STATE_KEY, {})
+    states.pop(api_name, None)
     if not states:
         module.__dict__.pop(_STATE_KEY, None)
 
@@ -188,16 +186,17 @@ class _ContractFn(Generic[_P, _S]):
             _register_api(m, api_name, state)
         try:
             result = self._fn(module, *args, **kwargs)
+            _check_fqns_unchanged(api_name, before, _fqn_snapshot(roots))
         except BaseException:
             for m in roots:
-                _unregister_api(m, api_name, self._state_cls)
+                _unregister_api(m, api_name)
             raise
-        _check_fqns_unchanged(api_name, before, _fqn_snapshot(roots))
         return module if result is None else result
 
     def state(self, module: nn.Module) -> Optional[_S]:
         """Return the state this API attached to ``module``, or ``None``."""
-        return _get_module_state(module, self._state_cls)  # type: ignore[return-value]  # keyed by class
+        states: Dict[str, _State] = module.__dict__.get(_STATE_KEY, {})
+        return states.get(self.__name__)  # type: ignore[return-value]  # this API stored a _S
 
 
 def contract(state_cls: Type[_S] = _State) -> Callable[[Callable[..., Any]], _ContractFn[Any, _S]]:  # type: ignore[assignment]  # default is the base class

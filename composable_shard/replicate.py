@@ -1,0 +1,558 @@
+"""``replicate``: DDP semantics applied in place, built on per-parameter gradient hooks.
+
+[Note: Life of a gradient in replicate]  one synced training step, default comm path
+  init            module states broadcast from rank 0; buckets planned in reverse
+                  registration order, each one flat ``flat_grad`` buffer with one slot per
+                  parameter; one post-accumulate-grad hook per managed parameter
+  forward         nothing: no forward hooks, parameters are full replicas
+  grad ready      hook of parameter p in bucket b: slot = p.grad * 1/W (in place if p.grad
+                  already is the slot, a view); b counts one more ready slot
+  bucket full     launched once buckets 0..b-1 are (see [Note: Launch order]):
+                  all_reduce(flat_grad) async -> overlaps the rest of backward
+  end_backward    queued by the first hook: launch the buckets still waiting (missing gradients
+                  contribute p.grad if set, else zeros), all-reduce the used-parameter counts,
+                  wait every bucket, p.grad = its slot (a view; a cast copy if the reduce dtype
+                  differs). Parameters no rank used keep their .grad untouched (DDP with
+                  find_unused_parameters=True).
+  first sync end  buckets rebuilt once from rank 0's gradient-ready order ([Note: Bucket rebuild])
+  no sync         hooks only record use; gradients accumulate locally (in the slots once they
+                  are views), and the next synced backward reduces the accumulated sum
+
+[Note: Launch order]  Buckets are launched strictly by index: a full bucket waits until every
+earlier bucket was launched. Ranks may see different unused parameters or a different hook
+order, yet they issue the same all-reduces in the same order, so none can hang or pair the
+wrong buffers.
+
+[Note: Bucket rebuild]  Registration order is only a guess of the order gradients arrive.
+The first backward records the order the hooks fired in; at the end of the first synced
+backward rank 0 broadcasts its order and every rank rebuilds the same buckets from it, once.
+Gradients that are slot views move to the new buffers.
+
+Limits: one gradient accumulation per parameter per backward (reentrant checkpointing is not
+supported); buffers are broadcast at init only (DDP's ``broadcast_buffers=False``); a rank whose
+backward gives no managed parameter a gradient while others do would leave them waiting.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Dict, Iterable, List, Optional, Protocol, Sequence, Set, Tuple, Union, cast
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
+
+from . import _collectives
+from ._subclass import _NoCopyMixin, make_subclass
+from ._torch_compat import queue_backward_callback
+from .api import MixedPrecision
+from .comm_hooks import CommHook, GradBucket
+from .contract import _State, _get_module_state, _get_registry, contract
+
+__all__ = ["replicate", "ReplicateModule"]
+
+logger = logging.getLogger("composable_shard")
+
+_BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024  # init broadcast bound, as DDP's
+_MB = 1024 * 1024
+
+
+class _Waitable(Protocol):
+    """A launched bucket reduction: a ``_collectives.Pending`` or a comm hook's future."""
+
+    def wait(self) -> torch.Tensor: ...
+
+
+class _Bucket:
+    """Gradients of several parameters in one flat buffer, reduced by one collective."""
+
+    def __init__(self, index: int, param_indices: List[int], params: List[nn.Parameter], dtype: torch.dtype) -> None:
+        numels = [p.numel() for p in params]
+        offsets = [sum(numels[:k]) for k in range(len(numels))]
+        device = params[0].device
+        self.index: int = index  # launch position, the same on every rank ([Note: Launch order])
+        self.param_indices: List[int] = param_indices  # positions in _ReplicateState.params
+        self.params: List[nn.Parameter] = params  # parameters whose gradients fill the slots
+        self.flat_grad: torch.Tensor = torch.zeros(sum(numels), dtype=dtype, device=device)  # one slot per parameter
+        self.slots: List[torch.Tensor] = [  # flat_grad[offset:offset+numel] in the parameter's shape
+            self.flat_grad[o : o + n].view(p.shape) for o, n, p in zip(offsets, numels, params)
+        ]
+        self.slots_are_grads: bool = all(p.dtype == dtype for p in params)  # slots may serve as p.grad
+        self.num_ready: int = 0  # slots filled in the current backward
+        self.pending: Optional[_Waitable] = None  # launched reduction of the current backward
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat_grad.numel() * self.flat_grad.element_size()
+
+
+class _BackwardPass:
+    """Bookkeeping of one backward, created by its first gradient hook."""
+
+    def __init__(self, syncs: bool, num_params: int) -> None:
+        self.syncs: bool = syncs  # reduce in this backward (the sync flag at its first hook)
+        self.is_ready: List[bool] = [False] * num_params  # per parameter: its hook fired
+        self.next_launch: int = 0  # index of the first bucket not launched yet
+
+
+class _ReplicateState(_State):
+    """Everything ``replicate`` keeps for one module; attached by ``@contract``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.process_group: Optional[dist.ProcessGroup] = None  # gradients averaged over it (None: default)
+        self.world_size: int = 1  # ranks in process_group
+        self.device: torch.device = torch.device("cpu")  # device of the managed parameters
+        self.params: List[nn.Parameter] = []  # managed parameters, registration order
+        self.param_names: List[str] = []  # FQN (relative to the module) of each managed parameter
+        self.bucket_cap_bytes: int = 0  # a bucket closes once its flat_grad reaches this size
+        self.reduce_dtype: Optional[torch.dtype] = None  # dtype of flat_grad (None: the parameter's)
+        self.buckets: List[_Bucket] = []  # in launch order
+        self.slot_of: List[Tuple[_Bucket, int]] = []  # per parameter: (its bucket, slot position)
+        self.sync_gradients: bool = True  # set_requires_gradient_sync flag
+        self.comm_hook: Optional[CommHook] = None  # replaces the default average when set
+        self.comm_hook_state: object = None  # first argument of comm_hook
+        self.num_backwards: int = 0  # backward passes finished
+        self.ready_order: List[int] = []  # parameter indices in hook order, first backward only
+        self.num_rebuilds: int = 0  # bucket rebuilds done (0 or 1)
+        self.used_since_sync: List[bool] = []  # per parameter: got a gradient since the last sync
+        self.backward: Optional[_BackwardPass] = None  # the backward in progress, None when idle
+        self.hook_handles: List[RemovableHandle] = []  # post-accumulate-grad hooks
+
+
+class ReplicateModule(_NoCopyMixin):
+    """Methods a module gains from :func:`replicate` (its class becomes ``Replicate<Orig>``)."""
+
+    _api_name = "replicate"
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """``False``: backward passes communicate nothing and gradients accumulate locally;
+        the next backward with ``True`` averages the accumulated sum (DDP's ``no_sync``)."""
+        _state_of(self).sync_gradients = bool(requires_gradient_sync)
+
+    def register_comm_hook(self, state: object, hook: CommHook) -> None:
+        """Reduce each bucket with ``hook(state, bucket) -> Future[Tensor]`` (torch DDP's
+        signature; see ``composable_shard.comm_hooks``). The future's tensor is written back
+        as the bucket's averaged gradient. Once, before the first backward."""
+        replicate_state = _state_of(self)
+        if not callable(hook):
+            raise TypeError(f"replicate.register_comm_hook: hook must be callable, got {hook!r}")
+        if replicate_state.comm_hook is not None:
+            raise RuntimeError(f"replicate({type(self).__name__}): a comm hook is already registered; "
+                               "register_comm_hook may be called once.")
+        if replicate_state.num_backwards > 0 or replicate_state.backward is not None:
+            raise RuntimeError(f"replicate({type(self).__name__}): register_comm_hook must be called "
+                               "before the first backward; register it right after replicate(...).")
+        replicate_state.comm_hook, replicate_state.comm_hook_state = hook, state
+
+
+def _state_of(module: object) -> _ReplicateState:
+    state = _get_module_state(cast(nn.Module, module), _ReplicateState)
+    if state is None:  # pragma: no cover - the mixin exists only on replicated modules
+        raise RuntimeError(f"{type(module).__name__} is not managed by replicate")
+    return cast(_ReplicateState, state)
+
+
+@contract(state_cls=_ReplicateState)
+def replicate(
+    module: nn.Module,
+    *,
+    process_group: Optional[dist.ProcessGroup] = None,
+    device_id: Union[int, torch.device, None] = None,
+    ignored_modules: Optional[Iterable[nn.Module]] = None,
+    bucket_cap_mb: float = 25.0,
+    mixed_precision: Optional[MixedPrecision] = None,
+) -> nn.Module:
+    """Make ``module`` data parallel in place with DDP semantics; returns the same object.
+
+    Parameters and buffers are broadcast from rank 0; during backward gradients are averaged
+    over ``process_group`` by bucketed all-reduces that start as buckets fill, and are
+    complete when ``backward()`` returns. The class becomes ``Replicate<Orig>``; FQNs and
+    ``state_dict`` are unchanged.
+
+    Example::
+
+        dist.init_process_group("gloo")
+        model = replicate(Net(), bucket_cap_mb=25)
+        optim = torch.optim.AdamW(model.parameters())
+        model(batch).sum().backward()      # gradients averaged across ranks
+        optim.step()
+
+    Args:
+        module: the module to replicate; must not be managed by ``fully_shard``.
+        process_group: the group to average over (default: the default group).
+        device_id: an int (CUDA index) or device to move the module to first.
+        ignored_modules: subtrees whose parameters are neither broadcast nor reduced.
+            Subtrees managed by ``fully_shard`` or ``replicate`` are skipped too, as are
+            frozen (``requires_grad=False``) parameters.
+        bucket_cap_mb: the size of a bucket's flat buffer (MiB, in the reduce dtype).
+        mixed_precision: only ``effective_reduce_dtype`` is used: the dtype of the all-reduce.
+    """
+    reduce_dtype = _validate(module, bucket_cap_mb, mixed_precision)
+    device = _resolve_device(device_id)
+    skipped = _skipped_subtrees(module, ignored_modules)
+    if device is None:
+        _check_one_device(module, _managed_params(module, skipped)[1])
+    _check_same_on_all_ranks(module, skipped, process_group)
+    if device is not None:
+        module.to(device)
+    names, params = _managed_params(module, skipped)
+    _broadcast_module_states(_module_states(module, skipped), process_group)
+    make_subclass(module, "Replicate", ReplicateModule)
+    _init_state(_state_of(module), process_group, names, params, int(bucket_cap_mb * _MB), reduce_dtype)
+    return module
+
+
+# ---------------------------------------------------------------- init: validate, plan
+
+
+def _validate(
+    module: nn.Module, bucket_cap_mb: float, mixed_precision: Optional[MixedPrecision]
+) -> Optional[torch.dtype]:
+    """Raise for bad arguments or compositions; return the reduce dtype."""
+    name = type(module).__name__
+    if "fully_shard" in (_get_registry(module) or ()):
+        raise RuntimeError(
+            f"replicate({name}): this module is already managed by fully_shard, and one module "
+            "can be managed by one data-parallel API. Apply replicate to a module fully_shard "
+            "does not manage, or use fully_shard(..., strategy=ShardingStrategy.NO_SHARD) for "
+            "DDP-like behaviour.")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"replicate({name}) needs a process group: call dist.init_process_group first.")
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
+        raise ValueError(f"replicate({name}): bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
+    if mixed_precision is None:
+        return None
+    if not isinstance(mixed_precision, MixedPrecision):
+        raise TypeError(f"replicate({name}): mixed_precision must be a MixedPrecision, got {mixed_precision!r}")
+    if mixed_precision.param_dtype is not None or mixed_precision.buffer_dtype is not None:
+        raise NotImplementedError(
+            f"replicate({name}): replicate computes in the parameters' dtype and only supports "
+            "MixedPrecision(reduce_dtype=...); use fully_shard for param_dtype/buffer_dtype.")
+    return mixed_precision.effective_reduce_dtype
+
+
+def _resolve_device(device_id: Union[int, torch.device, None]) -> Optional[torch.device]:
+    if device_id is None or isinstance(device_id, torch.device):
+        return device_id
+    if isinstance(device_id, int) and not isinstance(device_id, bool):
+        return torch.device("cuda", device_id)
+    raise TypeError(f"replicate: device_id must be an int, a torch.device or None, got {device_id!r}")
+
+
+def _skipped_subtrees(module: nn.Module, ignored_modules: Optional[Iterable[nn.Module]]) -> Set[nn.Module]:
+    """Roots of subtrees replicate leaves alone: ignored ones and ones another data-parallel
+    API manages (a subtree ``fully_shard`` or a nested ``replicate`` owns)."""
+    skipped: Set[nn.Module] = set()
+    for m in ignored_modules or ():
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"replicate: ignored_modules must hold nn.Modules, got {type(m).__name__}")
+        skipped.add(m)
+    for sub in module.modules():
+        registry = _get_registry(sub) or ()
+        if sub is not module and ("fully_shard" in registry or "replicate" in registry):
+            skipped.add(sub)
+    return skipped
+
+
+def _kept_modules(module: nn.Module, skipped: Set[nn.Module]) -> List[Tuple[str, nn.Module]]:
+    """``named_modules()`` order without the skipped subtrees."""
+    if module in skipped:
+        return []
+    kept = [("", module)]
+    for name, child in module.named_children():
+        for sub_name, sub in _kept_modules(child, skipped):
+            kept.append((f"{name}.{sub_name}" if sub_name else name, sub))
+    return kept
+
+
+def _skipped_param_ids(skipped: Set[nn.Module]) -> Set[int]:
+    return {id(p) for m in skipped for p in m.parameters()}
+
+
+def _module_states(module: nn.Module, skipped: Set[nn.Module]) -> List[Tuple[str, torch.Tensor]]:
+    """Parameters (frozen ones too) and buffers outside skipped subtrees, once each."""
+    seen = _skipped_param_ids(skipped)
+    states: List[Tuple[str, torch.Tensor]] = []
+    for prefix, m in _kept_modules(module, skipped):
+        for name, t in list(m.named_parameters(recurse=False)) + list(m.named_buffers(recurse=False)):
+            if t is not None and id(t) not in seen:
+                seen.add(id(t))
+                states.append((f"{prefix}.{name}" if prefix else name, t))
+    return states
+
+
+def _managed_params(module: nn.Module, skipped: Set[nn.Module]) -> Tuple[List[str], List[nn.Parameter]]:
+    """Parameters whose gradients replicate reduces, registration order, with their FQNs."""
+    pairs = [(n, t) for n, t in _module_states(module, skipped) if isinstance(t, nn.Parameter) and t.requires_grad]
+    return [n for n, _ in pairs], [cast(nn.Parameter, p) for _, p in pairs]
+
+
+def _check_one_device(module: nn.Module, params: List[nn.Parameter]) -> None:
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise NotImplementedError(f"replicate({type(module).__name__}): parameters on several devices "
+                                  f"{sorted(map(str, devices))}; move the module to one device (device_id=...).")
+
+
+def _check_same_on_all_ranks(module: nn.Module, skipped: Set[nn.Module], group: Optional[dist.ProcessGroup]) -> None:
+    """Ranks must hold the same states, else the init broadcast and the buckets would
+    mismatch (or hang); raise the same error on every rank instead."""
+    signature = [(n, tuple(t.shape), str(t.dtype), t.requires_grad) for n, t in _module_states(module, skipped)]
+    everyone = _collectives.all_gather_object(signature, group, tag="replicate::check_states")
+    for rank, other in enumerate(everyone):
+        if other != everyone[0]:
+            k = next(k for k in range(len(other) + 1) if everyone[0][k : k + 1] != other[k : k + 1])
+            raise RuntimeError(
+                f"replicate({type(module).__name__}): rank {rank} holds different parameters or buffers "
+                f"than rank 0 (first difference: rank 0 has {everyone[0][k : k + 1]}, rank {rank} has "
+                f"{other[k : k + 1]}); build the same model on every rank.")
+
+
+# ---------------------------------------------------------------- init: mutate
+
+
+@torch.no_grad()
+def _broadcast_module_states(states: List[Tuple[str, torch.Tensor]], group: Optional[dist.ProcessGroup]) -> None:
+    """Make every rank start from rank 0's parameters and buffers: one broadcast per
+    (dtype, device) chunk of up to _BROADCAST_CHUNK_BYTES."""
+    if dist.get_world_size(group) == 1:
+        return
+    chunks: Dict[Tuple[torch.dtype, torch.device], List[List[torch.Tensor]]] = {}
+    for _, t in states:
+        key_chunks = chunks.setdefault((t.dtype, t.device), [[]])
+        if sum(x.numel() * x.element_size() for x in key_chunks[-1]) >= _BROADCAST_CHUNK_BYTES:
+            key_chunks.append([])
+        key_chunks[-1].append(t)
+    for key_chunks in chunks.values():
+        for tensors in key_chunks:
+            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+            _collectives.broadcast(flat, 0, group, tag="replicate::init_broadcast")
+            offset = 0
+            for t in tensors:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+def _init_state(
+    state: _ReplicateState, group: Optional[dist.ProcessGroup], names: List[str],
+    params: List[nn.Parameter], bucket_cap_bytes: int, reduce_dtype: Optional[torch.dtype],
+) -> None:
+    """Fill the state, plan the buckets and register one gradient hook per parameter."""
+    state.process_group, state.world_size = group, dist.get_world_size(group)
+    state.params, state.param_names = params, names
+    state.device = params[0].device if params else torch.device("cpu")
+    state.bucket_cap_bytes, state.reduce_dtype = bucket_cap_bytes, reduce_dtype
+    state.used_since_sync = [False] * len(params)
+    _install_buckets(state, _build_buckets(state, list(reversed(range(len(params))))))
+    state.hook_handles = [
+        p.register_post_accumulate_grad_hook(functools.partial(_on_grad_ready, state, i)) for i, p in enumerate(params)
+    ]
+
+
+def _build_buckets(state: _ReplicateState, order: Sequence[int]) -> List[_Bucket]:
+    """Fill buckets greedily along ``order`` (parameter indices), one open bucket per
+    (dtype, device); a bucket closes when its flat_grad reaches bucket_cap_bytes. Buckets are
+    ordered by the position of their first parameter in ``order``."""
+    open_buckets: Dict[Tuple[torch.dtype, torch.device], Tuple[List[int], int]] = {}
+    closed: List[List[int]] = []
+    for i in order:
+        p = state.params[i]
+        key = (p.dtype, p.device)
+        members, nbytes = open_buckets.pop(key, ([], 0))
+        members.append(i)
+        nbytes += p.numel() * _element_size(state.reduce_dtype or p.dtype)
+        if nbytes >= state.bucket_cap_bytes:
+            closed.append(members)
+        else:
+            open_buckets[key] = (members, nbytes)
+    closed.extend(members for members, _ in open_buckets.values())
+    position = {i: k for k, i in enumerate(order)}
+    closed.sort(key=lambda members: position[members[0]])
+    return [
+        _Bucket(k, members, [state.params[i] for i in members], state.reduce_dtype or state.params[members[0]].dtype)
+        for k, members in enumerate(closed)
+    ]
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@torch.no_grad()
+def _install_buckets(state: _ReplicateState, buckets: List[_Bucket]) -> None:
+    """Make ``buckets`` current; gradients that are slot views move into the new slots."""
+    where: Dict[int, Tuple[_Bucket, int]] = {}
+    for bucket in buckets:
+        for slot, (i, p) in enumerate(zip(bucket.param_indices, bucket.params)):
+            where[i] = (bucket, slot)
+            if p.grad is not None and bucket.slots_are_grads and state.buckets:
+                bucket.slots[slot].copy_(p.grad)
+                p.grad = bucket.slots[slot]
+    state.buckets, state.slot_of = buckets, [where[i] for i in range(len(state.params))]
+
+
+# ---------------------------------------------------------------- runtime: backward
+
+
+def _on_grad_ready(state: _ReplicateState, param_index: int, param: nn.Parameter) -> None:
+    """Post-accumulate-grad hook of ``state.params[param_index]``.
+
+    Pre: ``param.grad`` holds the gradient accumulated in this backward.
+    Post: the parameter is ready; when syncing, its slot is filled and every bucket that is
+    full and next in launch order is launched ([Note: Launch order])."""
+    backward = state.backward if state.backward is not None else _begin_backward(state)
+    _mark_ready(state, backward, param_index)
+    if not backward.syncs:
+        return
+    bucket, slot = state.slot_of[param_index]
+    _fill_slot(bucket, slot, _pre_scale(state))
+    bucket.num_ready += 1
+    if _is_full(bucket):
+        _launch_ready_buckets(state, backward)
+
+
+def _begin_backward(state: _ReplicateState) -> _BackwardPass:
+    """First hook of a backward: open its bookkeeping and queue the end-of-backward step."""
+    state.backward = _BackwardPass(state.sync_gradients, len(state.params))
+    queue_backward_callback(functools.partial(_end_backward, state))
+    return state.backward
+
+
+def _mark_ready(state: _ReplicateState, backward: _BackwardPass, param_index: int) -> None:
+    if backward.is_ready[param_index]:
+        raise RuntimeError(
+            f"replicate: parameter '{state.param_names[param_index]}' received its gradient twice in "
+            "one backward; replicate supports one gradient accumulation per parameter per backward "
+            "(use non-reentrant activation checkpointing).")
+    backward.is_ready[param_index] = True
+    state.used_since_sync[param_index] = True
+    if state.num_backwards == 0:
+        state.ready_order.append(param_index)
+
+
+def _pre_scale(state: _ReplicateState) -> Optional[float]:
+    """Factor the default path applies while filling slots (1/W, as DDP), so the summing
+    all-reduce yields the average; comm hooks get the raw sum and divide themselves."""
+    return None if state.comm_hook is not None or state.world_size == 1 else 1.0 / state.world_size
+
+
+def _fill_slot(bucket: _Bucket, slot: int, scale: Optional[float]) -> None:
+    """Put the parameter's local gradient times ``scale`` (zeros if it has none) into its
+    slot: one pass over the gradient whether or not it already is the slot."""
+    grad, view = bucket.params[slot].grad, bucket.slots[slot]
+    if grad is None:
+        view.zero_()
+    elif _is_same_tensor(grad, view):
+        if scale is not None:
+            view.mul_(scale)
+    elif scale is None:
+        view.copy_(grad)
+    else:
+        torch.mul(grad, scale, out=view)
+
+
+def _is_same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
+
+
+def _launch_ready_buckets(state: _ReplicateState, backward: _BackwardPass) -> None:
+    buckets = state.buckets
+    while backward.next_launch < len(buckets) and _is_full(buckets[backward.next_launch]):
+        _launch(state, buckets[backward.next_launch])
+        backward.next_launch += 1
+
+
+def _is_full(bucket: _Bucket) -> bool:
+    return bucket.num_ready == len(bucket.params)
+
+
+def _launch(state: _ReplicateState, bucket: _Bucket) -> None:
+    """Start the bucket's reduction (async): the comm hook's, else average by all-reduce."""
+    with torch.profiler.record_function("replicate::launch_bucket"):
+        if state.comm_hook is None:
+            bucket.pending = _collectives.all_reduce(
+                bucket.flat_grad, state.process_group, tag=f"replicate::bucket{bucket.index}")
+            return
+        is_last = bucket.index == len(state.buckets) - 1
+        grad_bucket = GradBucket(bucket.index, bucket.flat_grad, bucket.params, bucket.slots, is_last)
+        future = state.comm_hook(state.comm_hook_state, grad_bucket)
+        if not callable(getattr(future, "wait", None)):  # .then() futures are not torch.futures.Future instances
+            raise TypeError(f"replicate: the comm hook must return a torch.futures.Future, got {type(future).__name__}")
+        bucket.pending = future
+
+
+def _end_backward(state: _ReplicateState) -> None:
+    """Queued by the first hook of a backward; runs when autograd is done.
+
+    Pre: every bucket whose parameters all got gradients and whose predecessors were
+    launched is launched. Post (syncing): every bucket reduced and written back into .grad;
+    buckets rebuilt if this was the first synced backward. Nothing pending either way."""
+    backward = state.backward
+    state.backward = None
+    state.num_backwards += 1
+    if backward is None or not backward.syncs:
+        return
+    with torch.profiler.record_function("replicate::end_backward"):
+        _launch_remaining(state, backward)
+        is_used = _all_reduce_used(state)
+        _write_back(state, is_used)
+        state.used_since_sync = [False] * len(state.params)
+        if state.num_rebuilds == 0:
+            _rebuild_buckets(state)
+
+
+def _launch_remaining(state: _ReplicateState, backward: _BackwardPass) -> None:
+    """Launch, in order, the buckets that still wait: parameters whose hook did not fire
+    contribute their current .grad (from unsynced backwards), else zeros."""
+    scale = _pre_scale(state)
+    for bucket in state.buckets[backward.next_launch :]:
+        for slot, i in enumerate(bucket.param_indices):
+            if not backward.is_ready[i]:
+                _fill_slot(bucket, slot, scale)
+        _launch(state, bucket)
+    backward.next_launch = len(state.buckets)
+
+
+def _all_reduce_used(state: _ReplicateState) -> List[bool]:
+    """Per parameter: did any rank give it a gradient since the last sync."""
+    used = torch.tensor(state.used_since_sync, dtype=torch.int32, device=state.device)
+    return _collectives.all_reduce(used, state.process_group, tag="replicate::used_params").wait().bool().tolist()
+
+
+@torch.no_grad()
+def _write_back(state: _ReplicateState, is_used: List[bool]) -> None:
+    """Wait every bucket in order and make its result the gradients of the parameters some
+    rank used; the gradients of parameters no rank used stay as they were."""
+    for bucket in state.buckets:
+        reduced = cast(_Waitable, bucket.pending).wait()
+        bucket.pending, bucket.num_ready = None, 0
+        if reduced is not bucket.flat_grad:
+            bucket.flat_grad.copy_(reduced.view_as(bucket.flat_grad))
+        for slot, (i, p) in enumerate(zip(bucket.param_indices, bucket.params)):
+            if is_used[i]:
+                _set_grad(p, bucket.slots[slot], bucket.slots_are_grads)
+
+
+def _set_grad(param: nn.Parameter, reduced: torch.Tensor, as_view: bool) -> None:
+    if as_view:
+        if param.grad is None or not _is_same_tensor(param.grad, reduced):
+            param.grad = reduced
+    elif param.grad is None:
+        param.grad = reduced.to(param.dtype)
+    else:
+        param.grad.copy_(reduced)
+
+
+def _rebuild_buckets(state: _ReplicateState) -> None:
+    """[Note: Bucket rebuild]: once, from rank 0's observed gradient-ready order."""
+    seen = set(state.ready_order)
+    local_order = state.ready_order + [i for i in reversed(range(len(state.params))) if i not in seen]
+    order = torch.tensor(local_order, dtype=torch.int64, device=state.device)
+    _collectives.broadcast(order, 0, state.process_group, tag="replicate::rebuild_order")
+    _install_buckets(state, _build_buckets(state, order.tolist()))
+    state.num_rebuilds += 1
+    state.ready_order = []
+    logger.debug("replicate: rebuilt %d buckets from the gradient-ready order", len(state.buckets))

@@ -1,0 +1,404 @@
+"""Multi-process test harness: spawned gloo ranks, subtest grids, rank-tagged failures.
+
+[Note: Harness protocol]
+  parent  TCPStore master on port 0 (the OS picks a free port, so concurrent pytest-xdist
+          workers never race for one); one spawned process and one Pipe per rank; waits on
+          the pipes and process sentinels until every rank finished, the first failure is
+          FAILURE_GRACE_S old, or the deadline passed; then kills the survivors.
+  rank    own process group, dies with the parent (PDEATHSIG). Sends ("ready", t) once
+          its stack dumps are armed (after its imports), ("fn_done", t) when fn returns, ("finished", t) after barrier + teardown, or ("error", t, traceback)
+          if anything raised, then os._exit (peers may be dead: no teardown). t is
+          time.monotonic(), system-wide on Linux, so the earliest failure (the root cause)
+          is reported, not the peers it broke.
+  stacks  faulthandler writes a rank's stacks to its own file on a fatal signal and on
+          SIGUSR1, which the parent sends at the deadline to ready ranks (before "ready"
+          SIGUSR1 would kill it): a timeout shows where each rank hung.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import faulthandler
+import itertools
+import math
+import multiprocessing
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from multiprocessing.context import SpawnContext, SpawnProcess
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RankError", "RankTimeoutError", "SubtestError", "run_distributed",
+           "run_subtests", "world_sizes", "assert_close_ranks"]
+
+FAILURE_GRACE_S = 3.0  # after the first failure, how long the other ranks get to exit
+TERMINATE_GRACE_S = 1.0  # SIGTERM -> SIGKILL
+STACK_DUMP_WAIT_S = 2.0  # how long the parent waits for the SIGUSR1 stack dumps
+PG_TIMEOUT_SLACK_S = 60.0  # gloo times out after the harness, so the harness reports first
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+class RankError(AssertionError):
+    """A rank raised or died; the message starts with ``rank {r} failed:``."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+class RankTimeoutError(AssertionError):
+    """Not every rank finished within the timeout; names the hung ranks, with stacks."""
+
+    def __init__(self, hung_ranks: list[int], message: str) -> None:
+        super().__init__(message)
+        self.hung_ranks = hung_ranks
+
+
+class SubtestError(AssertionError):
+    """One combination of a ``run_subtests`` grid failed; chained to the original error."""
+
+
+@dataclass(frozen=True)
+class _RankSpec:
+    """Everything a spawned rank needs; pickled to it."""
+
+    rank: int
+    world_size: int
+    port: int  # of the parent's TCPStore
+    parent_pid: int  # a rank whose parent is already gone exits at once
+    stack_path: str  # this rank's faulthandler output
+    pg_timeout_s: float
+    fn: Callable[..., None]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+@dataclass
+class _RankProc:
+    """The parent's record of one rank."""
+
+    rank: int
+    process: SpawnProcess
+    conn: Optional[Connection]  # read end; None once closed
+    stack_path: str
+    ready: bool = False  # imports done, SIGUSR1 stack dumps armed
+    fn_done: bool = False  # fn returned
+    finished: bool = False  # barrier + teardown done too
+    exited: bool = False  # reaped by _on_exit or _kill_all
+    killed: bool = False  # still running at the end, so killed by the parent
+    failed_at: float = math.inf  # time.monotonic() of the rank's first failure
+    report: str = ""  # traceback or exit description of that failure
+
+
+def world_sizes() -> list[int]:
+    """World sizes distributed tests are parametrized over: 1 (degenerate group), 2 and 4
+    (uneven chunks, more than two peers). Without 1 and 4, off-by-one padding and
+    single-rank shortcuts go untested."""
+    return [1, 2, 4]
+
+
+def run_distributed(
+    fn: Callable[..., None], world_size: int, *args: Any, timeout: float = 120.0, **kwargs: Any
+) -> None:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` spawned ranks in one gloo process group.
+
+    ``fn`` must be a module-level function (pickled by reference); it reads its rank with
+    ``dist.get_rank()``. Raises ``RankError`` for the first rank that raised or died (the
+    root cause, not the peers stuck waiting for it), or ``RankTimeoutError`` naming the
+    ranks that hung, with their stacks, if not all finished within ``timeout`` seconds.
+    No rank outlives the call. Without it a rank's failed assertion never reaches pytest
+    and a hang stalls the whole suite.
+    """
+    _check_arguments(fn, world_size, timeout)
+    ctx = multiprocessing.get_context("spawn")
+    pg_timeout_s = timeout + PG_TIMEOUT_SLACK_S
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,  # type: ignore[attr-defined]  # public, re-exported without __all__
+                          wait_for_workers=False, timeout=timedelta(seconds=pg_timeout_s))
+    stack_dir = tempfile.mkdtemp(prefix="cs_harness_")
+    deadline = time.monotonic() + timeout
+    procs: list[_RankProc] = []
+    try:
+        for rank in range(world_size):
+            stack_path = os.path.join(stack_dir, f"rank{rank}.txt")
+            spec = _RankSpec(rank, world_size, store.port, os.getpid(), stack_path,
+                             pg_timeout_s, fn, args, dict(kwargs))
+            procs.append(_start_rank(ctx, spec))
+        _supervise(procs, deadline)
+        if not any(proc.failed_at < math.inf for proc in procs):
+            _dump_stacks(procs)  # a timeout (if any rank runs): record where, before killing
+        _kill_all(procs)
+        name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}"
+        describe = f"run_distributed({name}, world_size={world_size})"
+        error = _build_error(procs, describe, timeout)
+    finally:
+        _kill_all(procs)
+        for proc in procs:
+            _close_conn(proc)
+        shutil.rmtree(stack_dir, ignore_errors=True)
+    del store
+    if error is not None:
+        raise error
+
+
+def run_subtests(fn: Callable[..., None], grid: Mapping[str, Sequence[Any]], **fixed: Any) -> None:
+    """Inside a rank, run ``fn(**combo, **fixed)`` for every combination of ``grid``
+    (``itertools.product`` in key order), with a barrier after each so ranks stay in step.
+
+    A failure raises ``SubtestError("subtest {combo} failed: ...")`` chained to the original,
+    so the report says which parametrization broke, not only that one did. Without a
+    process group (unit tests) the barrier is skipped.
+    """
+    overlap = sorted(set(grid) & set(fixed))
+    if overlap:
+        raise ValueError(f"run_subtests: keys {overlap} are both in grid and fixed")
+    for values in itertools.product(*grid.values()):
+        combo = dict(zip(grid, values))
+        try:
+            fn(**combo, **fixed)
+        except Exception as exc:
+            raise SubtestError(f"subtest {combo} failed: {type(exc).__name__}: {exc}") from exc
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+
+
+def assert_close_ranks(t: torch.Tensor, name: str) -> None:
+    """Inside a rank, check ``t`` is bitwise identical on every rank (NaNs in the same places).
+
+    Every rank gathers all copies and raises the same ``AssertionError`` naming the ranks
+    that differ from rank 0, so no rank is left waiting in a collective. Without it,
+    replicas drifting apart (a missed all-reduce, a rank-dependent seed) go unnoticed.
+    """
+    world_size = dist.get_world_size()
+    metas: list[Any] = [None] * world_size
+    dist.all_gather_object(metas, (tuple(t.shape), str(t.dtype)))
+    if any(meta != metas[0] for meta in metas):
+        raise AssertionError(f"assert_close_ranks({name!r}): (shape, dtype) differ across "
+                             f"ranks: {dict(enumerate(metas))}")
+    local = t.detach().contiguous()
+    local = local.to(torch.uint8) if local.dtype == torch.bool else local  # gloo has no bool
+    gathered = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(gathered, local)
+    differing = [rank for rank, other in enumerate(gathered) if not _identical(other, gathered[0])]
+    if differing:
+        diffs = {rank: _max_abs_diff(gathered[rank], gathered[0]) for rank in differing}
+        raise AssertionError(f"assert_close_ranks({name!r}) on rank {dist.get_rank()}: "
+                             f"{_ranks_phrase(differing)} differ from rank 0 "
+                             f"(max abs diff per rank: {diffs})")
+
+
+def _identical(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if not (a.is_floating_point() or a.is_complex()):
+        return torch.equal(a, b)
+    a_nan, b_nan = torch.isnan(a), torch.isnan(b)
+    return torch.equal(a_nan, b_nan) and torch.equal(a[~a_nan], b[~b_nan])
+
+
+def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    diff = (a.to(torch.complex128) - b.to(torch.complex128)).abs()
+    return float(diff.max()) if diff.numel() else 0.0
+
+
+def _check_arguments(fn: Callable[..., None], world_size: int, timeout: float) -> None:
+    qualname = getattr(fn, "__qualname__", "")  # functools.partial has none, and pickles
+    if "<locals>" in qualname or "<lambda>" in qualname:
+        raise TypeError(f"run_distributed: fn must be a module-level function (it is pickled "
+                        f"by reference into spawned ranks), got {fn!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"run_distributed: world_size must be an int >= 1, got {world_size!r}")
+    if not timeout > 0:
+        raise ValueError(f"run_distributed: timeout must be > 0 seconds, got {timeout!r}")
+
+
+def _start_rank(ctx: SpawnContext, spec: _RankSpec) -> _RankProc:
+    reader, writer = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=_rank_main, args=(spec, writer), name=f"rank{spec.rank}")
+    try:
+        process.start()
+    finally:
+        writer.close()  # else the reader never sees EOF when the rank exits
+    return _RankProc(spec.rank, process, reader, spec.stack_path)
+
+
+def _rank_main(spec: _RankSpec, conn: Connection) -> None:
+    """Entry point of a spawned rank; see [Note: Harness protocol]."""
+    try:
+        _detach_and_die_with_parent(spec.parent_pid)
+        stack_file = open(spec.stack_path, "w")  # stays open: faulthandler writes to its fd
+        faulthandler.enable(file=stack_file, all_threads=True)
+        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+        conn.send(("ready", time.monotonic(), ""))
+        torch.set_num_threads(1)
+        pg_timeout = timedelta(seconds=spec.pg_timeout_s)
+        store = dist.TCPStore("127.0.0.1", spec.port, spec.world_size, is_master=False,  # type: ignore[attr-defined]  # as above
+                              timeout=pg_timeout)
+        dist.init_process_group("gloo", store=store, rank=spec.rank,
+                                world_size=spec.world_size, timeout=pg_timeout)
+        spec.fn(*spec.args, **spec.kwargs)
+        conn.send(("fn_done", time.monotonic(), ""))
+        dist.barrier()
+        dist.destroy_process_group()
+        conn.send(("finished", time.monotonic(), ""))
+        code = 0
+    except BaseException:
+        code = 1
+        with contextlib.suppress(Exception):
+            conn.send(("error", time.monotonic(), traceback.format_exc()))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skips interpreter teardown: ~1.5 s with torch, and may block on peers
+
+
+def _detach_and_die_with_parent(parent_pid: int) -> None:
+    """Own process group: the parent kills it with killpg (grandchildren too) and a
+    terminal's Ctrl-C reaches only the parent, which then kills the ranks. PDEATHSIG: a
+    parent killed by SIGKILL takes its ranks along, so no orphan keeps a core busy."""
+    os.setpgid(0, 0)
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _supervise(procs: list[_RankProc], deadline: float) -> None:
+    """Post: every rank exited, or the first failure is FAILURE_GRACE_S old, or the
+    deadline passed (survivors still run)."""
+    while True:
+        running = [proc for proc in procs if not proc.exited]
+        limit = min(deadline, min(proc.failed_at for proc in procs) + FAILURE_GRACE_S)
+        now = time.monotonic()
+        if not running or now >= limit:
+            return
+        waitables: list[Any] = [proc.conn for proc in procs if proc.conn is not None]
+        ready = wait(waitables + [proc.process.sentinel for proc in running], limit - now)
+        for proc in procs:
+            if proc.conn is not None and proc.conn in ready:
+                _drain(proc)
+            if not proc.exited and proc.process.sentinel in ready:
+                _on_exit(proc, last_seen_alive=now)
+
+
+def _drain(proc: _RankProc) -> None:
+    while proc.conn is not None and proc.conn.poll():
+        try:
+            kind, when, text = proc.conn.recv()
+        except EOFError:
+            _close_conn(proc)
+            return
+        proc.ready |= kind == "ready"
+        proc.fn_done |= kind == "fn_done"
+        proc.finished |= kind == "finished"
+        if kind == "error" and proc.failed_at == math.inf:
+            proc.failed_at, proc.report = when, text
+
+
+def _on_exit(proc: _RankProc, last_seen_alive: float) -> None:
+    """Reap an exited rank. An exit without a reported exception is a failure dated
+    ``last_seen_alive``, the earliest it can have died, so a peer's "connection reset"
+    error read in the same wakeup counts as its consequence, not as the root cause."""
+    proc.process.join()
+    proc.exited = True
+    _drain(proc)  # the rank sent before exiting, so its messages are already in the pipe
+    code = proc.process.exitcode
+    if proc.failed_at < math.inf or (code == 0 and proc.finished):
+        return
+    how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"code {code}"
+    stage = "after returning from fn" if proc.fn_done else "inside fn or setup"
+    dump = _read(proc.stack_path)  # faulthandler's report of a fatal signal, if any
+    proc.failed_at = last_seen_alive
+    proc.report = f"process exited with {how} {stage}, without raising a Python exception"
+    proc.report += f"\n{dump}" if dump else ""
+
+
+def _dump_stacks(procs: list[_RankProc]) -> None:
+    """Ask every running, ready rank's faulthandler for its stacks (SIGUSR1); wait for them."""
+    for proc in procs:
+        _drain(proc)  # a "ready" may have arrived just now
+    running = [proc for proc in procs if not proc.exited and proc.ready]
+    for proc in running:
+        _signal(proc.process, signal.SIGUSR1, group=False)
+    end = time.monotonic() + (STACK_DUMP_WAIT_S if running else 0.0)
+    while time.monotonic() < end and not all(_read(proc.stack_path) for proc in running):
+        time.sleep(0.05)
+    time.sleep(0.1 if running else 0.0)  # let the last dump finish writing
+
+
+def _kill_all(procs: list[_RankProc]) -> None:
+    """SIGTERM every running rank's process group, SIGKILL what is left after a grace."""
+    for proc in procs:
+        if not proc.exited and proc.process.exitcode is not None:
+            _on_exit(proc, last_seen_alive=time.monotonic())  # exited on its own just now
+    alive = [proc for proc in procs if not proc.exited]
+    for proc in alive:
+        _signal(proc.process, signal.SIGTERM, group=True)
+    end = time.monotonic() + TERMINATE_GRACE_S
+    for proc in alive:
+        proc.process.join(max(end - time.monotonic(), 0.0))
+    for proc in alive:
+        if proc.process.is_alive():
+            _signal(proc.process, signal.SIGKILL, group=True)
+        proc.process.join()
+        proc.exited = proc.killed = True
+
+
+def _signal(process: SpawnProcess, sig: signal.Signals, group: bool) -> None:
+    """Signal a started, unreaped rank (so its pid cannot have been reused) or its group."""
+    pid = process.pid
+    if pid is None or pid <= 1:  # os.kill(-1 or 0, ...) would hit other processes
+        raise RuntimeError(f"run_distributed: refusing to signal pid {pid!r}")
+    with contextlib.suppress(ProcessLookupError):
+        try:
+            os.killpg(pid, sig) if group else os.kill(pid, sig)
+        except ProcessLookupError:  # the rank has not made its own process group yet
+            os.kill(pid, sig)
+
+
+def _close_conn(proc: _RankProc) -> None:
+    if proc.conn is not None:
+        proc.conn.close()
+        proc.conn = None
+
+
+def _read(path: str) -> str:
+    with contextlib.suppress(OSError), open(path) as f:
+        return f.read().strip()
+    return ""
+
+
+def _ranks_phrase(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _build_error(procs: list[_RankProc], describe: str, timeout: float) -> Optional[AssertionError]:
+    failed = sorted((proc for proc in procs if proc.failed_at < math.inf), key=lambda p: p.failed_at)
+    killed = [proc for proc in procs if proc.killed]
+    if failed:
+        notes = [f"rank {p.rank} also failed afterwards: {p.report.strip().splitlines()[-1]}"
+                 for p in failed[1:] if p.report.strip()]
+        if killed:
+            notes.append(f"{_ranks_phrase([p.rank for p in killed])} still running "
+                         f"{FAILURE_GRACE_S:g} s after the first failure, killed")
+        context = f"\n[{describe}]" + "".join(f"\n  {note}" for note in notes)
+        return RankError(failed[0].rank, f"rank {failed[0].rank} failed:\n{failed[0].report}{context}")
+    if not killed:
+        return None
+    hung = [p for p in killed if not p.fn_done] or killed
+    lines = [f"{describe} timed out after {timeout:g} s: {_ranks_phrase([p.rank for p in hung])} hung"]
+    waiting = [p.rank for p in killed if p not in hung]
+    if waiting:
+        lines.append(f"{_ranks_phrase(waiting)} returned from fn and waited for the others")
+    for proc in hung:
+        where = ("in the final barrier or teardown" if proc.fn_done else "inside fn or setup"
+                 if proc.ready else "still importing modules (spawn start-up), no stack")
+        lines.append(f"--- rank {proc.rank}: {where} ---\n{_read(proc.stack_path)}".rstrip())
+    return RankTimeoutError([p.rank for p in hung], "\n".join(lines))

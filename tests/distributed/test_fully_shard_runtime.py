@@ -1,0 +1,322 @@
+"""fully_shard's runtime: per-rank storage, freeing, prefetch order, mixed dtypes and frozen
+parameters, cross-rank checks, recovery from a failed forward, and the FSDPModule methods.
+
+Each figure checked here (elements per rank, collective counts, issue order) is counted by
+``_collectives``' own instrumentation; nothing in torch.distributed is mocked.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Tuple
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from composable_shard import BackwardPrefetch, ShardingStrategy, fully_shard, unshard_params
+from composable_shard._collectives import record_collectives
+from composable_shard._traversal_utils import _get_fsdp_handles
+from tests._harness import run_distributed, run_subtests
+from tests._models import (Block, assert_params_close, batch, local_backward, local_rows, loss_fn, make_model,
+                           reference_grads)
+
+
+def _annotate(model: nn.Module, **kwargs: object) -> None:
+    for block in model.blocks:  # type: ignore[union-attr]
+        fully_shard(block, **kwargs)
+    fully_shard(model.scale, **kwargs)  # type: ignore[arg-type]
+    fully_shard(model, **kwargs)
+
+
+# ---------------------------------------------------------------------------- storage
+def _storage() -> None:
+    world_size = dist.get_world_size()
+    model = make_model()
+    expected_numels = {  # per handle, per (dtype, requires_grad) group, by hand from the model
+        "blocks.0": [12 + 49 + 48], "blocks.1": [12 + 49 + 48], "scale": [1],
+        "": [13 * 6, 6 * 6 + 6],  # root: tied emb/head once (trainable) + frozen Linear
+    }
+    _annotate(model)
+    handles = _get_fsdp_handles(model)
+    local_backward(model, 0)  # lazy init names handles by their FQN under the root
+    assert [h.fqn for h in handles] == ["", "blocks.0", "blocks.1", "scale"], [h.fqn for h in handles]
+    model.zero_grad()
+    for h in handles:
+        numels = [fp._unpadded_unsharded_size.numel() for fp in h.flat_params]
+        assert numels == expected_numels[h.fqn], (h.fqn, numels)
+        for fp, numel in zip(h.flat_params, numels):
+            assert fp.numel() == math.ceil(numel / world_size), (h.fqn, fp.numel())
+    local = sum(p.numel() for p in model.parameters())
+    assert local == sum(h.flat_params[i]._shard_slices[j].numel for h in handles
+                        for i in range(len(h.flat_params)) for j in range(len(h.flat_params[i]._numels)))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    local_backward(model, 0)
+    optim.step()
+    for h in handles:
+        assert h.unsharded_storage_freed(), f"{h.fqn}: unsharded storage alive after a FULL_SHARD step"
+        for g in h.groups:
+            if world_size > 1:
+                assert g.padded_unsharded_flat.untyped_storage().size() == 0
+    state_bytes = sum(t.numel() for s in optim.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+    assert state_bytes == 2 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_storage_per_rank_and_freeing(world_size: int) -> None:
+    """Each handle stores ceil(N/W) elements per group; unsharded storage is freed after a
+    FULL_SHARD step; optimizer state is sized by the shard."""
+    run_distributed(_storage, world_size, timeout=120)
+
+
+# ---------------------------------------------------------------------------- prefetch order
+def _prefetch_order(forward_prefetch: bool, backward_prefetch: object) -> None:
+    model = make_model(num_blocks=3)
+    for block in model.blocks:
+        fully_shard(block, forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch)
+    fully_shard(model, forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch)
+    from composable_shard._collectives import trace
+
+    for i, block in enumerate(model.blocks):  # appended after fully_shard's prepended pre-hook
+        block.register_forward_pre_hook(lambda m, a, i=i: trace("compute", f"blocks.{i}"))
+    local_backward(model, 0)  # iteration 1 records the order
+    model.zero_grad()
+    with record_collectives() as rec:
+        local_backward(model, 1)
+    events = rec.events
+
+    def at(kind: str, name: str, tag: str) -> int:
+        return events.index((kind, name, tag))
+
+    for i in range(2):  # blocks.i and blocks.i+1
+        gather_next = at("collective", "all_gather", f"blocks.{i + 1}")
+        if forward_prefetch:
+            assert gather_next < at("trace", "compute", f"blocks.{i}"), events
+        else:
+            assert gather_next > at("trace", "post_forward", f"blocks.{i}"), events
+    for i in (2, 1):  # backward runs blocks.2, blocks.1, blocks.0
+        start = at("trace", "pre_backward", f"blocks.{i}")
+        end = at("trace", "post_backward", f"blocks.{i}")
+        gathers = [k for k, e in enumerate(events) if e == ("collective", "all_gather", f"blocks.{i - 1}") and k > start]
+        assert gathers, events
+        if backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+            assert start < gathers[0] < end, ("prefetch not issued during blocks.%d's backward" % i, events)
+        else:
+            assert gathers[0] > end, events
+    # Exactly 2 all-gathers and 1 reduce-scatter per flat parameter per step (the root has a
+    # trainable and a frozen flat parameter; the frozen one is gathered but never reduced).
+    handles = _get_fsdp_handles(model)
+    expected_gathers = {h.fqn: 2 * len(h.flat_params) for h in handles}
+    expected_reduces = {h.fqn: sum(fp.requires_grad for fp in h.flat_params) for h in handles}
+    gathers = {h.fqn: 0 for h in handles}
+    reduces = {h.fqn: 0 for h in handles}
+    for r in rec.records:
+        if r.kind == "all_gather":
+            gathers[r.tag] += 1
+            assert r.nbytes == 4 * next(fp.numel() for h in handles if h.fqn == r.tag for fp in h.flat_params
+                                        if fp.numel() * 4 == r.nbytes), r
+        elif r.kind == "reduce_scatter":
+            reduces[r.tag] += 1
+    assert gathers == expected_gathers and reduces == expected_reduces, (gathers, reduces)
+    assert {r.kind for r in rec.records} == {"all_gather", "reduce_scatter"}, rec.records
+
+
+def _prefetch_grid() -> None:
+    run_subtests(_prefetch_order, {"forward_prefetch": [True, False],
+                                   "backward_prefetch": [BackwardPrefetch.BACKWARD_PRE, None]})
+
+
+def test_prefetch_is_issued_before_compute() -> None:
+    """With prefetch on, handle i+1's all-gather is issued before handle i's forward compute and
+    handle i-1's during handle i's backward; with it off, only after. FULL_SHARD issues exactly
+    2 all-gathers and 1 reduce-scatter per handle per step."""
+    run_distributed(_prefetch_grid, 2, timeout=120)
+
+
+# ---------------------------------------------------------------------------- mixed dtypes / frozen
+class MixedBlock(nn.Module):
+    """fp32 Linear, a bf16 gain, and a frozen fp32 bias vector in one fully sharded module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.gain = nn.Parameter(torch.full((6,), 0.75, dtype=torch.bfloat16))
+        self.offset = nn.Parameter(torch.linspace(-1, 1, 6), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.gain.float() + self.offset
+
+
+def _mixed_dtypes() -> None:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    reference = nn.Sequential(MixedBlock(), nn.Linear(6, 3))
+    torch.manual_seed(0)
+    model = nn.Sequential(MixedBlock(), nn.Linear(6, 3))
+    fully_shard(model[0])
+    fully_shard(model)
+    handle = _get_fsdp_handles(model[0])[0]
+    # Groups in first-seen .named_modules() order: MixedBlock's own gain, offset, then fc.
+    assert [(fp.dtype, fp.requires_grad) for fp in handle.flat_params] == [
+        (torch.bfloat16, True), (torch.float32, False), (torch.float32, True)]
+    opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(world_size * 2, 6, generator=g)
+        reference(x).pow(2).mean().backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        with record_collectives() as rec:
+            model(x[rank * 2:(rank + 1) * 2]).pow(2).mean().backward()
+        assert model[0].offset.grad is None
+        tags = [r.tag for r in rec.records if r.kind == "reduce_scatter"]
+        assert tags.count("0") == 2, tags  # fp32 and bf16 groups; the frozen group is never reduced
+        opt.step()
+        opt.zero_grad()
+    with unshard_params(model):
+        for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+            atol = 2e-2 if p.dtype == torch.bfloat16 else 1e-5
+            assert p.dtype == q.dtype and torch.allclose(p.float(), q.float(), atol=atol), (name, (p.float() - q.float()).abs().max())
+    assert handle.groups[1].padded_unsharded_flat.grad is None
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_mixed_dtypes_and_frozen_in_one_module(world_size: int) -> None:
+    """fp32 + bf16 + frozen parameters in one fully sharded module: three flat parameters,
+    parity with local training, and the frozen group is never reduced and has no .grad."""
+    run_distributed(_mixed_dtypes, world_size, timeout=120)
+
+
+# ---------------------------------------------------------------------------- cross-rank mismatch
+def _mismatch() -> None:
+    torch.manual_seed(0)
+    width = 6 if dist.get_rank() == 0 else 7
+    model = nn.Sequential(nn.Linear(4, width), nn.Linear(width, 2))
+    fully_shard(model)
+    model(torch.randn(2, 4))
+
+
+def test_ranks_disagreeing_on_shapes_fail_at_lazy_init() -> None:
+    """A rank that built a different model raises at lazy init naming the parameter instead of
+    hanging in a mismatched all-gather."""
+    with pytest.raises(AssertionError, match=r"parameter '0.weight' \[6, 4\] here vs '0.weight' \[7, 4\] there"):
+        run_distributed(_mismatch, 2, timeout=60)
+
+
+# ---------------------------------------------------------------------------- failed forward
+class Flaky(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        if self.fail:
+            raise ValueError("user error in forward")
+        return y
+
+
+def _exception_in_forward() -> None:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    reference = nn.Sequential(Flaky(), nn.Linear(6, 2))
+    torch.manual_seed(0)
+    model = nn.Sequential(Flaky(), nn.Linear(6, 2))
+    fully_shard(model[0])
+    fully_shard(model)
+    x = torch.randn(world_size * 2, 6)
+    model[0].fail = True
+    try:
+        model(x[rank * 2:(rank + 1) * 2])
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("forward should have raised")
+    model[0].fail = False
+    model(x[rank * 2:(rank + 1) * 2]).pow(2).mean().backward()
+    reference(x).pow(2).mean().backward()
+    with unshard_params(model, with_grads=True):
+        grads = [(n, p.grad.clone()) for n, p in model.named_parameters()]
+    assert_params_close(grads, [(n, p.grad) for n, p in reference.named_parameters()], what="after failed forward")
+    assert all(h.unsharded_storage_freed() for h in _get_fsdp_handles(model))
+
+
+def test_exception_in_forward_leaves_model_usable() -> None:
+    """A forward that raises leaves handles mid-forward; the next step recovers and its
+    gradients equal local training."""
+    run_distributed(_exception_in_forward, 2, timeout=60)
+
+
+# ---------------------------------------------------------------------------- FSDPModule methods
+def _no_sync_accumulation() -> None:
+    world_size = dist.get_world_size()
+    reference = make_model()
+    expected = [(n, g) for n, g in _accumulated_reference(reference, world_size)]
+    model = make_model()
+    _annotate(model)
+    model.set_requires_gradient_sync(False)
+    with record_collectives() as rec:
+        for step in range(3):
+            local_backward(model, step)
+    # Parameters are still all-gathered (FULL_SHARD); no gradient is communicated.
+    reductions = [r for r in rec.records if r.kind in ("reduce_scatter", "all_reduce")]
+    assert not reductions, f"gradients communicated during unsynced micro-batches: {reductions}"
+    model.set_requires_gradient_sync(True)
+    local_backward(model, 3)
+    with unshard_params(model, with_grads=True):
+        grads = [(n, p.grad.clone()) for n, p in model.named_parameters() if p.grad is not None]
+    assert_params_close(grads, expected, what="no_sync accumulation")
+
+
+def _accumulated_reference(model: nn.Module, world_size: int) -> List[Tuple[str, torch.Tensor]]:
+    for step in range(4):
+        inputs, targets = batch(step, world_size)
+        loss_fn(model(inputs), targets).backward()
+    return [(n, p.grad.clone()) for n, p in model.named_parameters() if p.grad is not None]
+
+
+def _methods() -> None:
+    model = make_model()
+    _annotate(model)
+    block = model.blocks[0]
+    handle = _get_fsdp_handles(block)[0]
+    block.unshard()
+    block.unshard()  # idempotent
+    assert not handle.needs_unshard()
+    block.reshard()
+    block.reshard()
+    assert handle.unsharded_storage_freed() or dist.get_world_size() == 1
+    model.set_reshard_after_backward(False)
+    local_backward(model, 0)
+    if dist.get_world_size() > 1:
+        assert not handle.unsharded_storage_freed(), "reshard_after_backward=False must keep parameters unsharded"
+    model.set_reshard_after_backward(True)
+    for h in _get_fsdp_handles(model):
+        _ = h
+    model.reshard()
+    for m in model.blocks:
+        m.reshard()
+
+
+def _methods_grid() -> None:
+    _no_sync_accumulation()
+    dist.barrier()
+    _methods()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_no_sync_and_manual_unshard(world_size: int) -> None:
+    """set_requires_gradient_sync(False) for 3 micro-batches issues no collective and the next
+    synced backward reduces the sum (equal to local accumulation); unshard()/reshard() are
+    idempotent; set_reshard_after_backward(False) keeps parameters unsharded."""
+    run_distributed(_methods_grid, world_size, timeout=120)
+
+
+def _grads_of_reference(world_size: int) -> List[Tuple[str, torch.Tensor]]:
+    return reference_grads(make_model(), 0, world_size)
+
+
+_ = (Block, local_rows)
