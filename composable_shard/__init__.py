@@ -14,7 +14,9 @@ from .api import (
     StateDictType,
 )
 from .contract import contract
+from .checkpoint import checkpoint
 from .fully_shard import FSDPModule, clip_grad_norm_, fully_shard
+from .replicate import ReplicateModule, replicate
 from ._unshard_params import unshard_params
 from .wrap import (
     CustomPolicy,
@@ -28,7 +30,7 @@ from .wrap import (
 )
 
 __all__ = [
-    "contract", "fully_shard", "FSDPModule",
+    "contract", "fully_shard", "replicate", "checkpoint", "FSDPModule", "ReplicateModule",
     "ShardingStrategy", "BackwardPrefetch", "MixedPrecision", "CPUOffload",
     "StateDictType", "FullStateDictConfig", "ShardedStateDictConfig",
     "ModuleWrapPolicy", "CustomPolicy", "always_wrap_policy", "lambda_auto_wrap_policy",

@@ -159,13 +159,15 @@ def _assign_params(root: nn.Module, targets: List[_Target], ignored_modules: Set
     """Give each parameter to the innermost target containing its module; raise if one
     parameter would belong to two handles, or is already a flat parameter."""
     target_of = {id(t.module): t for t in targets}
-    existing: Dict[int, str] = {}
+    names = {id(m): n for n, m in root.named_modules()}
+    # id(param) -> (owner object, owner's module FQN, FQN of the module registering it)
+    owner: Dict[int, Tuple[object, str, str]] = {}
     for s in _get_fsdp_states(root):
         if s.handle is not None and s.module is not root:
             for g in s.handle.groups:
-                for p in g.orig_params:
-                    existing[id(p)] = s.describe()
-    owner: Dict[int, Tuple[str, str]] = {}  # id(param) -> (owner description, registering module fqn)
+                for p, info in zip(g.orig_params, g.flat_param._param_infos):
+                    module_fqn = names.get(id(s.module), s.fqn)
+                    owner[id(p)] = (s, module_fqn, _join(module_fqn, info.module_name))
     stack: List[Tuple[nn.Module, str, Optional[_Target]]] = [(root, "", None)]
     seen: Set[int] = set()
     while stack:
@@ -177,32 +179,34 @@ def _assign_params(root: nn.Module, targets: List[_Target], ignored_modules: Set
             continue  # already fully sharded by an earlier call: its handle owns this subtree
         current = target_of.get(id(module), current)
         for name, p in module.named_parameters(recurse=False):
-            _claim(p, f"{fqn + '.' if fqn else ''}{name}", fqn, current, owner, existing, ignored_params)
+            _claim(p, _join(fqn, name), fqn, current, owner, ignored_params)
         for child_name, child in reversed(list(module.named_children())):
-            stack.append((child, f"{fqn + '.' if fqn else ''}{child_name}", current))
+            stack.append((child, _join(fqn, child_name), current))
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
 def _claim(p: nn.Parameter, param_fqn: str, module_fqn: str, target: Optional["_Target"],
-           owner: Dict[int, Tuple[str, str]], existing: Dict[int, str], ignored_params: Set[nn.Parameter]) -> None:
+           owner: Dict[int, Tuple[object, str, str]], ignored_params: Set[nn.Parameter]) -> None:
     if p in ignored_params or target is None:
         return
     if _is_fsdp_flattened(p):
         raise ValueError(f"fully_shard: parameter {param_fqn!r} is a FlatParameter of another fully_shard handle; "
                          "flat parameters cannot be nested. Register the original parameters instead.")
-    where = f"fully_shard({target.fqn or '<root>'})"
-    other = existing.get(id(p))
-    if other is None and id(p) in owner and owner[id(p)][0] != where:
-        other = owner[id(p)][0]
-    if other is not None and other != where:
-        first_module = owner.get(id(p), ("", ""))[1]
-        lca = _common_prefix(first_module, module_fqn)
-        raise ValueError(
-            f"fully_shard: parameter {param_fqn!r} is shared by {other} and {where}; a parameter can belong to one "
-            f"handle only. Apply fully_shard to their lowest common ancestor {lca or '<root>'!r} instead of both."
-        )
-    if id(p) not in owner:
-        owner[id(p)] = (where, module_fqn)
+    previous = owner.get(id(p))
+    if previous is None:
+        owner[id(p)] = (target, target.fqn, module_fqn)
         target.params.append(p)
+        return
+    if previous[0] is not target:
+        lca = _common_prefix(previous[2], module_fqn)
+        raise ValueError(
+            f"fully_shard: parameter {param_fqn!r} is shared by fully_shard({previous[1] or '<root>'}) and "
+            f"fully_shard({target.fqn or '<root>'}); a parameter can belong to one handle only. Apply fully_shard "
+            f"to their lowest common ancestor {lca or '<root>'!r} instead of both."
+        )
 
 
 def _common_prefix(a: str, b: str) -> str:

@@ -1,0 +1,372 @@
+"""Distributed tests of ``replicate`` (DDP semantics on gradient hooks), gloo on CPU.
+
+Each rank function runs several checks in one process group (spawns are the expensive
+part). References: torch ``DistributedDataParallel`` stepping side by side on the same
+per-rank data, and a single-process model trained on all ranks' data (the average of the
+per-rank losses). Collective counts and bytes come from ``_collectives.record_collectives``.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from composable_shard import _collectives, comm_hooks
+from composable_shard.api import MixedPrecision
+from composable_shard.contract import _get_registry, _register_api
+from composable_shard.replicate import ReplicateModule, _ReplicateState, replicate
+from tests._harness import assert_close_ranks, run_distributed, run_subtests
+
+NUM_STEPS = 5
+DIM_IN, DIM_HIDDEN, DIM_OUT, BATCH = 8, 16, 4, 4
+TINY_CAP_MB = 1e-9  # every parameter gets a bucket of its own
+SMALL_CAP_MB = 600 / (1024 * 1024)  # a few parameters per bucket
+DEFAULT_CAP_MB = 25.0
+
+
+class Net(nn.Module):
+    """inp -> (optional branch) -> out; ``use_branch`` chooses per call whether the branch's
+    parameters get gradients (unused-parameter tests)."""
+
+    def __init__(self, with_branch: bool = False) -> None:
+        super().__init__()
+        self.inp = nn.Linear(DIM_IN, DIM_HIDDEN)
+        self.branch = nn.Linear(DIM_HIDDEN, DIM_HIDDEN) if with_branch else None
+        self.mid = nn.Linear(DIM_HIDDEN, DIM_HIDDEN)
+        self.out = nn.Linear(DIM_HIDDEN, DIM_OUT)
+
+    def forward(self, x: torch.Tensor, use_branch: bool = False) -> torch.Tensor:
+        h = F.relu(self.inp(x))
+        if use_branch and self.branch is not None:
+            h = h + F.relu(self.branch(h))
+        return self.out(F.relu(self.mid(h)))
+
+
+class ReversedNet(nn.Module):
+    """Registers its layers in the reverse of the order forward uses them, so gradients
+    arrive in registration order and the bucket rebuild changes the buckets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(DIM_HIDDEN, DIM_OUT)  # 64 + 4 elements
+        self.mid = nn.Linear(DIM_HIDDEN, DIM_HIDDEN)  # 256 + 16
+        self.inp = nn.Linear(DIM_IN, DIM_HIDDEN)  # 128 + 16
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.relu(self.mid(F.relu(self.inp(x)))))
+
+
+def _batch(step: int, rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(BATCH, DIM_IN, generator=g), torch.randn(BATCH, DIM_OUT, generator=g)
+
+
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, use_branch: bool = False) -> torch.Tensor:
+    out = model(x, use_branch=use_branch) if use_branch else model(x)
+    return F.mse_loss(out, y)
+
+
+def _uses_branch(step: int, rank: int, world_size: int) -> bool:
+    """Used everywhere, on rank 0 only, nowhere, on the last rank only, everywhere."""
+    return [True, rank == 0, False, rank == world_size - 1, True][step % 5]
+
+
+def _local_loss(model: nn.Module, step: int, world_size: int, branch: bool) -> torch.Tensor:
+    """Single process on all ranks' data: the average of the per-rank losses."""
+    total = torch.zeros(())
+    for r in range(world_size):
+        total = total + _loss(model, *_batch(step, r), branch and _uses_branch(step, r, world_size))
+    return total / world_size
+
+
+def _state(model: nn.Module) -> _ReplicateState:
+    state = replicate.state(model)
+    assert state is not None, f"{type(model).__name__} is not replicated"
+    return state
+
+
+def _replicated(model: nn.Module) -> ReplicateModule:
+    assert isinstance(model, ReplicateModule)
+    return model
+
+
+def _assert_params(a: nn.Module, b: nn.Module, atol: float, what: str) -> None:
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        torch.testing.assert_close(pa, pb, atol=atol, rtol=0, msg=lambda m: f"{what}: parameter {name}: {m}")
+
+
+def _assert_grads(a: nn.Module, b: nn.Module, atol: float, what: str) -> None:
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert (pa.grad is None) == (pb.grad is None), f"{what}: {name}.grad: {pa.grad} vs {pb.grad}"
+        if pa.grad is not None:
+            torch.testing.assert_close(pa.grad, pb.grad, atol=atol, rtol=0, msg=lambda m: f"{what}: {name}.grad: {m}")
+
+
+def _three_models(branch: bool, **replicate_kwargs: Any) -> Tuple[nn.Module, DDP, nn.Module]:
+    """(ours, torch DDP, local). Ranks initialise differently, so ours and DDP are only
+    equal to local (rank 0's initialisation) if both broadcast from rank 0 at init."""
+    torch.manual_seed(dist.get_rank())
+    base = Net(with_branch=branch)
+    ours = replicate(copy.deepcopy(base), **replicate_kwargs)
+    ddp = DDP(copy.deepcopy(base), find_unused_parameters=branch)
+    torch.manual_seed(0)
+    local = Net(with_branch=branch)
+    return ours, ddp, local
+
+
+def _parity_subtest(cap_mb: float, branch: bool) -> None:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    ours, ddp, local = _three_models(branch, bucket_cap_mb=cap_mb)
+    _assert_params(ours, local, 0.0, "after init (broadcast from rank 0)")
+    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, ddp, local)]
+    for step in range(NUM_STEPS):
+        x, y = _batch(step, rank)
+        use = branch and _uses_branch(step, rank, world_size)
+        losses = [_loss(m, x, y, use) for m in (ours, ddp)] + [_local_loss(local, step, world_size, branch)]
+        for loss in losses:
+            loss.backward()
+        torch.testing.assert_close(losses[0], losses[1], atol=1e-6, rtol=0)
+        _assert_grads(ours, ddp.module, 1e-6, f"step {step} vs DDP")
+        _assert_grads(ours, local, 1e-5, f"step {step} vs local")
+        for optim in optims:
+            optim.step()
+            optim.zero_grad()
+        _assert_params(ours, ddp.module, 1e-6, f"step {step} vs DDP")
+        _assert_params(ours, local, 1e-5, f"step {step} vs local")
+    for name, p in ours.named_parameters():
+        assert_close_ranks(p, name)
+
+
+def _rank_parity() -> None:
+    run_subtests(_parity_subtest, {"cap_mb": [TINY_CAP_MB, SMALL_CAP_MB, DEFAULT_CAP_MB], "branch": [False, True]})
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_parity_with_ddp_and_local(world_size: int) -> None:
+    """5 AdamW steps equal torch DDP (find_unused_parameters for the branch model: .grad None
+    exactly where DDP leaves it None) and single-process training on all data, for one bucket
+    per parameter, a few parameters per bucket and one bucket. Without it a wrong average,
+    a missed bucket, a hang on an unused parameter or a missing init broadcast would pass."""
+    run_distributed(_rank_parity, world_size)
+
+
+_TORCH_HOOKS: Dict[str, Optional[Callable[..., Any]]] = {
+    "allreduce": default_hooks.allreduce_hook,
+    "fp16": default_hooks.fp16_compress_hook,
+    "bf16": None,  # torch's bf16 hook refuses gloo: compared with local training only
+}
+_OUR_HOOKS: Dict[str, Callable[..., Any]] = {
+    "allreduce": comm_hooks.allreduce_hook,
+    "fp16": comm_hooks.fp16_compress_hook,
+    "bf16": comm_hooks.bf16_compress_hook,
+}
+_HOOK_DTYPE_BYTES = {"allreduce": 4, "fp16": 2, "bf16": 2}
+_HOOK_ATOL = {"allreduce": 1e-5, "fp16": 2e-3, "bf16": 2e-2}  # vs local fp32 training
+
+
+def _comm_hook_subtest(hook: str) -> None:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    ours, ddp, local = _three_models(False, bucket_cap_mb=SMALL_CAP_MB)
+    _replicated(ours).register_comm_hook(None, _OUR_HOOKS[hook])
+    torch_hook = _TORCH_HOOKS[hook]
+    if torch_hook is not None:
+        ddp.register_comm_hook(None, torch_hook)
+    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, ddp, local)]
+    for step in range(NUM_STEPS):
+        x, y = _batch(step, rank)
+        with _collectives.record_collectives() as rec:
+            _loss(ours, x, y).backward()
+        _loss(ddp, x, y).backward()
+        _local_loss(local, step, world_size, False).backward()
+        hook_records = [r for r in rec.records if "hook::bucket" in r.tag]
+        assert len(hook_records) == len(_state(ours).buckets)
+        numel = sum(p.numel() for p in ours.parameters())
+        assert sum(r.nbytes for r in hook_records) == numel * _HOOK_DTYPE_BYTES[hook]
+        if torch_hook is not None:
+            _assert_grads(ours, ddp.module, 1e-6, f"{hook} hook, step {step} vs DDP with torch's hook")
+        _assert_grads(ours, local, _HOOK_ATOL[hook], f"{hook} hook, step {step} vs local")
+        for optim in optims:
+            optim.step()
+            optim.zero_grad()
+    if torch_hook is not None:
+        _assert_params(ours, ddp.module, 1e-6, f"{hook} hook vs DDP with torch's hook")
+
+
+def _mixed_precision_subtest() -> None:
+    """reduce_dtype=bf16: every bucket all-reduce moves 2-byte elements; grads stay fp32."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    ours, _, local = _three_models(False, bucket_cap_mb=SMALL_CAP_MB,
+                                   mixed_precision=MixedPrecision(reduce_dtype=torch.bfloat16))
+    for step in range(2):
+        with _collectives.record_collectives() as rec:
+            _loss(ours, *_batch(step, rank)).backward()
+        _local_loss(local, step, world_size, False).backward()
+        buckets = [r for r in rec.records if r.tag.startswith("replicate::bucket")]
+        assert len(buckets) == len(_state(ours).buckets) > 1
+        assert sum(r.nbytes for r in buckets) == 2 * sum(p.numel() for p in ours.parameters())
+        assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in ours.parameters())
+        _assert_grads(ours, local, 2e-2, f"bf16 reduce, step {step}")
+        ours.zero_grad()
+        local.zero_grad()
+
+
+def _rank_comm_hooks_and_mixed_precision() -> None:
+    run_subtests(_comm_hook_subtest, {"hook": ["allreduce", "fp16", "bf16"]})
+    _mixed_precision_subtest()
+
+
+def test_comm_hooks_and_mixed_precision() -> None:
+    """Our allreduce/fp16/bf16 hooks match torch DDP with torch's same hooks and send the
+    compressed bytes; reduce_dtype=bf16 all-reduces 2-byte elements into fp32 grads. Without
+    it, a hook's result not written back or an uncompressed collective would pass."""
+    run_distributed(_rank_comm_hooks_and_mixed_precision, 2)
+
+
+def _no_sync_subtest(set_to_none: bool) -> None:
+    """Two optimizer steps, each of 3 unsynced micro-batches then 1 synced one."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    ours, _, local = _three_models(False, bucket_cap_mb=SMALL_CAP_MB)
+    optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, local)]
+    for cycle in range(2):
+        _replicated(ours).set_requires_gradient_sync(False)
+        with _collectives.record_collectives() as rec:
+            for micro in range(3):
+                _loss(ours, *_batch(10 * cycle + micro, rank)).backward()
+        assert rec.count() == 0, f"unsynced micro-batches issued collectives: {rec.records}"
+        _replicated(ours).set_requires_gradient_sync(True)
+        with _collectives.record_collectives() as rec:
+            _loss(ours, *_batch(10 * cycle + 3, rank)).backward()
+        assert rec.count("all_reduce") == len(_state(ours).buckets) + 1  # + used-params
+        for micro in range(4):
+            _local_loss(local, 10 * cycle + micro, world_size, False).backward()
+        _assert_grads(ours, local, 1e-5, f"cycle {cycle}: accumulated then synced")
+        for optim in optims:
+            optim.step()
+            optim.zero_grad(set_to_none=set_to_none)
+    _assert_params(ours, local, 1e-5, "after two accumulation cycles")
+
+
+def _overlap_check() -> None:
+    """Buckets are all-reduced while backward still runs: with one bucket per layer, the
+    later layers' all-reduces are issued before the first layer's backward starts."""
+    torch.manual_seed(0)
+    model = replicate(nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)]), bucket_cap_mb=(32 * 32 + 32) * 4 / 2**20)
+    model[0].register_full_backward_pre_hook(lambda module, grad_output: _collectives.trace("layer0_backward"))
+    for step in range(2):  # before and after the bucket rebuild
+        with _collectives.record_collectives() as rec:
+            model(torch.randn(2, 32, requires_grad=True)).sum().backward()
+        events = rec.events
+        layer0 = events.index(("trace", "layer0_backward", ""))
+        early = [e for e in events[:layer0] if e[0] == "collective" and e[2].startswith("replicate::bucket")]
+        assert len(_state(model).buckets) == 4
+        assert len(early) == 3, f"step {step}: bucket all-reduces issued before layer 0's backward: {events}"
+        model.zero_grad()
+
+
+def _rebuild_and_bytes_check() -> None:
+    """Buckets are rebuilt once, from the order gradients arrived, and every step sends
+    exactly the bytes worked out here by hand (cap: 100 fp32 elements = 400 bytes)."""
+    torch.manual_seed(0)
+    model = replicate(ReversedNet(), bucket_cap_mb=400 / 2**20)
+    state = _state(model)
+    # Reverse registration: inp.bias 16, inp.weight 128 -> 144 >= 100 closes; mid 16 + 256 = 272
+    # closes; head 4 + 64 = 68 stays open -> 3 buckets of 144, 272, 68 elements.
+    expected_before = [144 * 4, 272 * 4, 68 * 4]
+    # Observed order: head, mid, inp. head 68 + mid.bias 16 = 84 < 100, + mid.weight 256 = 340
+    # closes; inp 144 closes -> 2 buckets of 340 and 144 elements.
+    expected_after = [340 * 4, 144 * 4]
+    names_after = [["head.bias", "head.weight", "mid.bias", "mid.weight"], ["inp.bias", "inp.weight"]]
+    for step in range(4):
+        with _collectives.record_collectives() as rec:
+            model(_batch(step, dist.get_rank())[0]).sum().backward()
+        sizes = [r.nbytes for r in rec.records if r.tag.startswith("replicate::bucket")]
+        assert sizes == (expected_before if step == 0 else expected_after), f"step {step}: {sizes}"
+        assert [r.nbytes for r in rec.records if r.tag == "replicate::used_params"] == [6 * 4]
+        assert rec.count("broadcast") == (1 if step == 0 else 0)  # the rebuild order, once
+        assert state.num_rebuilds == 1
+        model.zero_grad(set_to_none=step % 2 == 0)
+    assert [sorted(state.param_names[i] for i in b.param_indices) for b in state.buckets] == names_after
+
+
+def _rank_no_sync_overlap_rebuild() -> None:
+    run_subtests(_no_sync_subtest, {"set_to_none": [True, False]})
+    _overlap_check()
+    _rebuild_and_bytes_check()
+
+
+def test_no_sync_overlap_and_bucket_rebuild() -> None:
+    """set_requires_gradient_sync(False) communicates nothing and the synced backward averages
+    the accumulated sum; all-reduces start during backward; buckets are rebuilt once and move
+    the bytes computed by hand. Without it, a no_sync that still communicates, reductions
+    serialised at the end of backward, or a rebuild every step would pass."""
+    run_distributed(_rank_no_sync_overlap_rebuild, 2)
+
+
+def _rank_errors_and_identity() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    fqns = [n for n, _ in model.named_parameters()]
+    assert replicate(model) is model
+    assert type(model).__name__ == "ReplicateNet"
+    assert isinstance(model, Net) and isinstance(model, ReplicateModule)
+    assert [n for n, _ in model.named_parameters()] == fqns and list(model.state_dict()) == fqns
+    with pytest.raises(RuntimeError, match="replicate"):
+        replicate(model)
+    with pytest.raises(RuntimeError, match="state_dict"):
+        copy.deepcopy(model)
+
+    _loss(model, *_batch(0, dist.get_rank())).backward()
+    with pytest.raises(RuntimeError, match="before the first backward"):
+        _replicated(model).register_comm_hook(None, comm_hooks.allreduce_hook)
+
+    sharded = Net()
+    _register_api(sharded, "fully_shard")  # stands in for fully_shard(sharded)
+    with pytest.raises(RuntimeError, match=r"replicate\(Net\).*fully_shard"):
+        replicate(sharded)
+    assert type(sharded) is Net and list(_get_registry(sharded) or {}) == ["fully_shard"]
+    assert replicate.state(sharded) is None
+
+
+def _frozen_and_skipped_subtest() -> None:
+    """Frozen parameters, ignored modules and fully_shard-managed subtrees are not reduced."""
+    model = Net()
+    model.out.bias.requires_grad_(False)
+    _register_api(model.mid, "fully_shard")
+    replicate(model, ignored_modules=[model.inp])
+    assert _state(model).param_names == ["out.weight"]
+
+
+def _mismatch_and_device_subtest() -> None:
+    """Ranks holding different models raise the same error on every rank (no hang), leaving
+    the module unchanged; device_id moves the module first (CPU here)."""
+    mismatched = Net(with_branch=dist.get_rank() == 1)
+    with pytest.raises(RuntimeError, match="rank 1 holds different parameters"):
+        replicate(mismatched)
+    assert type(mismatched) is Net and _get_registry(mismatched) is None
+    model = replicate(Net(), device_id=torch.device("cpu"))
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    _replicated(model).register_comm_hook(None, comm_hooks.allreduce_hook)
+    with pytest.raises(RuntimeError, match="already registered"):
+        _replicated(model).register_comm_hook(None, comm_hooks.allreduce_hook)
+
+
+def _rank_errors() -> None:
+    _rank_errors_and_identity()
+    _frozen_and_skipped_subtest()
+    _mismatch_and_device_subtest()
+
+
+def test_errors_identity_and_skipped_parameters() -> None:
+    """Class Replicate<Orig> with unchanged FQNs; replicate twice, on a fully_shard-managed
+    module (nothing changed), deepcopy, a second comm hook, a comm hook after backward and
+    ranks with different models all raise; frozen, ignored and fully_shard-managed
+    parameters are skipped."""
+    run_distributed(_rank_errors, 2)
