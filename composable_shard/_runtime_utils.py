@@ -276,8 +276,8 @@ def _recover_interrupted_iteration(root: _FSDPState) -> None:
 
 def _record_exec_order(state: _FSDPState, handle: FlatParamHandle) -> None:
     root = state.root
-    if root is None:
-        return
+    if root is None or root.final_callback_queued:
+        return  # a forward during backward is activation recomputation, not a new order
     if not root.exec_order_recorded:
         if handle.exec_index is None:
             handle.exec_index = len(root.exec_order)

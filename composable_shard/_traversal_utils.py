@@ -45,8 +45,8 @@ def _get_fsdp_states_with_modules(module: nn.Module) -> Tuple[List[_FSDPState], 
         if id(current) in seen_modules:
             continue
         seen_modules.add(id(current))
-        if not _composable(current):
-            continue
+        if current is not module and not _composable(current):
+            continue  # the start module is searched even if replicate manages it (unshard_params)
         state = _get_module_state(current, _FSDPState)
         if state is not None and id(state) not in seen_states:
             seen_states.add(id(state))
