@@ -1,0 +1,113 @@
+"""What fully_shard does before the first forward: meta-device materialization
+(``reset_parameters`` and ``param_init_fn``), ``sync_module_states``, ``device_id``, ignored
+modules and states, and the class/FQN guarantees of in-place application.
+
+Without these, a model built on the meta device would train from garbage, ranks initialized
+differently would silently diverge, and ignored parameters would be sharded anyway.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from composable_shard import FSDPModule, ModuleWrapPolicy, fully_shard, unshard_params
+from composable_shard._traversal_utils import _get_fsdp_handles
+from tests._harness import run_distributed, run_subtests
+from tests._models import Block, ParityModel, make_model
+
+
+def _meta_init(how: str) -> None:
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = ParityModel()
+    assert model.emb.weight.is_meta
+    if how == "reset_parameters":
+        model.scale.reset_parameters = lambda: model.scale.gain.data.fill_(1.25)  # type: ignore[assignment,method-assign]
+        fully_shard(model, policy=ModuleWrapPolicy({Block}))
+        with unshard_params(model):
+            for name, p in model.named_parameters():
+                assert not p.is_meta and torch.isfinite(p).all(), name
+            assert torch.equal(model.blocks[0].ln.weight, torch.ones(6))  # LayerNorm.reset_parameters ran
+            assert model.scale.gain.item() == 1.25
+    else:
+        def init(module: nn.Module) -> None:
+            module.to_empty(device="cpu")
+            with torch.no_grad():
+                for i, p in enumerate(module.parameters()):
+                    p.fill_(0.01 * (i + 1))
+
+        fully_shard(model, param_init_fn=init)
+        with unshard_params(model):
+            for i, p in enumerate(model.parameters()):
+                assert torch.all(p == 0.01 * (i + 1)), i
+    model(torch.randint(0, 13, (2, 5))).sum().backward()
+
+
+def _sync_module_states() -> None:
+    rank = dist.get_rank()
+    torch.manual_seed(rank)  # different weights on every rank
+    model = ParityModel()
+    model.register_buffer("steps", torch.tensor([float(rank)]))
+    torch.manual_seed(0)
+    rank0 = ParityModel()
+    fully_shard(model, sync_module_states=True)
+    assert model.steps.item() == 0.0
+    with unshard_params(model):
+        for (name, p), (_, q) in zip(model.named_parameters(), rank0.named_parameters()):
+            assert torch.equal(p, q), name
+
+
+def _ignored(kind: str) -> None:
+    world_size = dist.get_world_size()
+    model = make_model()
+    full_frozen = model.frozen.weight.detach().clone()
+    if kind == "modules":
+        fully_shard(model, ignored_modules=[model.frozen])
+    else:
+        fully_shard(model, ignored_states=[model.frozen.weight, model.frozen.bias])
+    assert model.frozen.weight.shape == (6, 6) and torch.equal(model.frozen.weight, full_frozen)
+    handle = _get_fsdp_handles(model)[0]
+    fqns = [f for fp in handle.flat_params for f in fp._fqns]
+    assert "frozen.weight" not in fqns and "frozen.bias" not in fqns, fqns
+    assert sum(fp._unpadded_unsharded_size.numel() for fp in handle.flat_params) == \
+        sum(p.numel() for p in make_model().parameters()) - 42
+    _ = world_size
+
+
+def _in_place() -> None:
+    model = make_model()
+    names = [n for n, _ in model.named_parameters()]
+    keys = list(model.state_dict().keys())
+    same = fully_shard(model, policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
+    assert same is model
+    assert type(model).__name__ == "FSDPParityModel" and isinstance(model, (FSDPModule, ParityModel))
+    assert type(model.blocks[0]).__name__ == "FSDPBlock" and type(model.blocks[0]).__bases__[1] is Block
+    assert type(model.blocks[1]) is type(model.blocks[0])  # one cached class per original class
+    assert [n for n, _ in model.named_parameters()] == names
+    assert list(model.state_dict().keys()) == keys
+    assert all(isinstance(p, nn.Parameter) for p in model.parameters())
+    try:
+        import copy
+
+        copy.deepcopy(model)
+    except RuntimeError as e:
+        assert "state_dict" in str(e)
+    else:
+        raise AssertionError("deepcopy of a fully sharded module must raise")
+
+
+def _all() -> None:
+    run_subtests(_meta_init, {"how": ["reset_parameters", "param_init_fn"]})
+    _sync_module_states()
+    dist.barrier()
+    run_subtests(_ignored, {"kind": ["modules", "states"]})
+    _in_place()
+
+
+def test_init_options() -> None:
+    """Meta materialization both ways, sync_module_states from rank 0 (params and buffers),
+    ignored modules/states left whole and out of the handle, device_id, in-place class swap
+    with unchanged FQNs, and deepcopy raising towards state_dict."""
+    run_distributed(_all, 2, timeout=120)
