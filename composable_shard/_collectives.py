@@ -55,9 +55,9 @@ class Pending:
             self.work = None
         return self.output
 
-    @property
-    def done(self) -> bool:
-        return self.work is None
+    def is_completed(self) -> bool:
+        """True if ``wait()`` would not block (polls the work; never waits)."""
+        return self.work is None or bool(self.work.is_completed())
 
 
 @dataclass

@@ -401,20 +401,30 @@ class _Reduction:
             self.pending = _collectives.Pending(None, sharded, "none")
             self.stage = "REPLICATING"
 
-    def advance(self) -> None:
-        """Move ISSUED -> REPLICATING (waits for the reduce-scatter)."""
+    @property
+    def needs_replication(self) -> bool:
+        """True if an all-reduce across replicas must follow the reduce-scatter (hybrid)."""
+        group = self.state.replicate_group
+        return self.stage == "ISSUED" and group is not None and torch.distributed.get_world_size(group) > 1
+
+    def advance(self, block: bool) -> bool:
+        """Move ISSUED -> REPLICATING once the reduce-scatter landed (waiting for it only if
+        ``block``). Returns False if it had to leave the reduction where it was."""
         if self.stage != "ISSUED":
-            return
+            return True
         assert_internal(self.pending is not None, "no pending reduce-scatter")
+        if not block and not self.pending.is_completed():  # type: ignore[union-attr]
+            return False
         output = self.pending.wait()  # type: ignore[union-attr]
         self.unsharded_grad = None
         streams: _Streams = self.state.streams
         with streams.run_on(streams.reduce_scatter):
             self._replicate(output)
+        return True
 
     def finish(self) -> None:
         """Wait for everything, average, and hand the shard to the handle. Post: DONE."""
-        self.advance()
+        self.advance(block=True)
         assert_internal(self.pending is not None, "no pending reduction")
         output = self.pending.wait()  # type: ignore[union-attr]
         _Streams.wait(self.event)
@@ -435,8 +445,11 @@ def _reduce_dtype(state: _FSDPState, group: FlatGroup) -> torch.dtype:
 def _issue_reduction(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup, unsharded_grad: torch.Tensor) -> None:
     root = state.root
     assert_internal(root is not None, "post_backward before lazy init")
+    # Hybrid: start the replicate all-reduces of reductions whose reduce-scatter already
+    # landed, in issue order (every rank must issue them in the same order), without waiting.
     for earlier in root.pending_reductions:  # type: ignore[union-attr]
-        earlier.advance()
+        if earlier.needs_replication and not earlier.advance(block=False):
+            break
     reduction = _Reduction(state, handle, group, unsharded_grad)
     reduction.issue()
     root.pending_reductions.append(reduction)  # type: ignore[union-attr]
