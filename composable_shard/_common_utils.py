@@ -19,6 +19,7 @@ from .contract import _State
 
 if TYPE_CHECKING:
     from ._flat_param import FlatParamHandle
+    from ._runtime_utils import _Streams
 
 __all__ = [
     "TrainingState",
@@ -93,7 +94,7 @@ class _FSDPState(_State):
         self.warned_order_change: bool = False  # one warning per root when the order changes
         self.final_callback_queued: bool = False  # end-of-backward callback queued this pass
         self.pending_reductions: List[Any] = []  # reductions issued, not yet finished
-        self.streams: Optional[Any] = None  # _runtime_utils._Streams: CUDA streams (no-ops on CPU)
+        self.streams: Optional["_Streams"] = None  # CUDA streams shared by the tree (no-ops on CPU)
 
     # Convenience for error messages.
     def describe(self) -> str:

@@ -64,7 +64,7 @@ class Plan:
 def plan_fully_shard(root: nn.Module, kwargs: Dict[str, Any]) -> Plan:
     """Validate ``fully_shard(root, **kwargs)`` and return the :class:`Plan`; raises with a
     message naming the module/parameter on bad input, leaving the model untouched."""
-    registry = _get_registry(root) or {}
+    registry: Dict[str, Any] = dict(_get_registry(root) or {})
     if "replicate" in registry:
         raise RuntimeError(
             f"fully_shard({type(root).__name__}): the module is already managed by replicate; a module can be "
@@ -241,6 +241,8 @@ def _compute_device(root: nn.Module, device_id: Optional[torch.device]) -> torch
 
 def resolve_groups(strategy: ShardingStrategy, process_group: Any, mesh: Any) -> _Groups:
     """Shard and replicate groups for a strategy (see [Note: Groups] in fully_shard.py)."""
+    shard: Optional[dist.ProcessGroup]
+    replicate: Optional[dist.ProcessGroup]
     if strategy in _HYBRID:
         shard, replicate = _hybrid_groups(process_group, mesh)
     else:
@@ -251,15 +253,16 @@ def resolve_groups(strategy: ShardingStrategy, process_group: Any, mesh: Any) ->
             if mesh.ndim != 1:
                 raise ValueError(f"fully_shard: a {mesh.ndim}-D mesh needs a hybrid strategy; pass a 1-D mesh")
             process_group = mesh.get_group()
-        group = process_group if process_group is not None else dist.group.WORLD
-        shard, replicate = (None, group) if strategy is ShardingStrategy.NO_SHARD else (group, None)
+        group: Optional[dist.ProcessGroup] = process_group if process_group is not None else dist.group.WORLD
+        shard = None if strategy is ShardingStrategy.NO_SHARD else group
+        replicate = group if strategy is ShardingStrategy.NO_SHARD else None
     world = dist.get_world_size(shard) if shard is not None else 1
     rank = dist.get_rank(shard) if shard is not None else 0
     replicas = dist.get_world_size(replicate) if replicate is not None else 1
     return _Groups(shard, replicate, rank, world, world * replicas)
 
 
-def _hybrid_groups(process_group: Any, mesh: Any) -> Tuple[dist.ProcessGroup, dist.ProcessGroup]:
+def _hybrid_groups(process_group: Any, mesh: Any) -> Tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]:
     if mesh is not None:
         if mesh.ndim != 2:
             raise ValueError(f"fully_shard: hybrid sharding needs a 2-D (replicate, shard) mesh, got {mesh.ndim}-D")

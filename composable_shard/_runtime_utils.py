@@ -110,6 +110,13 @@ class _NullContext:
         return None
 
 
+def _streams_of(state: _FSDPState) -> _Streams:
+    streams = state.streams
+    if streams is None:
+        raise AssertionError(f"{state.describe()}: no streams (fully_shard did not finish initializing)")
+    return streams
+
+
 # ---------------------------------------------------------------------------- lazy init
 def lazy_init(state: _FSDPState) -> None:
     """Once, at the first forward: the state whose forward runs first is the root; it caches
@@ -177,7 +184,7 @@ def unshard(state: _FSDPState, handle: FlatParamHandle) -> None:
     """Issue the all-gathers of ``handle`` (async) unless its buffers are filled or in flight."""
     if not handle.needs_unshard() or any(g.pending_unshard is not None for g in handle.groups):
         return
-    streams: _Streams = state.streams
+    streams = _streams_of(state)
     with streams.run_on(streams.all_gather):
         for group in handle.groups:
             if group.aliases_shard:
@@ -378,9 +385,10 @@ class _Reduction:
 
     def issue(self) -> None:
         state, grad = self.state, self.unsharded_grad
-        assert_internal(grad is not None, "reduction issued twice")
-        streams: _Streams = state.streams
-        grad = grad.to(self.reduce_dtype) if grad.dtype != self.reduce_dtype else grad  # type: ignore[union-attr]
+        if grad is None:
+            raise AssertionError(f"[rank {state.rank}] reduction of {self.handle.fqn!r} issued twice")
+        streams = _streams_of(state)
+        grad = grad.to(self.reduce_dtype) if grad.dtype != self.reduce_dtype else grad
         if self.reduce_dtype not in (torch.float32, torch.float64):
             grad.div_(state.dp_world_size)  # pre-divide low precision to avoid overflow
         self.unsharded_grad = grad
@@ -417,7 +425,7 @@ class _Reduction:
             return False
         output = self.pending.wait()  # type: ignore[union-attr]
         self.unsharded_grad = None
-        streams: _Streams = self.state.streams
+        streams = _streams_of(self.state)
         with streams.run_on(streams.reduce_scatter):
             self._replicate(output)
         return True

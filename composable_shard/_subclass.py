@@ -21,12 +21,12 @@ _CLASS_CACHE: Dict[Tuple[str, type, type], type] = {}
 
 
 def _new_as_original(cls: type, *args: Any, **kwargs: Any) -> Any:
-    orig = getattr(cls, _ORIG_CLS_ATTR)
+    orig: type = getattr(cls, _ORIG_CLS_ATTR)
     if cls.__dict__.get(_ORIG_CLS_ATTR) is orig:
         # Exactly the dynamic class: build the original class instead. Python then skips
         # ``cls.__init__`` because the result is not an instance of ``cls``.
         return orig(*args, **kwargs)
-    return super(cls, cls).__new__(cls)  # pragma: no cover - user subclass of a dynamic class
+    return object.__new__(cls)  # a user's subclass of a dynamic class: construct normally
 
 
 def make_subclass(module: nn.Module, prefix: str, mixin: type) -> type:

@@ -224,7 +224,7 @@ def contract(state_cls: Type[_S] = _State) -> Callable[[Callable[..., Any]], _Co
         raise TypeError(f"contract(state_cls=...) needs a subclass of _State, got {state_cls!r}")
 
     def decorate(fn: Callable[..., Any]) -> _ContractFn[Any, _S]:
-        wrapped = _ContractFn(fn, state_cls)
+        wrapped: _ContractFn[Any, _S] = _ContractFn(fn, state_cls)
         functools.update_wrapper(wrapped, fn)  # type: ignore[arg-type]  # instance, not function
         return wrapped
 

@@ -5,6 +5,9 @@
           workers never race for one); one spawned process and one Pipe per rank; waits on
           the pipes and process sentinels until every rank finished, the first failure is
           FAILURE_GRACE_S old, or the deadline passed; then kills the survivors.
+  timeout counts from the moment the last rank is "ready", so spawn start-up (importing
+          torch: seconds, or tens of seconds under pytest -n on a loaded machine) does not
+          eat a test's time; start-up has its own limit, STARTUP_TIMEOUT_S.
   rank    own process group, dies with the parent (PDEATHSIG). Sends ("ready", t) once
           its stack dumps are armed (after its imports), ("fn_done", t) when fn returns, ("finished", t) after barrier + teardown, or ("error", t, traceback)
           if anything raised, then os._exit (peers may be dead: no teardown). t is
@@ -45,6 +48,7 @@ __all__ = ["RankError", "RankTimeoutError", "SubtestError", "run_distributed",
 FAILURE_GRACE_S = 3.0  # after the first failure, how long the other ranks get to exit
 TERMINATE_GRACE_S = 1.0  # SIGTERM -> SIGKILL
 STACK_DUMP_WAIT_S = 2.0  # how long the parent waits for the SIGUSR1 stack dumps
+STARTUP_TIMEOUT_S = 90.0  # spawn to "ready" (imports), for every rank
 PG_TIMEOUT_SLACK_S = 60.0  # gloo times out after the harness, so the harness reports first
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
@@ -92,7 +96,7 @@ class _RankProc:
     process: SpawnProcess
     conn: Optional[Connection]  # read end; None once closed
     stack_path: str
-    ready: bool = False  # imports done, SIGUSR1 stack dumps armed
+    ready_at: float = math.inf  # time.monotonic() when imports were done, stack dumps armed
     fn_done: bool = False  # fn returned
     finished: bool = False  # barrier + teardown done too
     exited: bool = False  # reaped by _on_exit or _kill_all
@@ -116,8 +120,9 @@ def run_distributed(
     ``fn`` must be a module-level function (pickled by reference); it reads its rank with
     ``dist.get_rank()``. Raises ``RankError`` for the first rank that raised or died (the
     root cause, not the peers stuck waiting for it), or ``RankTimeoutError`` naming the
-    ranks that hung, with their stacks, if not all finished within ``timeout`` seconds.
-    No rank outlives the call. Without it a rank's failed assertion never reaches pytest
+    ranks that hung, with their stacks, if not all finished within ``timeout`` seconds of
+    the last rank starting (after its imports; start-up itself may take up to
+    STARTUP_TIMEOUT_S). No rank outlives the call. Without it a rank's failed assertion never reaches pytest
     and a hang stalls the whole suite.
     """
     _check_arguments(fn, world_size, timeout)
@@ -126,7 +131,7 @@ def run_distributed(
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,  # type: ignore[attr-defined]  # public, re-exported without __all__
                           wait_for_workers=False, timeout=timedelta(seconds=pg_timeout_s))
     stack_dir = tempfile.mkdtemp(prefix="cs_harness_")
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
     procs: list[_RankProc] = []
     try:
         for rank in range(world_size):
@@ -134,7 +139,7 @@ def run_distributed(
             spec = _RankSpec(rank, world_size, store.port, os.getpid(), stack_path,
                              pg_timeout_s, fn, args, dict(kwargs))
             procs.append(_start_rank(ctx, spec))
-        _supervise(procs, deadline)
+        _supervise(procs, start, timeout)
         if not any(proc.failed_at < math.inf for proc in procs):
             _dump_stacks(procs)  # a timeout (if any rank runs): record where, before killing
         _kill_all(procs)
@@ -270,11 +275,13 @@ def _detach_and_die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _supervise(procs: list[_RankProc], deadline: float) -> None:
+def _supervise(procs: list[_RankProc], start: float, timeout: float) -> None:
     """Post: every rank exited, or the first failure is FAILURE_GRACE_S old, or the
-    deadline passed (survivors still run)."""
+    deadline passed (survivors still run). See [Note: Harness protocol] for the deadline."""
     while True:
         running = [proc for proc in procs if not proc.exited]
+        last_ready = max(proc.ready_at for proc in procs)
+        deadline = last_ready + timeout if last_ready < math.inf else start + STARTUP_TIMEOUT_S
         limit = min(deadline, min(proc.failed_at for proc in procs) + FAILURE_GRACE_S)
         now = time.monotonic()
         if not running or now >= limit:
@@ -295,7 +302,7 @@ def _drain(proc: _RankProc) -> None:
         except EOFError:
             _close_conn(proc)
             return
-        proc.ready |= kind == "ready"
+        proc.ready_at = when if kind == "ready" else proc.ready_at
         proc.fn_done |= kind == "fn_done"
         proc.finished |= kind == "finished"
         if kind == "error" and proc.failed_at == math.inf:
@@ -324,7 +331,7 @@ def _dump_stacks(procs: list[_RankProc]) -> None:
     """Ask every running, ready rank's faulthandler for its stacks (SIGUSR1); wait for them."""
     for proc in procs:
         _drain(proc)  # a "ready" may have arrived just now
-    running = [proc for proc in procs if not proc.exited and proc.ready]
+    running = [proc for proc in procs if not proc.exited and proc.ready_at < math.inf]
     for proc in running:
         _signal(proc.process, signal.SIGUSR1, group=False)
     end = time.monotonic() + (STACK_DUMP_WAIT_S if running else 0.0)
@@ -393,12 +400,14 @@ def _build_error(procs: list[_RankProc], describe: str, timeout: float) -> Optio
     if not killed:
         return None
     hung = [p for p in killed if not p.fn_done] or killed
-    lines = [f"{describe} timed out after {timeout:g} s: {_ranks_phrase([p.rank for p in hung])} hung"]
+    started = all(proc.ready_at < math.inf for proc in procs)
+    why = f"{timeout:g} s after all ranks started" if started else f"{STARTUP_TIMEOUT_S:g} s start-up"
+    lines = [f"{describe} timed out ({why}): {_ranks_phrase([p.rank for p in hung])} hung"]
     waiting = [p.rank for p in killed if p not in hung]
     if waiting:
         lines.append(f"{_ranks_phrase(waiting)} returned from fn and waited for the others")
     for proc in hung:
         where = ("in the final barrier or teardown" if proc.fn_done else "inside fn or setup"
-                 if proc.ready else "still importing modules (spawn start-up), no stack")
+                 if proc.ready_at < math.inf else "still in spawn start-up (imports), no stack")
         lines.append(f"--- rank {proc.rank}: {where} ---\n{_read(proc.stack_path)}".rstrip())
     return RankTimeoutError([p.rank for p in hung], "\n".join(lines))

@@ -6,6 +6,7 @@ wrong rank. The rank functions below are module-level so spawned ranks can unpic
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
 import time
@@ -84,6 +85,10 @@ def _exit_on_rank_one() -> None:
     dist.all_reduce(torch.ones(1))
 
 
+def _segfault() -> None:
+    ctypes.string_at(0)  # reads address 0: SIGSEGV
+
+
 def _check_helpers_then_fail_a_subtest() -> None:
     seen: list[dict[str, Any]] = []
     run_subtests(lambda **kw: seen.append(kw), SUBTEST_GRID, fixed=0)
@@ -126,7 +131,7 @@ def test_hang_is_killed_and_reported_with_stack() -> None:
     assert "in _sleep_forever" in message and "in _hang_on_rank_one" in message, message
     assert "rank 0 returned from fn" in message, message
     assert info.value.hung_ranks == [1]
-    assert HANG_TIMEOUT_S <= elapsed < HANG_TIMEOUT_S + 10.0
+    assert HANG_TIMEOUT_S <= elapsed < 60.0, elapsed
     _assert_no_children_left()
 
 
@@ -139,7 +144,7 @@ def test_exception_on_one_rank_reports_that_rank() -> None:
     assert message.startswith("rank 1 failed:\nTraceback"), message
     assert "ValueError: boom from rank one" in message and "in _raise_on_rank_one" in message
     assert info.value.rank == 1 and "hung" not in message and "timed out" not in message
-    assert time.monotonic() - start < 30.0
+    assert time.monotonic() - start < 45.0  # not the 60 s timeout: rank 0 was not waited for
     _assert_no_children_left()
 
 
@@ -148,6 +153,16 @@ def test_rank_dying_without_exception_reports_exit_code() -> None:
     with pytest.raises(RankError) as info:
         run_distributed(_exit_on_rank_one, 2, timeout=60.0)
     assert str(info.value).startswith("rank 1 failed:\nprocess exited with code 7"), str(info.value)
+    _assert_no_children_left()
+
+
+def test_segfault_reports_signal_and_stack() -> None:
+    """A crashing rank reports its signal and faulthandler's stack of where it crashed."""
+    with pytest.raises(RankError) as info:
+        run_distributed(_segfault, 1, timeout=60.0)
+    message = str(info.value)
+    assert message.startswith("rank 0 failed:\nprocess exited with signal SIGSEGV"), message
+    assert "Segmentation fault" in message and "in _segfault" in message, message
     _assert_no_children_left()
 
 
