@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from .contract import _State
+from .contract import _root_modules, _State
 
 if TYPE_CHECKING:
     from ._flat_param import FlatParamHandle
@@ -123,20 +123,7 @@ def _set_fsdp_flattened(tensor: torch.Tensor) -> None:
 
 def _get_root_modules(modules: Iterable[nn.Module]) -> List[nn.Module]:
     """The modules of ``modules`` that no other module of ``modules`` contains, in order."""
-    module_list = list(modules)
-    members = {id(m) for m in module_list}
-    nested: Set[int] = set()
-    for m in module_list:
-        for sub in m.modules():
-            if sub is not m and id(sub) in members:
-                nested.add(id(sub))
-    roots: List[nn.Module] = []
-    seen: Set[int] = set()
-    for m in module_list:
-        if id(m) not in nested and id(m) not in seen:
-            seen.add(id(m))
-            roots.append(m)
-    return roots
+    return _root_modules(list(modules))
 
 
 def _apply_to_modules(

@@ -19,7 +19,8 @@ buffer that all-gathers write into and the module computes on.
 * When the shard group has one rank and no dtype cast is needed, the unsharded buffer *is* the
   shard (no all-gather, nothing freed).
 
-This file registers no hooks and issues no collectives (see ``_runtime_utils.py``).
+This file registers no hooks and issues no collectives: ``unshard()`` delegates to the
+runtime (``_runtime_utils.py``).
 """
 
 from __future__ import annotations
@@ -149,6 +150,7 @@ class FlatParamHandle:
         self.exec_index: Optional[int] = None  # position in the root's forward order
         self.pending_reductions: List[Any] = []  # reductions of this handle not yet finished
         self.unreduced_grads: Dict[int, torch.Tensor] = {}  # group index -> accumulated grad (no sync)
+        self.state: Optional[Any] = None  # the owning _FSDPState (set by fully_shard; for unshard())
         self._build(params, module, module_fqn, param_dtype)
 
     # ------------------------------------------------------------------ construction
@@ -279,7 +281,16 @@ class FlatParamHandle:
                 set_module_tensor(sinfo.module, sinfo.param_name, group.orig_params[sinfo.prim_param_index])
         self.is_unsharded = False
 
-    def reshard(self, free: bool) -> None:
+    def unshard(self) -> None:
+        """All-gather every group (through the runtime, which owns collectives and streams)
+        and install unsharded views. Pre: owned by a fully sharded module."""
+        from ._runtime_utils import wait_unshard  # the runtime imports this module
+
+        if self.state is None:
+            raise RuntimeError(f"{self!r} is not owned by a fully sharded module")
+        wait_unshard(self.state, self)
+
+    def reshard(self, free: bool = True) -> None:
         """Original parameters back in the slots; if ``free``, release unsharded storage.
         Post: ``is_unsharded`` is False."""
         self.use_sharded_views()

@@ -298,6 +298,7 @@ def apply_plan(plan: Plan, root_state: _FSDPState, groups: _Groups,
             state.handle = FlatParamHandle(target.params, target.module, target.fqn, rank=groups.rank,
                                            world_size=groups.world_size, compute_device=plan.compute_device,
                                            param_dtype=mp.param_dtype if mp is not None else None)
+            state.handle.state = state
         finish_target(target.module, state)
 
 

@@ -185,11 +185,10 @@ def unshard(state: _FSDPState, handle: FlatParamHandle) -> None:
     if not handle.needs_unshard() or any(g.pending_unshard is not None for g in handle.groups):
         return
     streams = _streams_of(state)
+    # Buffers are allocated on the compute stream, which also frees them (no record_stream).
+    gathers = [(group, *handle.prepare_gather(group)) for group in handle.groups if not group.aliases_shard]
     with streams.run_on(streams.all_gather):
-        for group in handle.groups:
-            if group.aliases_shard:
-                continue
-            output, shard = handle.prepare_gather(group)
+        for group, output, shard in gathers:
             group.pending_unshard = _collectives.all_gather_into(output, shard, state.process_group, tag=handle.fqn)
         event = streams.record(streams.all_gather)
     for group in handle.groups:
@@ -392,9 +391,10 @@ class _Reduction:
         if self.reduce_dtype not in (torch.float32, torch.float64):
             grad.div_(state.dp_world_size)  # pre-divide low precision to avoid overflow
         self.unsharded_grad = grad
+        if state.world_size > 1:  # allocated on the compute stream, which reads it at finish()
+            output = torch.empty(grad.numel() // state.world_size, dtype=grad.dtype, device=grad.device)
         with streams.run_on(streams.reduce_scatter):
             if state.world_size > 1:
-                output = torch.empty(grad.numel() // state.world_size, dtype=grad.dtype, device=grad.device)
                 self.pending = _collectives.reduce_scatter_into(output, grad, state.process_group, tag=self.handle.fqn)
             else:
                 self.pending = None

@@ -125,6 +125,7 @@ def run_distributed(
     STARTUP_TIMEOUT_S). No rank outlives the call. Without it a rank's failed assertion never reaches pytest
     and a hang stalls the whole suite.
     """
+    __tracebackhide__ = True  # pytest shows the failure at the test's call, not in here
     _check_arguments(fn, world_size, timeout)
     ctx = multiprocessing.get_context("spawn")
     pg_timeout_s = timeout + PG_TIMEOUT_SLACK_S

@@ -294,8 +294,11 @@ def _methods() -> None:
     if dist.get_world_size() > 1:
         assert not handle.unsharded_storage_freed(), "reshard_after_backward=False must keep parameters unsharded"
     model.set_reshard_after_backward(True)
-    for h in _get_fsdp_handles(model):
-        _ = h
+    model.zero_grad()
+    handle.unshard()  # the handle-level API: full-shape views installed in the module
+    assert block.fc1.weight.shape == (7, 6) and not handle.needs_unshard()
+    handle.reshard()
+    assert block.fc1.weight.dim() == 1 and (handle.unsharded_storage_freed() or dist.get_world_size() == 1)
     model.reshard()
     for m in model.blocks:
         m.reshard()
