@@ -88,7 +88,8 @@ class _FSDPState(_State):
         self.all_states: List["_FSDPState"] = []  # every state of the tree, DFS order
         self.all_handles: List["FlatParamHandle"] = []  # every handle of the tree, DFS order
         self.handle_states: Dict[int, "_FSDPState"] = {}  # id(handle) -> its state (for prefetch)
-        self.exec_order: List["FlatParamHandle"] = []  # forward order, recorded in iteration 1
+        self.exec_order: List["FlatParamHandle"] = []  # pre-forward order, recorded in iteration 1
+        self.post_forward_order: List["FlatParamHandle"] = []  # post-forward order (reversed: backward)
         self.exec_order_recorded: bool = False  # True once the first iteration finished
         self.exec_index: int = 0  # position in exec_order during the current forward
         self.warned_order_change: bool = False  # one warning per root when the order changes

@@ -147,7 +147,8 @@ class FlatParamHandle:
         self.groups: List[FlatGroup] = []  # one per (dtype, requires_grad), first-seen order
         self.is_unsharded: bool = False  # True while module slots hold unsharded views
         self.needs_pre_backward: bool = True  # False once this backward's pre-backward ran
-        self.exec_index: Optional[int] = None  # position in the root's forward order
+        self.exec_index: Optional[int] = None  # position in the root's pre-forward order
+        self.post_forward_index: Optional[int] = None  # position in the root's post-forward order
         self.pending_reductions: List[Any] = []  # reductions of this handle not yet finished
         self.unreduced_grads: Dict[int, torch.Tensor] = {}  # group index -> accumulated grad (no sync)
         self.state: Optional[Any] = None  # the owning _FSDPState (set by fully_shard; for unshard())

@@ -20,11 +20,13 @@ stopped before fully_shard reshards, in either application order. Recomputation 
 calls ``module.forward`` directly: fully_shard's hooks do not run again, and the pre-backward
 hook (on the forward outputs) has already unsharded the parameters and reinstalled views.
 
-[Note: Handle order]  The root records the order in which handles run their pre-forward
-during the first iteration (``exec_order``). Forward prefetch unshards ``exec_order[i+1]``
-from handle i's pre-forward; BACKWARD_PRE prefetch unshards ``exec_order[i-1]`` from handle
-i's pre-backward. A later forward in another order warns once; prefetch is only a hint, every
-handle still unshards itself when it runs.
+[Note: Handle order]  During the first iteration the root records the order in which handles
+run their pre-forward (``exec_order``) and their post-forward (``post_forward_order``).
+Forward prefetch unshards the next handle in ``exec_order``; backward prefetch unshards the
+handle that finished its forward just before the current one (backward runs in reverse
+post-forward order, so the root, whose forward finishes last and whose backward starts first,
+prefetches the last block). A later forward in another order warns once; prefetch is only a
+hint, every handle still unshards itself when it runs.
 """
 
 from __future__ import annotations
@@ -218,14 +220,24 @@ def reshard_handle(state: _FSDPState, handle: FlatParamHandle, free: bool) -> No
     handle.reshard(free=free)
 
 
-def _prefetch(state: _FSDPState, handle: FlatParamHandle, offset: int) -> None:
-    """Unshard the handle ``offset`` places from ``handle`` in the recorded forward order."""
+def _prefetch_forward(state: _FSDPState, handle: FlatParamHandle) -> None:
+    """Unshard the handle whose forward comes after ``handle``'s (pre-forward order)."""
     root = state.root
-    if root is None or handle.exec_index is None:
-        return
-    index = handle.exec_index + offset
-    if 0 <= index < len(root.exec_order):
-        target = root.exec_order[index]
+    if root is not None and handle.exec_index is not None:
+        _prefetch(root, root.exec_order, handle.exec_index + 1)
+
+
+def _prefetch_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
+    """Unshard the handle whose backward comes after ``handle``'s: the one that finished its
+    forward just before it (so the root, which finishes last, prefetches the last block)."""
+    root = state.root
+    if root is not None and handle.post_forward_index is not None:
+        _prefetch(root, root.post_forward_order, handle.post_forward_index - 1)
+
+
+def _prefetch(root: _FSDPState, order: List[FlatParamHandle], index: int) -> None:
+    if 0 <= index < len(order):
+        target = order[index]
         if target.training_state in (HandleTrainingState.IDLE, HandleTrainingState.BACKWARD_PRE) and target.needs_unshard():
             _collectives.trace("prefetch", target.fqn)
             unshard(root.handle_states[id(target)], target)
@@ -246,7 +258,7 @@ def _pre_forward(state: _FSDPState, module: nn.Module, args: Tuple[Any, ...], kw
     _record_exec_order(state, handle)
     wait_unshard(state, handle)
     if state.forward_prefetch and state.root is not None and state.root.exec_order_recorded:
-        _prefetch(state, handle, +1)
+        _prefetch_forward(state, handle)
     return args, kwargs
 
 
@@ -261,8 +273,10 @@ def _root_pre_forward(state: _FSDPState, args: Tuple[Any, ...], kwargs: Dict[str
     state.exec_index = 0
     if not state.exec_order_recorded:
         state.exec_order.clear()
+        state.post_forward_order.clear()
         for h in state.all_handles:
             h.exec_index = None
+            h.post_forward_index = None
     for s in state.all_states:
         s.training_state = TrainingState.FORWARD_BACKWARD
     if state.compute_device.type != "cpu":
@@ -309,6 +323,11 @@ def _post_forward(state: _FSDPState, module: nn.Module, args: Tuple[Any, ...], o
         return output
     _collectives.trace("post_forward", handle.fqn)
     _transition(handle, (HandleTrainingState.FORWARD,), HandleTrainingState.IDLE, "post_forward")
+    root = state.root
+    if root is not None and not root.exec_order_recorded and not root.final_callback_queued \
+            and handle.post_forward_index is None:
+        handle.post_forward_index = len(root.post_forward_order)
+        root.post_forward_order.append(handle)
     if frees_after_forward(state) or not torch.is_grad_enabled():
         reshard_handle(state, handle, free=True)
     if torch.is_grad_enabled():
@@ -341,7 +360,7 @@ def _pre_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
     _transition(handle, (HandleTrainingState.IDLE,), HandleTrainingState.BACKWARD_PRE, "pre_backward")
     wait_unshard(state, handle)
     if state.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
-        _prefetch(state, handle, -1)
+        _prefetch_backward(state, handle)
 
 
 def _post_backward(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup) -> None:
@@ -364,7 +383,7 @@ def _post_backward(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup)
         if frees_after_backward(state):
             reshard_handle(state, handle, free=True)
         if state.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
-            _prefetch(state, handle, -1)
+            _prefetch_backward(state, handle)
 
 
 class _Reduction:
