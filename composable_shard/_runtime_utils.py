@@ -250,6 +250,7 @@ def _pre_forward(state: _FSDPState, module: nn.Module, args: Tuple[Any, ...], kw
     lazy_init(state)
     if state.is_root:
         args, kwargs = _root_pre_forward(state, args, kwargs)
+    args, kwargs = _cast_inputs(state, args, kwargs)
     handle = state.handle
     if handle is None:
         return args, kwargs
@@ -282,6 +283,18 @@ def _root_pre_forward(state: _FSDPState, args: Tuple[Any, ...], kwargs: Dict[str
     if state.compute_device.type != "cpu":
         args, kwargs = _move_to(args, state.compute_device), _move_to(kwargs, state.compute_device)
     return args, kwargs
+
+
+def _cast_inputs(state: _FSDPState, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    """Mixed precision: floating inputs to ``param_dtype`` at the root (``cast_root_forward_inputs``)
+    and at every fully sharded module (``cast_forward_inputs``)."""
+    mp = state.mixed_precision
+    if mp is None or mp.param_dtype is None:
+        return args, kwargs
+    if not (mp.cast_forward_inputs or (state.is_root and mp.cast_root_forward_inputs)):
+        return args, kwargs
+    return _convert(args, lambda t: t.to(mp.param_dtype) if t.is_floating_point() else t), \
+        _convert(kwargs, lambda t: t.to(mp.param_dtype) if t.is_floating_point() else t)
 
 
 def _recover_interrupted_iteration(root: _FSDPState) -> None:
@@ -543,12 +556,17 @@ def _tensors_in(obj: Any) -> List[torch.Tensor]:
 
 
 def _move_to(obj: Any, device: torch.device) -> Any:
+    return _convert(obj, lambda t: t.to(device, non_blocking=True))
+
+
+def _convert(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Apply ``fn`` to every tensor in nested tuples (named too), lists and dicts."""
     if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
+        return fn(obj)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_move_to(x, device) for x in obj))
+        return type(obj)(*(_convert(x, fn) for x in obj))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_move_to(x, device) for x in obj)
+        return type(obj)(_convert(x, fn) for x in obj)
     if isinstance(obj, dict):
-        return {k: _move_to(v, device) for k, v in obj.items()}
+        return {k: _convert(v, fn) for k, v in obj.items()}
     return obj

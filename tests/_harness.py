@@ -9,8 +9,9 @@
           torch: seconds, or tens of seconds under pytest -n on a loaded machine) does not
           eat a test's time; start-up has its own limit, STARTUP_TIMEOUT_S.
   rank    own process group, dies with the parent (PDEATHSIG). Sends ("ready", t) once
-          its stack dumps are armed (after its imports), ("fn_done", t) when fn returns, ("finished", t) after barrier + teardown, or ("error", t, traceback)
-          if anything raised, then os._exit (peers may be dead: no teardown). t is
+          its stack dumps are armed (after its imports), ("fn_done", t) when fn returns,
+          ("finished", t) after barrier + teardown, or ("error", t, traceback) if
+          anything raised; then os._exit (peers may be dead: no teardown). t is
           time.monotonic(), system-wide on Linux, so the earliest failure (the root cause)
           is reported, not the peers it broke.
   stacks  faulthandler writes a rank's stacks to its own file on a fatal signal and on
@@ -122,8 +123,8 @@ def run_distributed(
     root cause, not the peers stuck waiting for it), or ``RankTimeoutError`` naming the
     ranks that hung, with their stacks, if not all finished within ``timeout`` seconds of
     the last rank starting (after its imports; start-up itself may take up to
-    STARTUP_TIMEOUT_S). No rank outlives the call. Without it a rank's failed assertion never reaches pytest
-    and a hang stalls the whole suite.
+    STARTUP_TIMEOUT_S). No rank outlives the call. Without it a rank's failed assertion
+    never reaches pytest and a hang stalls the whole suite.
     """
     __tracebackhide__ = True  # pytest shows the failure at the test's call, not in here
     _check_arguments(fn, world_size, timeout)
