@@ -141,14 +141,27 @@ def fully_shard(
                   ignored_states=ignored_states, device_id=device_id, param_init_fn=param_init_fn,
                   sync_module_states=sync_module_states, forward_prefetch=forward_prefetch,
                   backward_prefetch=backward_prefetch, limit_all_gathers=limit_all_gathers)
-    if mixed_precision is not None and mixed_precision.keep_low_precision_grads:
-        raise NotImplementedError("fully_shard: MixedPrecision(keep_low_precision_grads=True) is not supported yet; "
-                                  "gradients are returned in the parameters' dtype.")
+    _reject_unbuilt(mixed_precision, cpu_offload, device_id)
     plan = plan_fully_shard(module, kwargs)
     root_state = fully_shard.state(module)
     groups = resolve_groups(strategy, process_group, mesh)
     apply_plan(plan, root_state, groups, _FSDPState, _finish_target)  # type: ignore[arg-type]  # state set by contract
     return module
+
+
+def _reject_unbuilt(mixed_precision: Optional[MixedPrecision], cpu_offload: Optional[CPUOffload],
+                    device_id: Union[int, torch.device, None]) -> None:
+    """Options API.md names whose runtime is not built yet raise instead of being ignored."""
+    if mixed_precision is not None and mixed_precision.keep_low_precision_grads:
+        raise NotImplementedError("fully_shard: MixedPrecision(keep_low_precision_grads=True) is not supported yet; "
+                                  "gradients are returned in the parameters' dtype.")
+    if mixed_precision is not None and mixed_precision.buffer_dtype is not None:
+        raise NotImplementedError("fully_shard: MixedPrecision(buffer_dtype=...) is not supported yet; cast the "
+                                  "buffers yourself (module.to(dtype) on the buffer's module) or leave it None.")
+    on_accelerator = device_id is not None and not (isinstance(device_id, torch.device) and device_id.type == "cpu")
+    if cpu_offload is not None and cpu_offload.offload_params and (on_accelerator or torch.cuda.is_available()):
+        raise NotImplementedError("fully_shard: CPUOffload(offload_params=True) with an accelerator is not supported "
+                                  "yet; on CPU-only runs shards already live on the CPU.")
 
 
 def _finish_target(module: nn.Module, state: _FSDPState) -> None:
