@@ -298,7 +298,12 @@ def _cast_inputs(state: _FSDPState, args: Tuple[Any, ...], kwargs: Dict[str, Any
 
 
 def _recover_interrupted_iteration(root: _FSDPState) -> None:
-    """A forward that raised leaves handles in FORWARD with unsharded views; put them back."""
+    """A forward that raised leaves handles in FORWARD with unsharded views; a backward that
+    raised leaves its end-of-backward callback unrun. Put everything back to IDLE (pending
+    reductions are still waited, so every rank's collectives stay matched)."""
+    if root.final_callback_queued:
+        log.debug("finishing a backward that did not complete")
+        _finalize_backward(root)
     for s in root.all_states:
         h = s.handle
         if h is not None and h.training_state is HandleTrainingState.FORWARD:

@@ -244,10 +244,47 @@ def _exception_in_forward() -> None:
     assert all(h.unsharded_storage_freed() for h in _get_fsdp_handles(model))
 
 
-def test_exception_in_forward_leaves_model_usable() -> None:
-    """A forward that raises leaves handles mid-forward; the next step recovers and its
-    gradients equal local training."""
-    run_distributed(_exception_in_forward, 2, timeout=60)
+def _exception_in_backward() -> None:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    reference = nn.Sequential(Flaky(), nn.Linear(6, 2))
+    torch.manual_seed(0)
+    model = nn.Sequential(Flaky(), nn.Linear(6, 2))
+    fully_shard(model[0])
+    fully_shard(model)
+    x = torch.randn(world_size * 2, 6)
+
+    def explode(grad: torch.Tensor) -> torch.Tensor:
+        raise ValueError("user error in backward")
+
+    out = model(x[rank * 2:(rank + 1) * 2])
+    out.register_hook(explode)  # raises after the root's pre-backward queued the end-of-backward step
+    loss = out.pow(2).mean()
+    try:
+        loss.backward()
+    except (ValueError, RuntimeError) as e:
+        assert "user error in backward" in str(e), e
+    else:
+        raise AssertionError("backward should have raised")
+    model.zero_grad()
+    model(x[rank * 2:(rank + 1) * 2]).pow(2).mean().backward()
+    reference(x).pow(2).mean().backward()
+    with unshard_params(model, with_grads=True):
+        grads = [(n, p.grad.clone()) for n, p in model.named_parameters()]
+    assert_params_close(grads, [(n, p.grad) for n, p in reference.named_parameters()], what="after failed backward")
+    assert all(h.unsharded_storage_freed() for h in _get_fsdp_handles(model))
+
+
+def _exceptions() -> None:
+    _exception_in_forward()
+    dist.barrier()
+    _exception_in_backward()
+
+
+def test_exception_in_forward_or_backward_leaves_model_usable() -> None:
+    """A forward that raises leaves handles mid-forward, a backward that raises leaves its
+    end-of-backward step unrun; the next step recovers and its gradients equal local training."""
+    run_distributed(_exceptions, 2, timeout=60)
 
 
 # ---------------------------------------------------------------------------- FSDPModule methods
@@ -271,8 +308,8 @@ def _no_sync_accumulation() -> None:
     assert_params_close(grads, expected, what="no_sync accumulation")
 
 
-def _accumulated_reference(model: nn.Module, world_size: int) -> List[Tuple[str, torch.Tensor]]:
-    for step in range(4):
+def _accumulated_reference(model: nn.Module, world_size: int, steps: int = 4) -> List[Tuple[str, torch.Tensor]]:
+    for step in range(steps):
         inputs, targets = batch(step, world_size)
         loss_fn(model(inputs), targets).backward()
     return [(n, p.grad.clone()) for n, p in model.named_parameters() if p.grad is not None]
@@ -304,8 +341,23 @@ def _methods() -> None:
         m.reshard()
 
 
+def _synced_accumulation() -> None:
+    """Two synced backwards without zero_grad add up, like plain autograd."""
+    world_size = dist.get_world_size()
+    expected = _accumulated_reference(make_model(), world_size, steps=2)
+    model = make_model()
+    _annotate(model)
+    local_backward(model, 0)
+    local_backward(model, 1)
+    with unshard_params(model, with_grads=True):
+        grads = [(n, p.grad.clone()) for n, p in model.named_parameters() if p.grad is not None]
+    assert_params_close(grads, expected, what="synced accumulation")
+
+
 def _methods_grid() -> None:
     _no_sync_accumulation()
+    dist.barrier()
+    _synced_accumulation()
     dist.barrier()
     _methods()
 
