@@ -31,9 +31,10 @@ hint, every handle still unshards itself when it runs.
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 
 import torch
 import torch.nn as nn
@@ -50,6 +51,22 @@ __all__ = ["register_runtime_hooks", "lazy_init", "unshard", "wait_unshard", "re
 log = logging.getLogger("composable_shard")
 
 _FREES_AFTER_FORWARD = {ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD}
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _profiled(name: str) -> Callable[[_F], _F]:
+    """Give a transition a profiler range named after it (``cs::post_backward``)."""
+    def decorate(fn: _F) -> _F:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with torch.profiler.record_function(name):
+                return fn(*args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]  # same signature as fn
+
+    return decorate
 
 
 # ---------------------------------------------------------------------------- predicates
@@ -244,6 +261,7 @@ def _prefetch(root: _FSDPState, order: List[FlatParamHandle], index: int) -> Non
 
 
 # ---------------------------------------------------------------------------- forward
+@_profiled("cs::pre_forward")
 def _pre_forward(state: _FSDPState, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
     """Pre: handle IDLE (or unsharded and IDLE). Post: handle FORWARD, unsharded views in
     place, next handle's all-gather issued when forward prefetch is on."""
@@ -333,6 +351,7 @@ def _record_exec_order(state: _FSDPState, handle: FlatParamHandle) -> None:
     root.exec_index += 1
 
 
+@_profiled("cs::post_forward")
 def _post_forward(state: _FSDPState, module: nn.Module, args: Tuple[Any, ...], output: Any) -> Any:
     """Pre: handle FORWARD. Post: handle IDLE, resharded if the strategy frees after forward
     (or if no backward will follow), pre-backward hooks on the outputs."""
@@ -363,6 +382,7 @@ def _register_pre_backward_hooks(state: _FSDPState, handle: FlatParamHandle, out
 
 
 # ---------------------------------------------------------------------------- backward
+@_profiled("cs::pre_backward")
 def _pre_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
     """Runs once per handle per backward, before its gradient computation.
     Pre: handle IDLE. Post: handle BACKWARD_PRE with unsharded views; the previous handle in
@@ -381,6 +401,7 @@ def _pre_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
         _prefetch_backward(state, handle)
 
 
+@_profiled("cs::post_backward")
 def _post_backward(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup) -> None:
     """Runs when autograd has accumulated ``group``'s unsharded gradient.
     Pre: handle BACKWARD_PRE/POST. Post: reduction issued (or gradient kept when not syncing);
@@ -500,6 +521,7 @@ def _issue_reduction(state: _FSDPState, handle: FlatParamHandle, group: FlatGrou
     root.pending_reductions.append(reduction)  # type: ignore[union-attr]
 
 
+@_profiled("cs::finalize_backward")
 def _finalize_backward(root: _FSDPState) -> None:
     """End of backward (queued by the first pre-backward): wait every reduction, reshard every
     handle, reset per-iteration state. Post: all handles IDLE, all states IDLE."""

@@ -134,7 +134,8 @@ def fully_shard(
         sync_module_states: broadcast parameters and buffers from rank 0 first.
         forward_prefetch: all-gather the next handle before the current forward computes.
         backward_prefetch: when to all-gather the next handle in backward (None: never).
-        limit_all_gathers: at most two unsharded handles in flight.
+        limit_all_gathers: at most two unsharded handles in flight. Prefetch runs one handle
+            ahead, so the bound holds by construction, without blocking the CPU thread.
     """
     kwargs = dict(process_group=process_group, mesh=mesh, policy=policy, strategy=strategy,
                   mixed_precision=mixed_precision, cpu_offload=cpu_offload, ignored_modules=ignored_modules,
