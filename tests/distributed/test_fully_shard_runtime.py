@@ -375,3 +375,32 @@ def _grads_of_reference(world_size: int) -> List[Tuple[str, torch.Tensor]]:
 
 
 _ = (Block, local_rows)
+
+
+# ---------------------------------------------------------------------------- clip_grad_norm_
+def _clip_grad_norm(norm_type: float) -> None:
+    world_size = dist.get_world_size()
+    reference = make_model()
+    inputs, targets = batch(0, world_size)
+    loss_fn(reference(inputs), targets).backward()
+    expected_total = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05, norm_type=norm_type)
+    model = make_model()
+    _annotate(model)
+    local_backward(model, 0)
+    total = model.clip_grad_norm_(0.05, norm_type=norm_type)
+    assert torch.allclose(total, expected_total, atol=1e-6), (total, expected_total)
+    with unshard_params(model, with_grads=True):
+        grads = [(n, p.grad.clone()) for n, p in model.named_parameters() if p.grad is not None]
+    assert_params_close(grads, [(n, p.grad) for n, p in reference.named_parameters() if p.grad is not None],
+                        atol=1e-6, what=f"clipped grads (norm {norm_type})")
+
+
+def _clip_grid() -> None:
+    run_subtests(_clip_grad_norm, {"norm_type": [2.0, 1.0, float("inf")]})
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_clip_grad_norm_over_all_shards(world_size: int) -> None:
+    """The total norm (2, 1, inf) over every shard on every rank equals the unsharded model's,
+    and the clipped gradients equal torch.nn.utils.clip_grad_norm_ on local training."""
+    run_distributed(_clip_grid, world_size, timeout=120)

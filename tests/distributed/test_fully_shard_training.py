@@ -93,11 +93,28 @@ def _torch_fsdp1_subtest(strategy: ShardingStrategy) -> None:
     assert_params_close(_full_params(model), expected, what=f"[{strategy.name} vs torch FSDP]")
 
 
+def _hybrid_with_group_pair() -> None:
+    """HYBRID_SHARD from an explicit (shard group, replicate group) pair: shard over {0,1} and
+    {2,3}, replicate over {0,2} and {1,3}."""
+    shard, _ = dist.new_subgroups_by_enumeration([[0, 1], [2, 3]])
+    replicate, _ = dist.new_subgroups_by_enumeration([[0, 2], [1, 3]])
+    reference = make_model()
+    expected_losses = reference_training(reference, STEPS, 4)
+    model = make_model()
+    fully_shard(model, policy=ModuleWrapPolicy({Block, Scale}), strategy=ShardingStrategy.HYBRID_SHARD,
+                process_group=(shard, replicate))
+    assert fully_shard.state(model).world_size == 2 and fully_shard.state(model).dp_world_size == 4
+    assert_losses_close(distributed_training(model, STEPS), expected_losses, what="[hybrid pair]")
+    assert_params_close(_full_params(model), list(reference.named_parameters()), what="[hybrid pair]")
+
+
 def _parity(strategies: List[ShardingStrategy]) -> None:
     run_subtests(_parity_subtest, {"strategy": strategies, "annotation": ["manual", "policy"],
                                    "forward_prefetch": [False, True]})
     if dist.get_world_size() > 1:
         run_subtests(_torch_fsdp1_subtest, {"strategy": strategies})
+    if dist.get_world_size() == 4:
+        _hybrid_with_group_pair()
 
 
 _ALL = [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD,
