@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import _collectives
-from ._common_utils import FSDP_API_NAME, _FSDPState, _is_fsdp_flattened
+from ._common_utils import _FSDPState, _is_fsdp_flattened
 from ._flat_param import FlatParamHandle
 from ._traversal_utils import _composable, _get_fsdp_states
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy

@@ -10,7 +10,7 @@ instance of the *original* class, because a copy has none of the API's state.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple, Type
+from typing import Any, Dict, Tuple
 
 import torch.nn as nn
 

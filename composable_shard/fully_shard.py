@@ -14,7 +14,7 @@ product of both sizes.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterable, Iterator, List, Optional, Union
+from typing import Any, Callable, Iterable, List, Optional, Union
 
 import torch
 import torch.distributed as dist

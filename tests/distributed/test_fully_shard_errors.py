@@ -7,9 +7,8 @@ registered) and fail much later with an unrelated message, or hang.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, List, Tuple
 
-import pytest
 import torch
 import torch.nn as nn
 
@@ -113,5 +112,3 @@ def test_errors_are_clear_and_leave_the_model_unchanged() -> None:
     twice, a nested FlatParameter and bad arguments raise naming what to fix; nothing changes."""
     run_distributed(_errors, 2, timeout=90)
 
-
-_ = (Dict,)

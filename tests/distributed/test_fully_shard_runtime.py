@@ -15,12 +15,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from composable_shard import BackwardPrefetch, ShardingStrategy, fully_shard, unshard_params
+from composable_shard import BackwardPrefetch, fully_shard, unshard_params
 from composable_shard._collectives import record_collectives
 from composable_shard._traversal_utils import _get_fsdp_handles
 from tests._harness import run_distributed, run_subtests
-from tests._models import (Block, assert_params_close, batch, local_backward, local_rows, loss_fn, make_model,
-                           reference_grads)
+from tests._models import (assert_params_close, batch, local_backward, loss_fn, make_model)
 
 
 def _annotate(model: nn.Module, **kwargs: object) -> None:
@@ -370,11 +369,6 @@ def test_no_sync_and_manual_unshard(world_size: int) -> None:
     run_distributed(_methods_grid, world_size, timeout=120)
 
 
-def _grads_of_reference(world_size: int) -> List[Tuple[str, torch.Tensor]]:
-    return reference_grads(make_model(), 0, world_size)
-
-
-_ = (Block, local_rows)
 
 
 # ---------------------------------------------------------------------------- clip_grad_norm_

@@ -9,7 +9,7 @@ per-rank losses). Collective counts and bytes come from ``_collectives.record_co
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import pytest
 import torch
