@@ -156,6 +156,8 @@ def _restore(item: _Summoned, writeback: bool) -> None:
         fp.data.copy_(item.full[start:start + fp.numel()])
     if item.saved_shard is not None:
         fp.data.copy_(item.saved_shard)
+    if writeback:
+        handle.reshard(free=True)  # a kept unsharded buffer (reshard_after_backward=False) is stale now
     handle._point_params_at_shard(group)
     for p in group.orig_params:
         p.grad = None

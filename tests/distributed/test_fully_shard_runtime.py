@@ -329,6 +329,9 @@ def _methods() -> None:
     local_backward(model, 0)
     if dist.get_world_size() > 1:
         assert not handle.unsharded_storage_freed(), "reshard_after_backward=False must keep parameters unsharded"
+    with unshard_params(model, writeback=True):
+        pass
+    assert handle.unsharded_storage_freed(), "a written-back shard must not leave a stale unsharded buffer"
     model.set_reshard_after_backward(True)
     model.zero_grad()
     handle.unshard()  # the handle-level API: full-shape views installed in the module
