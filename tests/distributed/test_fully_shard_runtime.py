@@ -218,7 +218,8 @@ class Flaky(nn.Module):
         return y
 
 
-def _exception_in_forward() -> None:
+def _flaky_models() -> Tuple[nn.Module, nn.Module, torch.Tensor, torch.Tensor]:
+    """(reference, fully sharded model, global batch, this rank's rows), same init."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     reference = nn.Sequential(Flaky(), nn.Linear(6, 2))
@@ -227,51 +228,48 @@ def _exception_in_forward() -> None:
     fully_shard(model[0])
     fully_shard(model)
     x = torch.randn(world_size * 2, 6)
+    return reference, model, x, x[rank * 2:(rank + 1) * 2]
+
+
+def _check_next_step_matches(reference: nn.Module, model: nn.Module, x: torch.Tensor, local_x: torch.Tensor,
+                             what: str) -> None:
+    model(local_x).pow(2).mean().backward()
+    reference(x).pow(2).mean().backward()
+    with unshard_params(model, with_grads=True):
+        grads = [(n, p.grad.clone()) for n, p in model.named_parameters()]
+    assert_params_close(grads, [(n, p.grad) for n, p in reference.named_parameters()], what=what)
+    assert all(h.unsharded_storage_freed() for h in _get_fsdp_handles(model))
+
+
+def _exception_in_forward() -> None:
+    reference, model, x, local_x = _flaky_models()
     model[0].fail = True
     try:
-        model(x[rank * 2:(rank + 1) * 2])
+        model(local_x)
     except ValueError:
         pass
     else:
         raise AssertionError("forward should have raised")
     model[0].fail = False
-    model(x[rank * 2:(rank + 1) * 2]).pow(2).mean().backward()
-    reference(x).pow(2).mean().backward()
-    with unshard_params(model, with_grads=True):
-        grads = [(n, p.grad.clone()) for n, p in model.named_parameters()]
-    assert_params_close(grads, [(n, p.grad) for n, p in reference.named_parameters()], what="after failed forward")
-    assert all(h.unsharded_storage_freed() for h in _get_fsdp_handles(model))
+    _check_next_step_matches(reference, model, x, local_x, "after failed forward")
 
 
 def _exception_in_backward() -> None:
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    reference = nn.Sequential(Flaky(), nn.Linear(6, 2))
-    torch.manual_seed(0)
-    model = nn.Sequential(Flaky(), nn.Linear(6, 2))
-    fully_shard(model[0])
-    fully_shard(model)
-    x = torch.randn(world_size * 2, 6)
+    reference, model, x, local_x = _flaky_models()
 
     def explode(grad: torch.Tensor) -> torch.Tensor:
         raise ValueError("user error in backward")
 
-    out = model(x[rank * 2:(rank + 1) * 2])
+    out = model(local_x)
     out.register_hook(explode)  # raises after the root's pre-backward queued the end-of-backward step
-    loss = out.pow(2).mean()
     try:
-        loss.backward()
+        out.pow(2).mean().backward()
     except (ValueError, RuntimeError) as e:
         assert "user error in backward" in str(e), e
     else:
         raise AssertionError("backward should have raised")
     model.zero_grad()
-    model(x[rank * 2:(rank + 1) * 2]).pow(2).mean().backward()
-    reference(x).pow(2).mean().backward()
-    with unshard_params(model, with_grads=True):
-        grads = [(n, p.grad.clone()) for n, p in model.named_parameters()]
-    assert_params_close(grads, [(n, p.grad) for n, p in reference.named_parameters()], what="after failed backward")
-    assert all(h.unsharded_storage_freed() for h in _get_fsdp_handles(model))
+    _check_next_step_matches(reference, model, x, local_x, "after failed backward")
 
 
 def _exceptions() -> None:
