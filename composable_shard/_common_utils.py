@@ -19,7 +19,7 @@ from .contract import _root_modules, _State
 
 if TYPE_CHECKING:
     from ._flat_param import FlatParamHandle
-    from ._runtime_utils import _Streams
+    from ._streams import Streams
 
 __all__ = [
     "TrainingState",
@@ -76,6 +76,7 @@ class _FSDPState(_State):
         self.limit_all_gathers: bool = True
         self.compute_device: torch.device = torch.device("cpu")  # where forward runs
         self.ignored_params: Set[nn.Parameter] = set()  # never flattened nor reduced
+        self.ignored_modules: Set[nn.Module] = set()  # subtrees (with their roots) left alone
         self.handle: Optional["FlatParamHandle"] = None  # None if the module owns no parameters
         # -- per-module switches (FSDPModule methods) --
         self.sync_gradients: bool = True  # False: accumulate unsharded grads, no communication
@@ -93,9 +94,15 @@ class _FSDPState(_State):
         self.exec_order_recorded: bool = False  # True once the first iteration finished
         self.exec_index: int = 0  # position in exec_order during the current forward
         self.warned_order_change: bool = False  # one warning per root when the order changes
-        self.final_callback_queued: bool = False  # end-of-backward callback queued this pass
-        self.pending_reductions: List[Any] = []  # reductions issued, not yet finished
-        self.streams: Optional["_Streams"] = None  # CUDA streams shared by the tree (no-ops on CPU)
+        self.final_callback_queued: bool = False  # a backward started (its end-of-backward callback is queued)
+        self.forward_in_progress: bool = False  # between the root's pre-forward and post-forward
+        self.pending_reductions: List[Any] = []  # reductions issued, not yet finished (a few at most)
+        self.check_order: bool = True  # agree across ranks before each all-gather (first iteration, debug)
+        self.debug_checks: bool = False  # COMPOSABLE_SHARD_DEBUG: agree before every collective, every step
+        self.seen_changes_epoch: int = 0  # _watch.changes_epoch() when this root last checked for changes
+        # -- any state --
+        self.model_change: Optional[str] = None  # a structure change made after fully_shard (raised at forward)
+        self.streams: Optional["Streams"] = None  # CUDA streams shared by the tree (no-ops on CPU)
 
     # Convenience for error messages.
     def describe(self) -> str:

@@ -19,21 +19,32 @@ buffer that all-gathers write into and the module computes on.
 * When the shard group has one rank and no dtype cast is needed, the unsharded buffer *is* the
   shard (no all-gather, nothing freed).
 
+[Note: Gradients follow the user]
+* After a synced backward each original parameter's ``.grad`` is a view of the group's sharded
+  gradient (``None`` for a parameter that requires no grad or got no gradient on any rank).
+  The handle keeps only a weak reference to that buffer: the views own it, so
+  ``zero_grad(set_to_none=True)`` frees it at once, as it frees a plain model's gradients; with
+  ``set_to_none=False`` the zeroed views keep it and the next backward accumulates into it.
+* The next backward adds to whatever ``.grad`` holds, per parameter, as autograd does: ``None``
+  starts from zero, our view accumulates in place, a tensor the user assigned is added to.
+
 This file registers no hooks and issues no collectives: ``unshard()`` delegates to the
 runtime (``_runtime_utils.py``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 
 from . import _shard_math
 from ._common_utils import HandleTrainingState, _set_fsdp_flattened
-from ._torch_compat import set_module_tensor
+from . import _watch
+from ._torch_compat import set_module_tensor, tensor_version
 
 __all__ = ["FlatParameter", "FlatParamHandle", "ParamInfo", "SharedParamInfo", "FlatGroup"]
 
@@ -85,14 +96,32 @@ class FlatGroup:
     padded_unsharded_flat: torch.Tensor  # leaf the module computes on; storage freed when sharded
     aliases_shard: bool  # True: padded_unsharded_flat shares the shard's storage (no all-gather)
     split_sizes: List[int]  # numels plus the padding, for torch.split
-    sharded_grad: Optional[torch.Tensor] = None  # reduced gradient shard the .grad views point into
+    index: int = 0  # position in the handle's groups
+    reduced_grad: Optional[torch.Tensor] = None  # this backward's gradient shard until attached to .grad
+    sharded_grad_ref: Optional[Callable[[], Optional[torch.Tensor]]] = None  # weak: the .grad views own it
+    unreduced_grad: Optional[torch.Tensor] = None  # unsynced backwards' padded unsharded gradient sum
     pending_unshard: Optional[Any] = None  # _collectives.Pending of an in-flight all-gather
     comm_shard: Optional[torch.Tensor] = None  # cast/moved shard kept alive during the all-gather
+    gathered_at: Tuple[int, int] = (-1, -1)  # (params' version sum, optimizer epoch) at the last gather
     grad_ready: bool = False  # this backward's gradient was accumulated and taken
+    requires_grad_mask: Tuple[bool, ...] = ()  # orig params' requires_grad at the last refresh
+    post_backward_hook: Optional[Any] = None  # RemovableHandle of the post-accumulate-grad hook
+    used: List[bool] = field(default_factory=list)  # per orig param: got a gradient since the last sync
+    had_grad: List[bool] = field(default_factory=list)  # per orig param: .grad was set before accumulating
+    reduced: bool = False  # a reduced gradient was accumulated and awaits attaching to .grad
+
+    @property
+    def sharded_grad(self) -> Optional[torch.Tensor]:
+        """The gradient shard the original parameters' ``.grad`` views point into: alive only
+        while some view is (see [Note: Gradients follow the user]), or not attached yet."""
+        if self.reduced_grad is not None:
+            return self.reduced_grad
+        return self.sharded_grad_ref() if self.sharded_grad_ref is not None else None
 
     @property
     def requires_grad(self) -> bool:
-        return self.flat_param.requires_grad
+        """True if some original parameter requires grad (as of the last refresh)."""
+        return any(self.requires_grad_mask)
 
     @property
     def padded_numel(self) -> int:
@@ -114,6 +143,26 @@ def _free_storage(tensor: torch.Tensor) -> None:
 
 def _storage_is_allocated(tensor: torch.Tensor) -> bool:
     return tensor.untyped_storage().size() > 0
+
+
+class _SplitBackwardHook:
+    """Autograd pre-hook of the split that makes a group's unsharded views; it runs when every
+    view's gradient is computed, just before they are concatenated into the group's unsharded
+    gradient. ``grad_outputs`` holds ``None`` for every view no gradient reached, so the others
+    were used; and the handle's ``before_unsharded_grad`` callback runs (the runtime releases
+    earlier reductions' buffers there, before this one is allocated)."""
+
+    def __init__(self, handle: "FlatParamHandle", group: FlatGroup) -> None:
+        self.handle = handle
+        self.group = group
+
+    def __call__(self, grad_outputs: Tuple[Optional[torch.Tensor], ...]) -> None:
+        used = self.group.used
+        for i in range(len(used)):
+            if grad_outputs[i] is not None:
+                used[i] = True
+        if self.handle.before_unsharded_grad is not None:
+            self.handle.before_unsharded_grad()
 
 
 class FlatParamHandle:
@@ -149,8 +198,9 @@ class FlatParamHandle:
         self.needs_pre_backward: bool = True  # False once this backward's pre-backward ran
         self.exec_index: Optional[int] = None  # position in the root's pre-forward order
         self.post_forward_index: Optional[int] = None  # position in the root's post-forward order
-        self.pending_reductions: List[Any] = []  # reductions of this handle not yet finished
-        self.unreduced_grads: Dict[int, torch.Tensor] = {}  # group index -> accumulated grad (no sync)
+        self.index: int = -1  # position in the root's handles (set at lazy init; names it across ranks)
+        self.before_unsharded_grad: Optional[Callable[[], None]] = None  # set by the runtime, see _SplitBackwardHook
+        self.recomputes_in_backward: bool = False  # its forward runs again in backward (activation checkpointing)
         self.state: Optional[Any] = None  # the owning _FSDPState (set by fully_shard; for unshard())
         self._build(params, module, module_fqn, param_dtype)
 
@@ -174,13 +224,15 @@ class FlatParamHandle:
                 first_index[id(p)] = (key, len(group))
                 group.append((p, ParamInfo(name, sub, sub_name)))
         for key, members in by_group.items():
-            self.groups.append(self._build_group(key, members, shared.get(key, []), module_fqn, param_dtype))
+            built = self._build_group(key, members, shared.get(key, []), module_fqn, param_dtype)
+            built.index = len(self.groups)
+            self.groups.append(built)
 
     def _build_group(self, key: Tuple[torch.dtype, bool], members: List[Tuple[nn.Parameter, ParamInfo]],
                      shared: List[Tuple[SharedParamInfo, nn.Parameter]], module_fqn: str,
                      param_dtype: Optional[torch.dtype]) -> FlatGroup:
         dtype, requires_grad = key
-        prefix = f"{module_fqn}." if module_fqn else ""
+        prefix = ""  # _fqns are relative to the owning module (API.md); module_fqn only names the handle
         numels = [p.numel() for p, _ in members]
         total = sum(numels)
         padded = _shard_math.padded_numel(total, self.world_size)
@@ -212,6 +264,9 @@ class FlatParamHandle:
         orig_params = [p for p, _ in members]
         group = FlatGroup(flat_param, orig_params, compute_dtype, unsharded, aliases,
                           numels + ([padded - total] if padded > total else []))
+        group.requires_grad_mask = tuple(p.requires_grad for p in orig_params)
+        group.used = [False] * len(orig_params)
+        group.had_grad = [False] * len(orig_params)
         self._point_params_at_shard(group)
         return group
 
@@ -251,25 +306,43 @@ class FlatParamHandle:
     def prepare_gather(self, group: FlatGroup) -> Tuple[torch.Tensor, torch.Tensor]:
         """Allocate the unsharded storage and return ``(output, input)`` for the all-gather:
         the output aliases ``padded_unsharded_flat``; the input is the shard cast/moved to the
-        compute dtype/device (kept alive on the group until the gather is waited)."""
+        compute dtype/device (kept alive on the group until the gather is waited). Records
+        what the buffer is gathered from (see :meth:`is_stale`)."""
         _alloc_storage(group.padded_unsharded_flat)
         shard = group.flat_param.data
         if shard.dtype != group.compute_dtype or shard.device != self.compute_device:
             shard = shard.to(device=self.compute_device, dtype=group.compute_dtype, non_blocking=True)
         group.comm_shard = shard
+        group.gathered_at = (self._version_sum(group), _watch.optimizer_epoch())
         return group.padded_unsharded_flat.data, shard
+
+    def is_stale(self) -> bool:
+        """True if a kept unsharded buffer may no longer hold the shards' values: an original
+        parameter was edited in place, or an optimizer stepped, since it was gathered."""
+        epoch = _watch.optimizer_epoch()
+        return any(not g.aliases_shard and _storage_is_allocated(g.padded_unsharded_flat)
+                   and g.gathered_at != (self._version_sum(g), epoch) for g in self.groups)
+
+    @staticmethod
+    def _version_sum(group: FlatGroup) -> int:
+        return sum(tensor_version(p) for p in group.orig_params)
 
     def use_unsharded_views(self) -> None:
         """Install full-shape views of the unsharded buffers in the module slots.
-        Pre: every group's unsharded buffer is filled."""
+        Pre: every group's unsharded buffer is filled. A parameter frozen after fully_shard
+        gets a view that does not require grad; each view's use in backward is recorded in
+        ``group.used`` (a parameter no backward reached keeps ``.grad = None``)."""
         for group in self.groups:
             fp = group.flat_param
             pieces = torch.split(group.padded_unsharded_flat, group.split_sizes)
-            views = [piece.view(shape) for piece, shape in zip(pieces, fp._shapes)]
+            views = [piece.view(shape) if trainable else piece.detach().view(shape)
+                     for piece, shape, trainable in zip(pieces, fp._shapes, group.requires_grad_mask)]
             for view, info in zip(views, fp._param_infos):
                 set_module_tensor(info.module, info.param_name, view)
             for sinfo in fp._shared_param_infos:
                 set_module_tensor(sinfo.module, sinfo.param_name, views[sinfo.prim_param_index])
+            if pieces and pieces[0].grad_fn is not None:
+                pieces[0].grad_fn.register_prehook(_SplitBackwardHook(self, group))
         self.is_unsharded = True
 
     def use_sharded_views(self) -> None:
@@ -302,42 +375,80 @@ class FlatParamHandle:
         for group in self.groups:
             group.comm_shard = None
 
+    # ------------------------------------------------------------------ requires_grad
+    def refresh_requires_grad(self) -> List[FlatGroup]:
+        """Follow ``requires_grad`` changed on original parameters since the last call
+        (freeze/unfreeze after fully_shard): the unsharded buffer requires grad iff some
+        parameter of its group does. Returns the groups that became trainable."""
+        became_trainable: List[FlatGroup] = []
+        for group in self.groups:
+            mask = tuple(p.requires_grad for p in group.orig_params)
+            if mask == group.requires_grad_mask:
+                continue
+            if any(mask) and not group.requires_grad:
+                became_trainable.append(group)
+            group.requires_grad_mask = mask
+            group.padded_unsharded_flat.requires_grad_(any(mask))
+        return became_trainable
+
     # ------------------------------------------------------------------ gradients
     def take_unsharded_grad(self, group: FlatGroup) -> Optional[torch.Tensor]:
         """Detach the padded unsharded gradient from the leaf (so the next backward starts a
         fresh one) and return it, added to any gradient kept from unsynced backwards."""
         grad = group.padded_unsharded_flat.grad
         group.padded_unsharded_flat.grad = None
-        index = self.groups.index(group)
-        kept = self.unreduced_grads.pop(index, None)
+        kept, group.unreduced_grad = group.unreduced_grad, None
         if kept is not None:
             grad = kept if grad is None else kept.add_(grad)
         return grad
 
     def keep_unreduced(self, group: FlatGroup, grad: torch.Tensor) -> None:
         """Keep an unsynced backward's unsharded gradient for the next synced one."""
-        self.unreduced_grads[self.groups.index(group)] = grad
+        group.unreduced_grad = grad
 
     def accumulate_sharded_grad(self, group: FlatGroup, reduced: torch.Tensor) -> None:
-        """Make ``reduced`` (this rank's averaged shard, any dtype) the group's gradient, or add
-        it to the existing one if the user kept gradients (no ``zero_grad``)."""
+        """Make ``reduced`` (this rank's averaged shard, any dtype) the group's gradient, plus
+        whatever the original parameters' ``.grad`` held (as autograd accumulates): a parameter
+        whose ``.grad`` the user set to None starts from zero, one holding our view or a tensor
+        of the user's adds to it. Attached to ``.grad`` by :meth:`attach_grads`."""
         fp = group.flat_param
         reduced = reduced.to(dtype=fp.dtype, device=fp.device)
-        if group.sharded_grad is not None and self._grads_attached(group):
-            group.sharded_grad.add_(reduced)
+        grads = [p.grad for p in group.orig_params]
+        group.had_grad = [g is not None for g in grads]
+        old = group.sharded_grad
+        if old is not None and all(g is not None and g._base is old for g in grads):
+            old.add_(reduced)  # every .grad is still our view: accumulate in place
+            reduced = old
         else:
-            group.sharded_grad = reduced
-        self._attach_grads(group)
+            for g, s in zip(grads, fp._shard_slices):
+                if g is not None and s.numel > 0:
+                    reduced[s.shard_start:s.shard_start + s.numel].add_(g.reshape(-1).to(reduced.dtype))
+        group.reduced_grad = reduced
+        group.reduced = True
 
-    def _grads_attached(self, group: FlatGroup) -> bool:
-        return any(p.grad is not None for p in group.orig_params)
+    def attach_grads(self, group: FlatGroup, used: Sequence[bool]) -> None:
+        """After a synced backward: each original parameter's ``.grad`` is its view of the
+        sharded gradient if it requires grad and had a gradient before or got one on some rank
+        in this backward (``used``); otherwise ``None``, as local training leaves it."""
+        sharded_grad = group.reduced_grad
+        for i, (p, s) in enumerate(zip(group.orig_params, group.flat_param._shard_slices)):
+            keep = sharded_grad is not None and group.requires_grad_mask[i] and (group.had_grad[i] or used[i])
+            p.grad = sharded_grad[s.shard_start:s.shard_start + s.numel] if keep else None  # type: ignore[index]  # checked
+        group.sharded_grad_ref = weakref.ref(sharded_grad) if sharded_grad is not None else None
+        group.reduced_grad = None  # from here on the views own it
+        group.reduced = False
+        group.used = [False] * len(group.orig_params)
 
-    def _attach_grads(self, group: FlatGroup) -> None:
-        sharded_grad = group.sharded_grad
-        if sharded_grad is None:
-            return
-        for p, s in zip(group.orig_params, group.flat_param._shard_slices):
-            p.grad = sharded_grad[s.shard_start:s.shard_start + s.numel]
+    def discard_backward(self) -> None:
+        """Forget every gradient of a backward that raised (and of unsynced backwards before
+        it, which the failed one may have added to): nothing of it reaches ``.grad``."""
+        for group in self.groups:
+            group.padded_unsharded_flat.grad = None
+            group.unreduced_grad = None
+            group.grad_ready = False
+            group.reduced = False
+            group.reduced_grad = None
+            group.used = [False] * len(group.orig_params)
 
     def __repr__(self) -> str:
         return f"FlatParamHandle({self.fqn or '<root>'}, groups={len(self.groups)}, state={self.training_state.name})"

@@ -1,16 +1,44 @@
-"""Everything ``fully_shard(...)`` does before the first forward: plan, validate, then mutate.
+"""Everything ``fully_shard(...)`` does before the first forward: check, plan, then mutate.
 
+:func:`composable_shard._validation.check_fully_shard_arguments` has refused arguments of the
+wrong type or value before any of this runs.
 :func:`plan_fully_shard` computes the fully sharded modules (the called module plus the
-policy's targets), which parameters each one's handle owns, and the process groups, and
-raises on any bad input without touching the model. :func:`apply_plan` then materializes,
-moves, synchronizes, flattens and registers hooks.
+policy's targets) and which parameters each one's handle owns, and raises on any bad input or
+annotation without touching the model. :func:`apply_plan` then materializes meta tensors,
+collects the parameters again (``param_init_fn`` may have replaced them), moves, synchronizes,
+flattens and hands each fully sharded module to the caller to register hooks.
+
+[Note: Shared parameters]
+  One parameter object can be registered at several places (tied weights). Each registration
+  lies under an innermost *target* (a module this call fully shards). Under a policy the
+  parameter goes to the lowest target that contains all of its registrations (the call's module
+  at worst), as torch's composable ``fully_shard`` does; that handle installs its views at
+  every registration, so the parameter is flattened and reduced once. A parameter that an
+  existing handle (from an earlier call) already owns cannot move any more: the call that would
+  share it raises, naming both places and the fix (annotate the lowest common ancestor only; a
+  child annotated after its parent: annotate children first, or not separately).
+  :data:`_FULLY_SHARDED_MODULES` remembers every fully sharded module of the process (weakly)
+  so that a call on a sibling or a descendant sees what earlier calls own.
+
+[Note: Meta materialization]
+  Without ``param_init_fn``, every managed module with meta tensors of its own gets them
+  replaced by empty tensors on the compute device (tied parameters stay tied) and then runs its
+  ``reset_parameters()`` once, in ``.modules()`` order; whatever of the module was already
+  materialized (a parameter tied to an earlier module, a tensor that was not on meta) keeps its
+  values. A module with meta tensors and no ``reset_parameters`` is refused before anything
+  changes. With ``param_init_fn``, it is called once per fully sharded module that still has
+  meta tensors, children before parents (the order handles are built), before any parameter is
+  collected; parameters it registers (``setattr(sub, name, nn.Parameter(...))``) are the ones
+  the handles flatten. Meta tensors left afterwards raise; the model then has no fully_shard
+  state, hook or class change (the user's function may have materialized some tensors).
 """
 
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -20,16 +48,21 @@ from . import _collectives
 from ._common_utils import _FSDPState, _is_fsdp_flattened
 from ._flat_param import FlatParamHandle
 from ._traversal_utils import _composable, _get_fsdp_states
-from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from .api import CPUOffload, MixedPrecision, ShardingStrategy
 from .contract import _get_module_state, _get_registry
+from ._validation import check_config
 from .wrap import _as_policy
 
-__all__ = ["Plan", "plan_fully_shard", "apply_plan"]
+__all__ = ["Plan", "plan_fully_shard", "apply_plan", "resolve_groups"]
 
 _HYBRID = {ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2}
 _CONFIG_KEYS = ("strategy", "mixed_precision", "cpu_offload", "forward_prefetch", "backward_prefetch", "limit_all_gathers")
 
+# Every module a fully_shard call made a fully sharded module, held weakly (see [Note: Shared parameters]).
+_FULLY_SHARDED_MODULES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
+
+# ---------------------------------------------------------------------------- plan
 @dataclass
 class _Groups:
     shard: Optional[dist.ProcessGroup]  # None: shard group of one rank (NO_SHARD)
@@ -39,12 +72,12 @@ class _Groups:
     dp_world_size: int
 
 
-@dataclass
+@dataclass(eq=False)
 class _Target:
-    module: nn.Module
-    fqn: str
-    config: Dict[str, Any]
-    params: List[nn.Parameter] = field(default_factory=list)
+    module: nn.Module  # a module this call makes a fully sharded module
+    fqn: str  # relative to the call's module
+    config: Dict[str, Any]  # the _CONFIG_KEYS options for it (a policy may override some)
+    params: List[nn.Parameter] = field(default_factory=list)  # what its handle flattens
 
 
 @dataclass
@@ -52,7 +85,7 @@ class Plan:
     """What ``fully_shard`` will do, computed and validated before any mutation."""
 
     root: nn.Module
-    targets: List[_Target]  # bottom-up: every target after all targets it contains
+    targets: List[_Target]  # children before parents, left to right (the order handles are built)
     ignored_params: Set[nn.Parameter]
     ignored_modules: Set[nn.Module]
     compute_device: torch.device
@@ -60,61 +93,64 @@ class Plan:
     sync_module_states: bool
     device_id: Optional[torch.device]
 
+    @property
+    def strategies(self) -> List[ShardingStrategy]:
+        """The distinct strategies of the targets, in target order (same on every rank)."""
+        out: List[ShardingStrategy] = []
+        for t in self.targets:
+            if t.config["strategy"] not in out:
+                out.append(t.config["strategy"])
+        return out
+
 
 def plan_fully_shard(root: nn.Module, kwargs: Dict[str, Any]) -> Plan:
-    """Validate ``fully_shard(root, **kwargs)`` and return the :class:`Plan`; raises with a
-    message naming the module/parameter on bad input, leaving the model untouched."""
-    registry: Dict[str, Any] = dict(_get_registry(root) or {})
-    if "replicate" in registry:
+    """Return the :class:`Plan` of ``fully_shard(root, **kwargs)`` (arguments already checked by
+    :func:`check_fully_shard_arguments`); raises with a message naming the module/parameter on a
+    bad composition or annotation, leaving the model untouched."""
+    _check_composition(root)
+    ignored_modules = _expand_ignored_modules(root, kwargs["ignored_modules"], kwargs["ignored_states"])
+    ignored_params = _ignored_params(ignored_modules, kwargs["ignored_states"])
+    device_id = _normalize_device(kwargs["device_id"])
+    plan = Plan(root, [], ignored_params, ignored_modules, _compute_device(root, device_id),
+                kwargs["param_init_fn"], kwargs["sync_module_states"], device_id)
+    plan.targets = _select_targets(plan, kwargs["policy"], {k: kwargs[k] for k in _CONFIG_KEYS})
+    _assign_params(plan)
+    _check_not_inside_initialized_root(root)
+    if plan.param_init_fn is None:
+        _check_meta_initializable(plan)
+    return plan
+
+
+def _check_composition(root: nn.Module) -> None:
+    name = type(root).__name__
+    if "replicate" in (_get_registry(root) or {}):
         raise RuntimeError(
-            f"fully_shard({type(root).__name__}): the module is already managed by replicate; a module can be "
+            f"fully_shard({name}): the module is already managed by replicate; a module can be "
             "managed by one data-parallel API. Apply fully_shard to its submodules, or use only replicate."
         )
-    _validate_config(root, kwargs)
-    ignored_modules = _expand_ignored_modules(root, kwargs.get("ignored_modules"), kwargs.get("ignored_states"))
-    ignored_params = _ignored_params(root, ignored_modules, kwargs.get("ignored_states"))
-    config = {k: kwargs[k] for k in _CONFIG_KEYS}
-    targets = _select_targets(root, kwargs.get("policy"), ignored_modules, config)
-    _assign_params(root, targets, ignored_modules, ignored_params)
-    device_id = _normalize_device(kwargs.get("device_id"))
-    return Plan(root, targets, ignored_params, ignored_modules, _compute_device(root, device_id),
-                kwargs.get("param_init_fn"), bool(kwargs.get("sync_module_states")), device_id)
-
-
-def _validate_config(root: nn.Module, kwargs: Dict[str, Any]) -> None:
-    name = type(root).__name__
-    if not isinstance(kwargs["strategy"], ShardingStrategy):
-        raise TypeError(f"fully_shard({name}): strategy must be a ShardingStrategy, got {kwargs['strategy']!r}")
-    mp = kwargs.get("mixed_precision")
-    if mp is not None and not isinstance(mp, MixedPrecision):
-        raise TypeError(f"fully_shard({name}): mixed_precision must be a MixedPrecision, got {type(mp).__name__}")
-    off = kwargs.get("cpu_offload")
-    if off is not None and not isinstance(off, CPUOffload):
-        raise TypeError(f"fully_shard({name}): cpu_offload must be a CPUOffload, got {type(off).__name__}")
-    bp = kwargs.get("backward_prefetch")
-    if bp is not None and not isinstance(bp, BackwardPrefetch):
-        raise TypeError(f"fully_shard({name}): backward_prefetch must be a BackwardPrefetch or None, got {bp!r}")
-    if kwargs.get("mesh") is not None and kwargs.get("process_group") is not None:
-        raise ValueError(f"fully_shard({name}): pass either process_group or mesh, not both")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(f"fully_shard({name}): torch.distributed is not initialized; call "
                            "dist.init_process_group(...) first (torchrun sets up the environment).")
 
 
-def _expand_ignored_modules(root: nn.Module, ignored_modules: Optional[Iterable[nn.Module]],
-                            ignored_states: Optional[Iterable[Any]]) -> Set[nn.Module]:
+def _check_not_inside_initialized_root(root: nn.Module) -> None:
+    """A module inside a tree that already ran forward would become a second root (checked
+    after the parameter conflicts, which give the more precise message)."""
+    for other in list(_FULLY_SHARDED_MODULES):
+        state = _get_module_state(other, _FSDPState)
+        if other is not root and state is not None and state.is_root and any(m is root for m in other.modules()):
+            raise RuntimeError(
+                f"fully_shard({type(root).__name__}): an ancestor ({type(other).__name__}) is already fully sharded "
+                "and has run forward; fully_shard must be applied to children before their parents and before the "
+                "first forward. Annotate this module first, then its ancestors, on a fresh model.")
+
+
+def _expand_ignored_modules(root: nn.Module, ignored_modules: Optional[List[nn.Module]],
+                            ignored_states: Optional[List[Any]]) -> Set[nn.Module]:
     """Ignored modules with their subtrees, plus every subtree another data-parallel API
     (replicate) manages."""
     tops: List[nn.Module] = list(ignored_modules or [])
-    states = list(ignored_states or [])
-    if states and all(isinstance(s, nn.Module) for s in states):
-        tops.extend(states)
-    elif states and not all(isinstance(s, nn.Parameter) for s in states):
-        raise ValueError("fully_shard: ignored_states must be all nn.Parameters or all nn.Modules, got "
-                         f"{sorted({type(s).__name__ for s in states})}")
-    for m in tops:
-        if not isinstance(m, nn.Module):
-            raise TypeError(f"fully_shard: ignored_modules must contain nn.Modules, got {type(m).__name__}")
+    tops.extend(s for s in ignored_states or [] if isinstance(s, nn.Module))
     out: Set[nn.Module] = set()
     for m in tops:
         out.update(m.modules())
@@ -124,89 +160,196 @@ def _expand_ignored_modules(root: nn.Module, ignored_modules: Optional[Iterable[
     return out
 
 
-def _ignored_params(root: nn.Module, ignored_modules: Set[nn.Module], ignored_states: Optional[Iterable[Any]]) -> Set[nn.Parameter]:
+def _ignored_params(ignored_modules: Set[nn.Module], ignored_states: Optional[List[Any]]) -> Set[nn.Parameter]:
     params: Set[nn.Parameter] = set()
     for m in ignored_modules:
         params.update(m.parameters(recurse=False))
-    for s in ignored_states or []:
-        if isinstance(s, nn.Parameter):
-            params.add(s)
+    params.update(s for s in ignored_states or [] if isinstance(s, nn.Parameter))
     return params
 
 
-def _select_targets(root: nn.Module, policy: Any, ignored_modules: Set[nn.Module], config: Dict[str, Any]) -> List[_Target]:
-    """The called module plus the policy's targets (modules already fully sharded by an
-    earlier call are skipped), ordered bottom-up."""
+def _managed_modules(top: nn.Module, ignored_modules: Set[nn.Module],
+                     post_order: bool = False) -> List[Tuple[str, nn.Module]]:
+    """``(fqn, module)`` of ``top``'s tree that a call on ``top`` manages: not ignored, not
+    inside a module an earlier call fully sharded; each module once, left to right; pre-order
+    (``.modules()`` order) or post-order (children before parents)."""
+    order: List[Tuple[str, nn.Module]] = []
+    seen: Set[int] = set()
+    stack: List[Tuple[str, nn.Module, bool]] = [("", top, False)]
+    while stack:
+        fqn, module, expanded = stack.pop()
+        if expanded:
+            order.append((fqn, module))
+            continue
+        if id(module) in seen or module in ignored_modules:
+            continue
+        if module is not top and _get_module_state(module, _FSDPState) is not None:
+            continue
+        seen.add(id(module))
+        if post_order:
+            stack.append((fqn, module, True))
+        else:
+            order.append((fqn, module))
+        stack.extend((_join(fqn, n), c, False) for n, c in reversed(list(module.named_children())))
+    return order
+
+
+def _select_targets(plan: Plan, policy: Any, config: Dict[str, Any]) -> List[_Target]:
+    """The policy's targets among the managed modules, children before parents, then the
+    called module. A policy's overrides are checked like the arguments themselves."""
     chosen: Dict[nn.Module, Dict[str, Any]] = {}
     if policy is not None:
-        for m, kw in _as_policy(policy)._run_policy(root, set(ignored_modules), dict(config)).items():
-            if m is root or m in ignored_modules or _get_module_state(m, _FSDPState) is not None:
-                continue
+        for m, kw in _as_policy(policy)._run_policy(plan.root, set(plan.ignored_modules), dict(config)).items():
             unknown = set(kw) - set(_CONFIG_KEYS)
             if unknown:
                 raise ValueError(f"fully_shard: the policy returned unknown overrides {sorted(unknown)} for "
                                  f"{type(m).__name__}; allowed: {list(_CONFIG_KEYS)}")
             chosen[m] = {**config, **kw}
-    fqns = {id(m): n for n, m in root.named_modules()}
-    order = [m for m in root.modules() if m in chosen]
-    targets = [_Target(m, fqns[id(m)], chosen[m]) for m in reversed(order)]
-    targets.append(_Target(root, "", dict(config)))
+    targets: List[_Target] = []
+    for fqn, m in _managed_modules(plan.root, plan.ignored_modules, post_order=True):
+        if m is not plan.root and m in chosen:
+            check_config(f"fully_shard({type(plan.root).__name__}): the policy's options for {fqn!r}", chosen[m])
+            targets.append(_Target(m, fqn, chosen[m]))
+    targets.append(_Target(plan.root, "", dict(config)))
     return targets
 
 
-def _assign_params(root: nn.Module, targets: List[_Target], ignored_modules: Set[nn.Module],
-                   ignored_params: Set[nn.Parameter]) -> None:
-    """Give each parameter to the innermost target containing its module; raise if one
-    parameter would belong to two handles, or is already a flat parameter."""
-    target_of = {id(t.module): t for t in targets}
-    names = {id(m): n for n, m in root.named_modules()}
-    # id(param) -> (owner object, owner's module FQN, FQN of the module registering it)
-    owner: Dict[int, Tuple[object, str, str]] = {}
-    for s in _get_fsdp_states(root):
-        if s.handle is not None and s.module is not root:
-            for g in s.handle.groups:
-                for p, info in zip(g.orig_params, g.flat_param._param_infos):
-                    module_fqn = names.get(id(s.module), s.fqn)
-                    owner[id(p)] = (s, module_fqn, _join(module_fqn, info.module_name))
-    stack: List[Tuple[nn.Module, str, Optional[_Target]]] = [(root, "", None)]
-    seen: Set[int] = set()
+# ---------------------------------------------------------------------------- parameter ownership
+@dataclass
+class _Registration:
+    param: nn.Parameter
+    target: _Target  # the innermost target above this registration
+    fqn: str  # ``module.name`` relative to the call's module
+
+
+@dataclass
+class _Walk:
+    """One traversal of the call's tree (see [Note: Shared parameters])."""
+
+    registrations: Dict[int, List[_Registration]] = field(default_factory=dict)  # id(param) -> first-seen order
+    parent: Dict[int, Optional[_Target]] = field(default_factory=dict)  # id(target) -> enclosing target
+    sharded: Dict[int, str] = field(default_factory=dict)  # id(module an earlier call fully sharded) -> its FQN
+
+
+def _walk(plan: Plan) -> _Walk:
+    """Every registration of every parameter under the call's module, with its innermost
+    target; a module shared between targets is walked under each."""
+    target_of = {id(t.module): t for t in plan.targets}
+    walk = _Walk()
+    stack: List[Tuple[nn.Module, str, Optional[_Target]]] = [(plan.root, "", None)]
+    seen: Set[Tuple[int, int]] = set()
     while stack:
         module, fqn, current = stack.pop()
-        if id(module) in seen or module in ignored_modules:
+        if module in plan.ignored_modules:
             continue
-        seen.add(id(module))
-        if module is not root and _get_module_state(module, _FSDPState) is not None:
-            continue  # already fully sharded by an earlier call: its handle owns this subtree
-        current = target_of.get(id(module), current)
+        if module is not plan.root and _get_module_state(module, _FSDPState) is not None:
+            walk.sharded.setdefault(id(module), fqn)
+            continue
+        target = target_of.get(id(module))
+        if target is not None and target is not current:
+            if id(target) in walk.parent:
+                continue  # a target module reached twice is walked from its first place only
+            walk.parent[id(target)] = current
+            current = target
+        if current is None or (id(module), id(current)) in seen:
+            continue
+        seen.add((id(module), id(current)))
         for name, p in module.named_parameters(recurse=False):
-            _claim(p, _join(fqn, name), fqn, current, owner, ignored_params)
-        for child_name, child in reversed(list(module.named_children())):
-            stack.append((child, _join(fqn, child_name), current))
+            walk.registrations.setdefault(id(p), []).append(_Registration(p, current, _join(fqn, name)))
+        stack.extend((c, _join(fqn, n), current) for n, c in reversed(list(module.named_children())))
+    return walk
+
+
+def _assign_params(plan: Plan) -> None:
+    """Give each parameter to the lowest target containing all its registrations; raise if an
+    earlier call's handle owns it, or if it is a flat parameter."""
+    walk = _walk(plan)
+    owners = _existing_owners(plan.root)
+    for target in plan.targets:
+        target.params = []
+    for registrations in walk.registrations.values():
+        p = registrations[0].param
+        if p in plan.ignored_params:
+            continue
+        if _is_fsdp_flattened(p):
+            raise ValueError(f"fully_shard: parameter {registrations[0].fqn!r} is a FlatParameter of another "
+                             "fully_shard handle; flat parameters cannot be nested. Register the original parameters "
+                             "instead.")
+        owner = owners.get(id(p))
+        if owner is not None:
+            raise _ownership_error(plan.root, registrations[0].fqn, owner, walk)
+        _lowest_common_target([r.target for r in registrations], walk.parent).params.append(p)
+
+
+def _lowest_common_target(targets: List[_Target], parent: Dict[int, Optional[_Target]]) -> _Target:
+    def chain(target: _Target) -> List[_Target]:
+        out: List[_Target] = []
+        current: Optional[_Target] = target
+        while current is not None:
+            out.append(current)
+            current = parent.get(id(current))
+        return out
+
+    common = chain(targets[0])
+    for other in targets[1:]:
+        ids = {id(t) for t in chain(other)}
+        common = [t for t in common if id(t) in ids]
+    return common[0]  # the root target is on every chain
+
+
+@dataclass
+class _Owner:
+    module: nn.Module  # fully sharded by an earlier call; its handle owns the parameter
+    fqn: str  # the parameter's FQN relative to ``module``
+
+
+def _existing_owners(root: nn.Module) -> Dict[int, _Owner]:
+    """id(param) -> its owner, for every handle built by earlier calls (this process)."""
+    modules = list(_FULLY_SHARDED_MODULES)
+    modules += [s.module for s in _get_fsdp_states(root) if s.module is not None]
+    owners: Dict[int, _Owner] = {}
+    for module in modules:
+        state = _get_module_state(module, _FSDPState)
+        if module is root or state is None or state.handle is None:
+            continue
+        for group in state.handle.groups:
+            for p, info in zip(group.orig_params, group.flat_param._param_infos):
+                owners[id(p)] = _Owner(module, _join(info.module_name, info.param_name))
+    return owners
+
+
+def _ownership_error(root: nn.Module, fqn: str, owner: _Owner, walk: _Walk) -> ValueError:
+    """The message for a parameter an earlier call's handle owns (three cases)."""
+    api = f"fully_shard({type(root).__name__})"
+    inside = walk.sharded.get(id(owner.module))
+    if inside is not None:  # an annotated child shares it with the rest of this module
+        owner_fqn = _join(inside, owner.fqn)
+        lca = _common_prefix(_module_of(owner_fqn), _module_of(fqn)) or "<root>"
+        return ValueError(
+            f"{api}: parameter {fqn!r} is the same nn.Parameter as {owner_fqn!r}, which the earlier "
+            f"fully_shard({inside}) owns; a parameter can belong to one handle only. Their lowest common ancestor is "
+            f"{lca!r}: do not annotate {inside!r} separately and let fully_shard of {lca!r} own the parameter "
+            f"(a policy on that call does this for tied weights), or untie the parameter.")
+    if any(m is root for m in owner.module.modules()):  # a child annotated after its parent
+        path = next(n for n, m in owner.module.named_modules() if m is root)
+        return ValueError(
+            f"{api}: this module is {path!r} inside {type(owner.module).__name__}, which an earlier fully_shard call "
+            f"already sharded: its handle owns {_join(path, fqn)!r}, and a parameter can belong to one handle only. "
+            f"Annotate children before their parents (fully_shard({path}) first, then the ancestor), or do not "
+            f"annotate {path!r} separately: the ancestor's handle already shards it.")
+    return ValueError(
+        f"{api}: parameter {fqn!r} is the same nn.Parameter as {owner.fqn!r} of {type(owner.module).__name__}, "
+        "which an earlier fully_shard call owns; two modules annotated separately cannot share a parameter. Apply "
+        "fully_shard to their lowest common ancestor (the innermost module containing both) instead of to each of "
+        "them, or untie the parameter.")
 
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
-def _claim(p: nn.Parameter, param_fqn: str, module_fqn: str, target: Optional["_Target"],
-           owner: Dict[int, Tuple[object, str, str]], ignored_params: Set[nn.Parameter]) -> None:
-    if p in ignored_params or target is None:
-        return
-    if _is_fsdp_flattened(p):
-        raise ValueError(f"fully_shard: parameter {param_fqn!r} is a FlatParameter of another fully_shard handle; "
-                         "flat parameters cannot be nested. Register the original parameters instead.")
-    previous = owner.get(id(p))
-    if previous is None:
-        owner[id(p)] = (target, target.fqn, module_fqn)
-        target.params.append(p)
-        return
-    if previous[0] is not target:
-        lca = _common_prefix(previous[2], module_fqn)
-        raise ValueError(
-            f"fully_shard: parameter {param_fqn!r} is shared by fully_shard({previous[1] or '<root>'}) and "
-            f"fully_shard({target.fqn or '<root>'}); a parameter can belong to one handle only. Apply fully_shard "
-            f"to their lowest common ancestor {lca or '<root>'!r} instead of both."
-        )
+def _module_of(param_fqn: str) -> str:
+    return param_fqn.rpartition(".")[0]
 
 
 def _common_prefix(a: str, b: str) -> str:
@@ -218,23 +361,106 @@ def _common_prefix(a: str, b: str) -> str:
     return ".".join(p for p in parts if p)
 
 
+# ---------------------------------------------------------------------------- meta materialization
+def _direct_meta(module: nn.Module, ignored_params: Set[nn.Parameter]) -> Iterator[Tuple[str, torch.Tensor]]:
+    """The module's own meta parameters (not ignored) and meta buffers."""
+    for name, p in module.named_parameters(recurse=False):
+        if p.is_meta and p not in ignored_params:
+            yield name, p
+    for name, b in module.named_buffers(recurse=False):
+        if b.is_meta:
+            yield name, b
+
+
+def _check_meta_initializable(plan: Plan) -> None:
+    """Without ``param_init_fn``: every module that first registers a meta tensor must have a
+    ``reset_parameters()`` to initialize it (checked before anything changes)."""
+    seen: Set[int] = set()
+    missing: List[str] = []
+    for fqn, module in _managed_modules(plan.root, plan.ignored_modules):
+        firsts = [name for name, t in _direct_meta(module, plan.ignored_params) if id(t) not in seen]
+        seen.update(id(t) for _, t in _direct_meta(module, plan.ignored_params))
+        if firsts and not callable(getattr(module, "reset_parameters", None)):
+            missing.extend(f"{_join(fqn, name)!r} ({type(module).__name__})" for name in firsts)
+    if missing:
+        raise ValueError(
+            f"fully_shard({type(plan.root).__name__}): {', '.join(missing)} are on the meta device and their modules "
+            "have no reset_parameters() to initialize them. Pass param_init_fn=... (called with each fully sharded "
+            "module), give those modules a reset_parameters() method, or materialize the model before fully_shard.")
+
+
+def _materialize(plan: Plan) -> bool:
+    """Materialize meta tensors (see [Note: Meta materialization]); True if there were any."""
+    if not any(True for _, m in _managed_modules(plan.root, plan.ignored_modules)
+               for _ in _direct_meta(m, plan.ignored_params)):
+        return False
+    init_fn = plan.param_init_fn
+    if init_fn is None:
+        _reset_meta_modules(plan)
+    else:
+        for target in plan.targets:
+            if any(True for _, m in _managed_modules(target.module, plan.ignored_modules)
+                   for _ in _direct_meta(m, plan.ignored_params)):
+                init_fn(target.module)
+    _raise_if_meta_left(plan)
+    return True
+
+
+def _reset_meta_modules(plan: Plan) -> None:
+    replaced: Dict[int, torch.Tensor] = {}  # id(meta tensor) -> what replaced it (keeps ties)
+    for _, module in _managed_modules(plan.root, plan.ignored_modules):
+        fresh: Set[int] = set()  # ids of the tensors materialized for this module
+        for name, t in list(_direct_meta(module, plan.ignored_params)):
+            if id(t) not in replaced:
+                empty = torch.empty_like(t, device=plan.compute_device)
+                is_param = isinstance(t, nn.Parameter)
+                replaced[id(t)] = nn.Parameter(empty, requires_grad=t.requires_grad) if is_param else empty
+                fresh.add(id(replaced[id(t)]))
+            setattr(module, name, replaced[id(t)])
+        if fresh:
+            _reset_keeping_materialized(module, fresh)
+
+
+def _reset_keeping_materialized(module: nn.Module, just_materialized: Set[int]) -> None:
+    """``module.reset_parameters()``, restoring its tensors that were not just materialized for
+    it (tied to an earlier module, or never on meta), so no init runs twice over a tensor."""
+    tensors = list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))
+    with torch.no_grad():
+        kept = [(t, t.detach().clone()) for _, t in tensors if id(t) not in just_materialized]
+        module.reset_parameters()  # type: ignore[operator]  # presence checked at plan time
+        for t, value in kept:
+            t.copy_(value)
+
+
+def _raise_if_meta_left(plan: Plan) -> None:
+    left = [_join(fqn, name) for fqn, m in _managed_modules(plan.root, plan.ignored_modules)
+            for name, _ in _direct_meta(m, plan.ignored_params)]
+    if left:
+        called = [t.fqn or "<root>" for t in plan.targets]
+        raise ValueError(
+            f"fully_shard({type(plan.root).__name__}): {left} are still on the meta device after param_init_fn was "
+            f"called with the fully sharded modules {called}. param_init_fn(module) is called once per fully sharded "
+            "module (not once per submodule, as torch FSDP1 does) and must materialize every meta parameter and buffer "
+            "under module: for sub in module.modules(), setattr(sub, name, nn.Parameter(torch.empty_like(p, "
+            "device=...))) and initialize it. fully_shard was not applied.")
+
+
+# ---------------------------------------------------------------------------- devices and groups
 def _normalize_device(device_id: Union[int, torch.device, None]) -> Optional[torch.device]:
     if device_id is None:
         return None
     if isinstance(device_id, int):
         return torch.device("cuda", device_id)
-    if isinstance(device_id, torch.device):
-        if device_id.type == "cuda" and device_id.index is None:
-            return torch.device("cuda", torch.cuda.current_device())
-        return device_id
-    raise TypeError(f"fully_shard: device_id must be an int or torch.device, got {type(device_id).__name__}")
+    if device_id.type == "cuda" and device_id.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device_id
 
 
 def _compute_device(root: nn.Module, device_id: Optional[torch.device]) -> torch.device:
     if device_id is not None:
         return device_id
     for p in root.parameters():
-        if p.device.type not in ("meta",):
+        if p.device.type != "meta":
             return p.device
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
@@ -268,8 +494,6 @@ def _hybrid_groups(process_group: Any, mesh: Any) -> Tuple[Optional[dist.Process
             raise ValueError(f"fully_shard: hybrid sharding needs a 2-D (replicate, shard) mesh, got {mesh.ndim}-D")
         return mesh.get_group(1), mesh.get_group(0)
     if isinstance(process_group, tuple):
-        if len(process_group) != 2:
-            raise ValueError("fully_shard: hybrid process_group must be a (shard group, replicate group) pair")
         return process_group[0], process_group[1]
     if process_group is not None:
         raise ValueError("fully_shard: hybrid sharding needs a (shard group, replicate group) pair or a 2-D mesh, "
@@ -284,22 +508,30 @@ def _hybrid_groups(process_group: Any, mesh: Any) -> Tuple[Optional[dist.Process
     return shard, replicate
 
 
-def apply_plan(plan: Plan, root_state: _FSDPState, groups: _Groups,
+# ---------------------------------------------------------------------------- apply
+def apply_plan(plan: Plan, root_state: _FSDPState, groups: Dict[ShardingStrategy, _Groups],
                make_state: Callable[[], _FSDPState], finish_target: Callable[[nn.Module, _FSDPState], None]) -> None:
-    """Mutate: materialize meta parameters, move to the device, synchronize from rank 0,
-    then build each target's state and handle bottom-up and hand it to ``finish_target``."""
-    _materialize(plan)
-    _sync_module_states(plan, groups)
+    """Mutate: materialize meta tensors (then collect the parameters again), move to
+    ``device_id``, synchronize from rank 0, then build each target's state and handle, children
+    first, and hand it to ``finish_target``. ``groups`` maps each of ``plan.strategies``."""
+    if _materialize(plan):
+        _assign_params(plan)  # the handles flatten what is registered now
+    if plan.device_id is not None:
+        for _, m in _managed_modules(plan.root, plan.ignored_modules):
+            _move_module_tensors(m, plan.device_id)
+    _sync_module_states(plan, groups[plan.targets[-1].config["strategy"]])
     for target in plan.targets:
         state = root_state if target.module is plan.root else make_state()
-        _fill_state(state, target, plan, groups)
+        target_groups = groups[target.config["strategy"]]
+        _fill_state(state, target, plan, target_groups)
         if target.params:
             mp: Optional[MixedPrecision] = target.config["mixed_precision"]
-            state.handle = FlatParamHandle(target.params, target.module, target.fqn, rank=groups.rank,
-                                           world_size=groups.world_size, compute_device=plan.compute_device,
+            state.handle = FlatParamHandle(target.params, target.module, target.fqn, rank=target_groups.rank,
+                                           world_size=target_groups.world_size, compute_device=plan.compute_device,
                                            param_dtype=mp.param_dtype if mp is not None else None)
             state.handle.state = state
         finish_target(target.module, state)
+        _FULLY_SHARDED_MODULES.add(target.module)
 
 
 def _fill_state(state: _FSDPState, target: _Target, plan: Plan, groups: _Groups) -> None:
@@ -316,29 +548,8 @@ def _fill_state(state: _FSDPState, target: _Target, plan: Plan, groups: _Groups)
     state.limit_all_gathers = cfg["limit_all_gathers"]
     state.compute_device = plan.compute_device
     state.ignored_params = plan.ignored_params
+    state.ignored_modules = plan.ignored_modules
     state.reshard_after_backward = cfg["strategy"] is not ShardingStrategy.NO_SHARD
-
-
-def _materialize(plan: Plan) -> None:
-    """Meta parameters: ``param_init_fn(module)`` if given, else ``to_empty`` on the compute
-    device then ``reset_parameters()`` on every submodule that had meta tensors. Then move
-    to ``device_id``."""
-    root = plan.root
-    on_meta = [m for m in root.modules() if m not in plan.ignored_modules and any(
-        t.is_meta for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)))]
-    if on_meta:
-        if plan.param_init_fn is not None:
-            plan.param_init_fn(root)
-        else:
-            for m in on_meta:
-                m.to_empty(device=plan.compute_device, recurse=False)
-                reset = getattr(m, "reset_parameters", None)
-                if callable(reset):
-                    reset()
-    if plan.device_id is not None:
-        for m in root.modules():
-            if m not in plan.ignored_modules:
-                _move_module_tensors(m, plan.device_id)
 
 
 def _move_module_tensors(module: nn.Module, device: torch.device) -> None:

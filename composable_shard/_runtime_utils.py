@@ -4,54 +4,68 @@ the end-of-backward callback.
 [Note: Life of a parameter]  FULL_SHARD, one handle, one training step
   idle          data: group.flat_param (ceil(N/W) elems)        module.weight: orig param, 1-D view of my slice
   pre_forward   all-gather -> group.padded_unsharded_flat        module.weight: full-shape view (plain tensor)
-  post_forward  free unsharded storage                           module.weight: orig param again
+  post_forward  free unsharded storage (the root keeps it)       module.weight: orig param again
   pre_backward  all-gather again (or prefetched earlier)         module.weight: full-shape view
-  post_backward unsharded_grad = leaf.grad -> reduce-scatter (async); free unsharded storage
-  end_backward  wait pending reductions; divide; orig.grad = view of group.sharded_grad
+  post_backward unsharded_grad = leaf.grad -> reduce-scatter (async); free unsharded parameter storage;
+                earlier handles' reductions waited: their unsharded_grad released, shard accumulated
+  end_backward  wait the rest; agree on which parameters got a gradient; orig.grad = view of sharded_grad
   optim.step    updates my slice in place (orig params share storage with flat_param)
+  zero_grad     .grad = None everywhere -> sharded_grad freed (the views own it)
 SHARD_GRAD_OP keeps the unsharded storage from pre_forward to post_backward; NO_SHARD (and a
-shard group of one rank) computes on the shard itself and all-reduces gradients.
+shard group of one rank) computes on the shard itself and all-reduces gradients. The root
+keeps its parameters unsharded from its forward to its backward (its backward comes first).
+Kept buffers are gathered again if an optimizer stepped or a parameter was edited in place
+since (see ``_watch.py``); a forward with no backward to follow frees them at once.
 
 [Note: Hook order]  for fully_shard, checkpoint and replicate stacked on one module
   forward pre-hooks:  fully_shard (registered with prepend=True) -> checkpoint -> others
-  forward post-hooks: checkpoint (prepend=True) -> others -> fully_shard (appended)
+  forward post-hooks: checkpoint (prepend=True) -> others -> fully_shard (appended, always_call)
 So parameters are unsharded before checkpoint starts hiding activations, and checkpoint has
 stopped before fully_shard reshards, in either application order. Recomputation in backward
 calls ``module.forward`` directly: fully_shard's hooks do not run again, and the pre-backward
 hook (on the forward outputs) has already unsharded the parameters and reinstalled views.
+Both post-hooks run even when the forward raised (``always_call``): fully_shard then puts its
+handle back to IDLE, and the root puts every handle back, so nothing of a failed forward stays.
 
 [Note: Handle order]  During the first iteration the root records the order in which handles
 run their pre-forward (``exec_order``) and their post-forward (``post_forward_order``).
 Forward prefetch unshards the next handle in ``exec_order``; backward prefetch unshards the
 handle that finished its forward just before the current one (backward runs in reverse
 post-forward order, so the root, whose forward finishes last and whose backward starts first,
-prefetches the last block). A later forward in another order warns once; prefetch is only a
-hint, every handle still unshards itself when it runs.
+prefetches the last block). Ranks agree on each handle before gathering it in the first
+iteration (see [Note: Agreement] in ``_divergence.py``); a later forward in another order
+warns once; prefetch is only a hint, every handle still unshards itself when it runs.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import sys
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, List, Tuple, TypeVar
 
 import torch
 import torch.nn as nn
 
-from . import _collectives
+from . import _collectives, _divergence, _watch
 from ._common_utils import HandleTrainingState, TrainingState, _FSDPState
 from ._flat_param import FlatGroup, FlatParamHandle
-from ._torch_compat import queue_backward_callback
-from ._traversal_utils import _get_fsdp_states
+from ._reduction import (attach_reduced_grads, discard_reductions, finish_reductions, issue_reduction,
+                         release_earlier_reductions)
+from ._streams import Streams
+from ._torch_compat import is_in_backward, queue_backward_callback
+from ._traversal_utils import _composable, _get_fsdp_states
+from ._tree_utils import convert, tensors_in
+from .contract import _get_registry
 from .api import BackwardPrefetch, ShardingStrategy
 
-__all__ = ["register_runtime_hooks", "lazy_init", "unshard", "wait_unshard", "reshard_handle"]
+__all__ = ["register_runtime_hooks", "lazy_init", "unshard", "wait_unshard", "reshard_handle",
+           "recover_interrupted_backward", "assert_internal"]
 
 log = logging.getLogger("composable_shard")
 
 _FREES_AFTER_FORWARD = {ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD}
-
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -71,8 +85,9 @@ def _profiled(name: str) -> Callable[[_F], _F]:
 
 # ---------------------------------------------------------------------------- predicates
 def frees_after_forward(state: _FSDPState) -> bool:
-    """Does this strategy release unsharded parameters between forward and backward?"""
-    return state.strategy in _FREES_AFTER_FORWARD
+    """Does this module release unsharded parameters between forward and backward? Not the
+    root: its backward comes first, right after its forward."""
+    return state.strategy in _FREES_AFTER_FORWARD and not state.is_root
 
 
 def frees_after_backward(state: _FSDPState) -> bool:
@@ -90,50 +105,23 @@ def _transition(handle: FlatParamHandle, expect: Tuple[HandleTrainingState, ...]
     handle.training_state = to
 
 
-# ---------------------------------------------------------------------------- streams
-class _Streams:
-    """CUDA: all-gathers and reduce-scatters on their own streams, ordered with events (no
-    ``record_stream``: buffers are allocated and freed on the compute stream). CPU: no-ops;
-    gloo's async works provide the overlap."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.is_cuda: bool = device.type == "cuda"
-        self.all_gather: Optional[Any] = torch.cuda.Stream(device) if self.is_cuda else None
-        self.reduce_scatter: Optional[Any] = torch.cuda.Stream(device) if self.is_cuda else None
-
-    def run_on(self, stream: Optional[Any]) -> Any:
-        """Context issuing on ``stream`` after everything the compute stream queued so far."""
-        if stream is None:
-            return _NullContext()
-        stream.wait_stream(torch.cuda.current_stream())
-        return torch.cuda.stream(stream)
-
-    def record(self, stream: Optional[Any]) -> Optional[Any]:
-        if stream is None:
-            return None
-        event = torch.cuda.Event()
-        event.record(stream)
-        return event
-
-    @staticmethod
-    def wait(event: Optional[Any]) -> None:
-        if event is not None:
-            torch.cuda.current_stream().wait_event(event)
+def assert_internal(condition: bool, message: str) -> None:
+    """Internal invariant check that survives ``python -O``."""
+    if not condition:
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        raise AssertionError(f"[rank {rank}] composable_shard internal error: {message}")
 
 
-class _NullContext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
+def _root_of(state: _FSDPState) -> _FSDPState:
+    root = state.root
+    assert_internal(root is not None, f"{state.describe()} used before lazy init")
+    return root  # type: ignore[return-value]  # checked above
 
 
-def _streams_of(state: _FSDPState) -> _Streams:
+def _streams_of(state: _FSDPState) -> Streams:
     streams = state.streams
-    if streams is None:
-        raise AssertionError(f"{state.describe()}: no streams (fully_shard did not finish initializing)")
-    return streams
+    assert_internal(streams is not None, f"{state.describe()}: no streams (fully_shard did not finish)")
+    return streams  # type: ignore[return-value]  # checked above
 
 
 # ---------------------------------------------------------------------------- lazy init
@@ -154,48 +142,19 @@ def lazy_init(state: _FSDPState) -> None:
             s.handle.fqn = s.fqn
     state.all_states = states
     state.all_handles = [s.handle for s in states if s.handle is not None]
+    for index, handle in enumerate(state.all_handles):
+        handle.index = index
+    for s in states:
+        if s.handle is not None and s.module is not None:
+            s.handle.recomputes_in_backward |= any("checkpoint" in (_get_registry(m) or {})
+                                                   for _, m in _owned_modules(s, s.module))
     state.handle_states = {id(s.handle): s for s in states if s.handle is not None}
-    state.streams = _Streams(state.compute_device)
+    state.streams = Streams(state.compute_device)
     for s in states:
         s.streams = state.streams
-    _check_handles_match_across_ranks(state)
-
-
-def _check_handles_match_across_ranks(root: _FSDPState) -> None:
-    """Ranks that built different handles would issue mismatched collectives and hang; compare
-    names, shapes and dtypes now and raise with the first difference."""
-    mine = [(h.fqn, [(tuple(g.flat_param._fqns), [tuple(s) for s in g.flat_param._shapes], str(g.flat_param.dtype))
-                     for g in h.groups]) for h in root.all_handles]
-    for group in {id(g): g for g in (root.process_group, root.replicate_group) if g is not None}.values():
-        everyone = _collectives.all_gather_object(mine, group, tag="lazy_init_check")
-        for other_rank, theirs in enumerate(everyone):
-            if theirs != mine:
-                raise RuntimeError(_describe_mismatch(root, mine, theirs, other_rank))
-
-
-def _describe_mismatch(root: _FSDPState, mine: List[Any], theirs: List[Any], other_rank: int) -> str:
-    head = f"fully_shard: rank {root.rank} and rank {other_rank} of the process group built different handles; "
-    if len(mine) != len(theirs):
-        return head + (f"{len(mine)} handles here vs {len(theirs)} there. Apply fully_shard identically "
-                       "(same model, same policy) on every rank.")
-    for (fqn_a, groups_a), (fqn_b, groups_b) in zip(mine, theirs):
-        if fqn_a != fqn_b:
-            return head + f"handle {fqn_a!r} here vs {fqn_b!r} there."
-        for ga, gb in zip(groups_a, groups_b):
-            for name_a, name_b, shape_a, shape_b in zip(ga[0], gb[0], ga[1], gb[1]):
-                if name_a != name_b or shape_a != shape_b:
-                    return head + (f"in handle {fqn_a or '<root>'!r}: parameter {name_a!r} {list(shape_a)} here vs "
-                                   f"{name_b!r} {list(shape_b)} there. Build the same model on every rank.")
-            if ga != gb:
-                return head + f"in handle {fqn_a or '<root>'!r}: {ga} here vs {gb} there."
-    return head + "parameter layouts differ."
-
-
-def assert_internal(condition: bool, message: str) -> None:
-    """Internal invariant check that survives ``python -O``."""
-    if not condition:
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        raise AssertionError(f"[rank {rank}] composable_shard internal error: {message}")
+    state.debug_checks = _divergence.debug_mode()
+    state.seen_changes_epoch = -1  # check for model changes made before the first forward too
+    _divergence.check_layout_across_ranks(state)
 
 
 # ---------------------------------------------------------------------------- unshard / reshard
@@ -203,12 +162,19 @@ def unshard(state: _FSDPState, handle: FlatParamHandle) -> None:
     """Issue the all-gathers of ``handle`` (async) unless its buffers are filled or in flight."""
     if not handle.needs_unshard() or any(g.pending_unshard is not None for g in handle.groups):
         return
+    root = state.root
+    if root is not None and (root.check_order or root.debug_checks):
+        _divergence.agree_before_gather(root, state, handle)
     streams = _streams_of(state)
     # Buffers are allocated on the compute stream, which also frees them (no record_stream).
     gathers = [(group, *handle.prepare_gather(group)) for group in handle.groups if not group.aliases_shard]
     with streams.run_on(streams.all_gather):
         for group, output, shard in gathers:
-            group.pending_unshard = _collectives.all_gather_into(output, shard, state.process_group, tag=handle.fqn)
+            if state.process_group is None:  # a shard group of one rank (NO_SHARD): the shard, cast
+                output.copy_(shard)
+                group.pending_unshard = _collectives.Pending(None, output, "all_gather", tag=handle.fqn)
+            else:
+                group.pending_unshard = _collectives.all_gather_into(output, shard, state.process_group, tag=handle.fqn)
         event = streams.record(streams.all_gather)
     for group in handle.groups:
         if group.pending_unshard is not None:
@@ -218,37 +184,38 @@ def unshard(state: _FSDPState, handle: FlatParamHandle) -> None:
 def wait_unshard(state: _FSDPState, handle: FlatParamHandle) -> None:
     """Unshard ``handle`` if needed, wait for its all-gathers, and install unsharded views."""
     unshard(state, handle)
+    _wait_gathers(handle)
+    handle.use_unsharded_views()
+
+
+def _wait_gathers(handle: FlatParamHandle) -> None:
     for group in handle.groups:
         pending = group.pending_unshard
         if pending is not None:
             pending.wait()
-            _Streams.wait(pending.event)
+            Streams.wait(pending.event)
             group.pending_unshard = None
             group.comm_shard = None
-    handle.use_unsharded_views()
 
 
 def reshard_handle(state: _FSDPState, handle: FlatParamHandle, free: bool) -> None:
     """Original parameters back in the module; unsharded storage freed if ``free``."""
-    for group in handle.groups:  # a prefetched gather must land before its buffer is freed
-        if group.pending_unshard is not None:
-            group.pending_unshard.wait()
-            group.pending_unshard = None
+    _wait_gathers(handle)  # a prefetched gather must land before its buffer is freed
     handle.reshard(free=free)
 
 
 def _prefetch_forward(state: _FSDPState, handle: FlatParamHandle) -> None:
     """Unshard the handle whose forward comes after ``handle``'s (pre-forward order)."""
-    root = state.root
-    if root is not None and handle.exec_index is not None:
+    root = _root_of(state)
+    if handle.exec_index is not None:
         _prefetch(root, root.exec_order, handle.exec_index + 1)
 
 
 def _prefetch_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
     """Unshard the handle whose backward comes after ``handle``'s: the one that finished its
     forward just before it (so the root, which finishes last, prefetches the last block)."""
-    root = state.root
-    if root is not None and handle.post_forward_index is not None:
+    root = _root_of(state)
+    if handle.post_forward_index is not None:
         _prefetch(root, root.post_forward_order, handle.post_forward_index - 1)
 
 
@@ -263,7 +230,7 @@ def _prefetch(root: _FSDPState, order: List[FlatParamHandle], index: int) -> Non
 # ---------------------------------------------------------------------------- forward
 @_profiled("cs::pre_forward")
 def _pre_forward(state: _FSDPState, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
-    """Pre: handle IDLE (or unsharded and IDLE). Post: handle FORWARD, unsharded views in
+    """Pre: handle IDLE (its storage possibly kept). Post: handle FORWARD, unsharded views in
     place, next handle's all-gather issued when forward prefetch is on."""
     lazy_init(state)
     if state.is_root:
@@ -275,65 +242,80 @@ def _pre_forward(state: _FSDPState, module: nn.Module, args: Tuple[Any, ...], kw
     _collectives.trace("pre_forward", handle.fqn)
     _transition(handle, (HandleTrainingState.IDLE,), HandleTrainingState.FORWARD, "pre_forward")
     _record_exec_order(state, handle)
+    if handle.is_stale():  # kept from an earlier step; the shards changed since
+        reshard_handle(state, handle, free=True)
     wait_unshard(state, handle)
-    if state.forward_prefetch and state.root is not None and state.root.exec_order_recorded:
+    if state.forward_prefetch and _root_of(state).exec_order_recorded:
         _prefetch_forward(state, handle)
     return args, kwargs
 
 
-def _root_pre_forward(state: _FSDPState, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
-    """Start of an iteration: recover from an interrupted one, reset per-iteration state,
-    move inputs to the compute device."""
-    for s in state.all_states:
+def _root_pre_forward(root: _FSDPState, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    """Start of an iteration: finish off an interrupted backward, refuse a changed model,
+    follow what the user changed since the last step, reset per-iteration state, move inputs
+    to the compute device."""
+    for s in root.all_states:
         if s.training_state is TrainingState.SUMMON_FULL_PARAMS:
             raise RuntimeError(f"{s.describe()}: forward called inside summon_full_params/unshard_params; "
                                "exit the context first.")
-    _recover_interrupted_iteration(state)
-    state.exec_index = 0
-    if not state.exec_order_recorded:
-        state.exec_order.clear()
-        state.post_forward_order.clear()
-        for h in state.all_handles:
+    if root.final_callback_queued and not is_in_backward():
+        recover_interrupted_backward(root)
+    if root.seen_changes_epoch != _watch.changes_epoch():
+        _watch.raise_on_model_change(root.all_states)
+        root.seen_changes_epoch = _watch.changes_epoch()
+    _follow_user_changes(root)
+    root.forward_in_progress = True
+    root.exec_index = 0
+    root.check_order = not root.exec_order_recorded
+    if not root.exec_order_recorded:
+        root.exec_order.clear()
+        root.post_forward_order.clear()
+        for h in root.all_handles:
             h.exec_index = None
             h.post_forward_index = None
-    for s in state.all_states:
+    for s in root.all_states:
         s.training_state = TrainingState.FORWARD_BACKWARD
-    if state.compute_device.type != "cpu":
-        args, kwargs = _move_to(args, state.compute_device), _move_to(kwargs, state.compute_device)
+    if root.compute_device.type != "cpu":
+        args, kwargs = convert(args, _to_device(root)), convert(kwargs, _to_device(root))
     return args, kwargs
 
 
+def _to_device(state: _FSDPState) -> Callable[[torch.Tensor], torch.Tensor]:
+    device = state.compute_device
+    return lambda t: t.to(device, non_blocking=True)
+
+
+def _follow_user_changes(root: _FSDPState) -> None:
+    """``requires_grad`` flipped on original parameters (freeze/unfreeze) is honoured from this
+    forward on."""
+    for handle in root.all_handles:
+        for group in handle.refresh_requires_grad():
+            _register_post_backward(root.handle_states[id(handle)], handle, group)
+
+
 def _cast_inputs(state: _FSDPState, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
-    """Mixed precision: floating inputs to ``param_dtype`` at the root (``cast_root_forward_inputs``)
-    and at every fully sharded module (``cast_forward_inputs``)."""
+    """Mixed precision: floating inputs to ``param_dtype`` at every module that owns a
+    fully_shard state with ``cast_root_forward_inputs`` (each call's module and each module a
+    policy selected: that is how one submodule gets its own precision), and at every module
+    with a handle with ``cast_forward_inputs``."""
     mp = state.mixed_precision
     if mp is None or mp.param_dtype is None:
         return args, kwargs
-    if not (mp.cast_forward_inputs or (state.is_root and mp.cast_root_forward_inputs)):
+    if not (mp.cast_root_forward_inputs or (mp.cast_forward_inputs and state.handle is not None)):
         return args, kwargs
-    return _convert(args, lambda t: t.to(mp.param_dtype) if t.is_floating_point() else t), \
-        _convert(kwargs, lambda t: t.to(mp.param_dtype) if t.is_floating_point() else t)
+    dtype = mp.param_dtype
 
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
 
-def _recover_interrupted_iteration(root: _FSDPState) -> None:
-    """A forward that raised leaves handles in FORWARD with unsharded views; a backward that
-    raised leaves its end-of-backward callback unrun. Put everything back to IDLE (pending
-    reductions are still waited, so every rank's collectives stay matched)."""
-    if root.final_callback_queued:
-        log.debug("finishing a backward that did not complete")
-        _finalize_backward(root)
-    for s in root.all_states:
-        h = s.handle
-        if h is not None and h.training_state is HandleTrainingState.FORWARD:
-            log.debug("recovering handle %s left in FORWARD by an interrupted forward", h.fqn)
-            reshard_handle(s, h, free=True)
-            h.training_state = HandleTrainingState.IDLE
+    return convert(args, cast), convert(kwargs, cast)
 
 
 def _record_exec_order(state: _FSDPState, handle: FlatParamHandle) -> None:
-    root = state.root
-    if root is None or root.final_callback_queued:
-        return  # a forward during backward is activation recomputation, not a new order
+    root = _root_of(state)
+    if root.final_callback_queued:
+        handle.recomputes_in_backward = True  # a forward during backward is activation recomputation
+        return
     if not root.exec_order_recorded:
         if handle.exec_index is None:
             handle.exec_index = len(root.exec_order)
@@ -345,7 +327,8 @@ def _record_exec_order(state: _FSDPState, handle: FlatParamHandle) -> None:
         warnings.warn(
             f"fully_shard: forward order changed after the first iteration (expected "
             f"{expected.fqn if expected else 'no more handles'!r}, got {handle.fqn!r}); prefetching "
-            "follows the first iteration's order and may fetch the wrong handle.",
+            "follows the first iteration's order and may fetch the wrong handle. If the order differs "
+            "between ranks, collectives mismatch: run with COMPOSABLE_SHARD_DEBUG=1 to check every step.",
             stacklevel=3,
         )
     root.exec_index += 1
@@ -353,35 +336,73 @@ def _record_exec_order(state: _FSDPState, handle: FlatParamHandle) -> None:
 
 @_profiled("cs::post_forward")
 def _post_forward(state: _FSDPState, module: nn.Module, args: Tuple[Any, ...], output: Any) -> Any:
-    """Pre: handle FORWARD. Post: handle IDLE, resharded if the strategy frees after forward
-    (or if no backward will follow), pre-backward hooks on the outputs."""
+    """Pre: handle FORWARD. Post: handle IDLE, resharded unless a backward will need it next
+    (SHARD_GRAD_OP, NO_SHARD, the root), pre-backward hooks on the outputs. Also runs when the
+    forward raised (``always_call``): then everything of this forward is undone."""
+    if output is None and sys.exc_info()[1] is not None:
+        _abort_forward(state)
+        return None
+    needs_backward = torch.is_grad_enabled()
+    tensors: List[torch.Tensor] = []
+    if needs_backward:
+        try:
+            tensors = [t for t in tensors_in(output, f"{state.describe()} ({type(module).__name__})") if t.requires_grad]
+        except TypeError:
+            _abort_forward(state)
+            raise
+        needs_backward = bool(tensors)
     handle = state.handle
-    if handle is None:
-        return output
-    _collectives.trace("post_forward", handle.fqn)
-    _transition(handle, (HandleTrainingState.FORWARD,), HandleTrainingState.IDLE, "post_forward")
-    root = state.root
-    if root is not None and not root.exec_order_recorded and not root.final_callback_queued \
-            and handle.post_forward_index is None:
-        handle.post_forward_index = len(root.post_forward_order)
-        root.post_forward_order.append(handle)
-    if frees_after_forward(state) or not torch.is_grad_enabled():
-        reshard_handle(state, handle, free=True)
-    if torch.is_grad_enabled():
-        _register_pre_backward_hooks(state, handle, output)
+    if handle is not None:
+        _collectives.trace("post_forward", handle.fqn)
+        _transition(handle, (HandleTrainingState.FORWARD,), HandleTrainingState.IDLE, "post_forward")
+        _record_post_forward_order(state, handle)
+        reshard_handle(state, handle, free=frees_after_forward(state) or not needs_backward)
+        if needs_backward:
+            hook = functools.partial(_pre_backward_hook, state, handle)
+            for tensor in tensors:
+                tensor.register_hook(hook)
+    if state.is_root:
+        state.forward_in_progress = False
+        if not needs_backward:  # nothing to differentiate: the iteration ends here
+            _end_iteration(state)
     return output
 
 
-def _register_pre_backward_hooks(state: _FSDPState, handle: FlatParamHandle, output: Any) -> None:
-    def hook(grad: torch.Tensor) -> None:
-        _pre_backward(state, handle)
+def _record_post_forward_order(state: _FSDPState, handle: FlatParamHandle) -> None:
+    root = _root_of(state)
+    if not root.exec_order_recorded and not root.final_callback_queued and handle.post_forward_index is None:
+        handle.post_forward_index = len(root.post_forward_order)
+        root.post_forward_order.append(handle)
 
-    for tensor in _tensors_in(output):
-        if tensor.requires_grad:
-            tensor.register_hook(hook)
+
+def _abort_forward(state: _FSDPState) -> None:
+    """The forward raised: put this handle back (and, at the root, every handle) to IDLE with
+    its unsharded storage freed, waiting for gathers in flight so ranks stay matched."""
+    if state.handle is not None and state.handle.training_state is HandleTrainingState.FORWARD:
+        reshard_handle(state, state.handle, free=True)
+        state.handle.training_state = HandleTrainingState.IDLE
+    if not state.is_root:
+        return
+    log.debug("forward raised: resharding every handle of %s", state.describe())
+    for s in state.all_states:
+        h = s.handle
+        if h is not None and h.training_state in (HandleTrainingState.IDLE, HandleTrainingState.FORWARD):
+            reshard_handle(s, h, free=True)
+            h.training_state = HandleTrainingState.IDLE
+    state.forward_in_progress = False
+    _end_iteration(state)
+
+
+def _end_iteration(root: _FSDPState) -> None:
+    for s in root.all_states:
+        s.training_state = TrainingState.IDLE
 
 
 # ---------------------------------------------------------------------------- backward
+def _pre_backward_hook(state: _FSDPState, handle: FlatParamHandle, grad: torch.Tensor) -> None:
+    _pre_backward(state, handle)
+
+
 @_profiled("cs::pre_backward")
 def _pre_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
     """Runs once per handle per backward, before its gradient computation.
@@ -390,12 +411,14 @@ def _pre_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
     if not handle.needs_pre_backward:
         return
     handle.needs_pre_backward = False
-    root = state.root
-    if root is not None and not root.final_callback_queued:
+    root = _root_of(state)
+    if not root.final_callback_queued:
         root.final_callback_queued = True
-        queue_backward_callback(lambda: _finalize_backward(root))
+        queue_backward_callback(functools.partial(_finalize_backward, root))
     _collectives.trace("pre_backward", handle.fqn)
     _transition(handle, (HandleTrainingState.IDLE,), HandleTrainingState.BACKWARD_PRE, "pre_backward")
+    if handle.recomputes_in_backward and root.pending_reductions and state.sync_gradients:
+        release_earlier_reductions(root, handle)  # before the recomputation, see [Note: Reductions in flight]
     wait_unshard(state, handle)
     if state.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
         _prefetch_backward(state, handle)
@@ -405,16 +428,20 @@ def _pre_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
 def _post_backward(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup) -> None:
     """Runs when autograd has accumulated ``group``'s unsharded gradient.
     Pre: handle BACKWARD_PRE/POST. Post: reduction issued (or gradient kept when not syncing);
-    once every group is done, handle BACKWARD_POST and resharded if it frees after backward."""
+    once every trainable group is done, handle BACKWARD_POST and resharded if it frees after
+    backward."""
     _collectives.trace("post_backward", handle.fqn)
     if handle.training_state not in (HandleTrainingState.BACKWARD_PRE, HandleTrainingState.BACKWARD_POST):
         raise RuntimeError(f"handle of {handle.fqn or '<root>'!r}: expected BACKWARD_PRE/BACKWARD_POST, found "
                            f"{handle.training_state.name} in post_backward (did backward run without forward?)")
+    root = _root_of(state)
     unsharded_grad = handle.take_unsharded_grad(group)
     group.grad_ready = True
     if unsharded_grad is not None:
+        if root.debug_checks:
+            _divergence.agree_before_reduction(root, state, handle, group.index, state.sync_gradients)
         if state.sync_gradients:
-            _issue_reduction(state, handle, group, unsharded_grad)
+            issue_reduction(root, state, handle, group, unsharded_grad)
         else:
             handle.keep_unreduced(group, unsharded_grad)
     if all(g.grad_ready for g in handle.groups if g.requires_grad):
@@ -425,110 +452,32 @@ def _post_backward(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup)
             _prefetch_backward(state, handle)
 
 
-class _Reduction:
-    """One group's gradient on its way to the sharded ``.grad``: a small state machine
-    ISSUED (reduce-scatter in flight) -> REPLICATING (all-reduce across replicas in flight)
-    -> DONE."""
-
-    def __init__(self, state: _FSDPState, handle: FlatParamHandle, group: FlatGroup, unsharded_grad: torch.Tensor) -> None:
-        self.state = state
-        self.handle = handle
-        self.group = group
-        self.unsharded_grad: Optional[torch.Tensor] = unsharded_grad  # kept alive until the collective lands
-        self.pending: Optional[_collectives.Pending] = None
-        self.stage: str = "ISSUED"
-        self.reduce_dtype: torch.dtype = _reduce_dtype(state, group)
-        self.event: Optional[Any] = None
-
-    def issue(self) -> None:
-        state, grad = self.state, self.unsharded_grad
-        if grad is None:
-            raise AssertionError(f"[rank {state.rank}] reduction of {self.handle.fqn!r} issued twice")
-        streams = _streams_of(state)
-        grad = grad.to(self.reduce_dtype) if grad.dtype != self.reduce_dtype else grad
-        if self.reduce_dtype not in (torch.float32, torch.float64):
-            grad.div_(state.dp_world_size)  # pre-divide low precision to avoid overflow
-        self.unsharded_grad = grad
-        if state.world_size > 1:  # allocated on the compute stream, which reads it at finish()
-            output = torch.empty(grad.numel() // state.world_size, dtype=grad.dtype, device=grad.device)
-        with streams.run_on(streams.reduce_scatter):
-            if state.world_size > 1:
-                self.pending = _collectives.reduce_scatter_into(output, grad, state.process_group, tag=self.handle.fqn)
-            else:
-                self.pending = None
-                self._replicate(grad)
-            self.event = streams.record(streams.reduce_scatter)
-
-    def _replicate(self, sharded: torch.Tensor) -> None:
-        if self.state.replicate_group is not None and torch.distributed.get_world_size(self.state.replicate_group) > 1:
-            self.pending = _collectives.all_reduce(sharded, self.state.replicate_group, tag=self.handle.fqn)
-            self.stage = "REPLICATING"
-        else:
-            self.pending = _collectives.Pending(None, sharded, "none")
-            self.stage = "REPLICATING"
-
-    @property
-    def needs_replication(self) -> bool:
-        """True if an all-reduce across replicas must follow the reduce-scatter (hybrid)."""
-        group = self.state.replicate_group
-        return self.stage == "ISSUED" and group is not None and torch.distributed.get_world_size(group) > 1
-
-    def advance(self, block: bool) -> bool:
-        """Move ISSUED -> REPLICATING once the reduce-scatter landed (waiting for it only if
-        ``block``). Returns False if it had to leave the reduction where it was."""
-        if self.stage != "ISSUED":
-            return True
-        assert_internal(self.pending is not None, "no pending reduce-scatter")
-        if not block and not self.pending.is_completed():  # type: ignore[union-attr]
-            return False
-        output = self.pending.wait()  # type: ignore[union-attr]
-        self.unsharded_grad = None
-        streams = _streams_of(self.state)
-        with streams.run_on(streams.reduce_scatter):
-            self._replicate(output)
-        return True
-
-    def finish(self) -> None:
-        """Wait for everything, average, and hand the shard to the handle. Post: DONE."""
-        self.advance(block=True)
-        assert_internal(self.pending is not None, "no pending reduction")
-        output = self.pending.wait()  # type: ignore[union-attr]
-        _Streams.wait(self.event)
-        self.unsharded_grad = None
-        if self.reduce_dtype in (torch.float32, torch.float64):
-            output.div_(self.state.dp_world_size)
-        self.handle.accumulate_sharded_grad(self.group, output)
-        self.stage = "DONE"
-
-
-def _reduce_dtype(state: _FSDPState, group: FlatGroup) -> torch.dtype:
-    mp = state.mixed_precision
-    if mp is not None and mp.effective_reduce_dtype is not None and group.compute_dtype.is_floating_point:
-        return mp.effective_reduce_dtype
-    return group.compute_dtype
-
-
-def _issue_reduction(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup, unsharded_grad: torch.Tensor) -> None:
-    root = state.root
-    assert_internal(root is not None, "post_backward before lazy init")
-    # Hybrid: start the replicate all-reduces of reductions whose reduce-scatter already
-    # landed, in issue order (every rank must issue them in the same order), without waiting.
-    for earlier in root.pending_reductions:  # type: ignore[union-attr]
-        if earlier.needs_replication and not earlier.advance(block=False):
-            break
-    reduction = _Reduction(state, handle, group, unsharded_grad)
-    reduction.issue()
-    root.pending_reductions.append(reduction)  # type: ignore[union-attr]
-
-
 @_profiled("cs::finalize_backward")
 def _finalize_backward(root: _FSDPState) -> None:
-    """End of backward (queued by the first pre-backward): wait every reduction, reshard every
-    handle, reset per-iteration state. Post: all handles IDLE, all states IDLE."""
+    """End of backward (queued by the first pre-backward): reduce what unsynced backwards kept
+    for handles this backward did not reach, wait every reduction, attach gradients, reshard
+    every handle, reset per-iteration state. Post: all handles IDLE, all states IDLE."""
     _collectives.trace("finalize_backward", root.fqn)
-    for reduction in root.pending_reductions:
-        reduction.finish()
-    root.pending_reductions.clear()
+    _reduce_leftover_unsynced(root)
+    finish_reductions(root)
+    attach_reduced_grads(root)
+    _reset_after_backward(root)
+    root.exec_order_recorded = True
+
+
+def _reduce_leftover_unsynced(root: _FSDPState) -> None:
+    """A handle that got gradients in unsynced backwards but none in this synced one still
+    has them to reduce (in handle order, the same on every rank)."""
+    for handle in root.all_handles:
+        state = root.handle_states[id(handle)]
+        if not state.sync_gradients:
+            continue
+        for group in handle.groups:
+            if group.unreduced_grad is not None and not group.grad_ready:
+                issue_reduction(root, state, handle, group, handle.take_unsharded_grad(group))  # type: ignore[arg-type]  # not None
+
+
+def _reset_after_backward(root: _FSDPState) -> None:
     for s in root.all_states:
         h = s.handle
         if h is not None:
@@ -540,60 +489,81 @@ def _finalize_backward(root: _FSDPState) -> None:
                 g.grad_ready = False
         s.training_state = TrainingState.IDLE
     root.final_callback_queued = False
-    root.exec_order_recorded = True
+
+
+def recover_interrupted_backward(root: _FSDPState) -> None:
+    """A backward raised, so its end-of-backward callback never ran. Wait for (and drop)
+    every reduction it issued, forget every gradient it produced, reshard everything: after
+    ``zero_grad()`` the next step is exactly a clean step."""
+    log.debug("recovering from a backward that raised (%s)", root.describe())
+    if root.debug_checks:
+        _divergence.agree_on_failed_backward(root)
+    discard_reductions(root)
+    for handle in root.all_handles:
+        handle.discard_backward()
+        state = root.handle_states[id(handle)]
+        reshard_handle(state, handle, free=True)
+    _reset_after_backward(root)
 
 
 # ---------------------------------------------------------------------------- registration
 def register_runtime_hooks(state: _FSDPState, module: nn.Module) -> None:
-    """Forward pre-hook first of all pre-hooks, forward post-hook appended, and one
-    post-accumulate-grad hook per requires-grad group (see [Note: Hook order])."""
-    module.register_forward_pre_hook(
-        lambda m, a, k: _pre_forward(state, m, a, k), prepend=True, with_kwargs=True
-    )
-    module.register_forward_hook(lambda m, a, o: _post_forward(state, m, a, o))
+    """Forward pre-hook first of all pre-hooks, forward post-hook appended (and run even if
+    forward raises), one post-accumulate-grad hook per trainable group (see [Note: Hook
+    order]), and the module's parameters tracked for changes (see ``_watch.py``)."""
+    module.register_forward_pre_hook(functools.partial(_pre_forward, state), prepend=True, with_kwargs=True)
+    module.register_forward_hook(functools.partial(_post_forward, state), always_call=True)
     handle = state.handle
-    if handle is None:
-        return
-    for group in handle.groups:
-        if group.requires_grad:
-            group.padded_unsharded_flat.register_post_accumulate_grad_hook(_make_post_backward(state, handle, group))
+    if handle is not None:
+        for group in handle.groups:
+            if group.requires_grad:
+                _register_post_backward(state, handle, group)
+        handle.before_unsharded_grad = functools.partial(_before_unsharded_grad, state, handle)
+    _track_modules(state, module)
 
 
-def _make_post_backward(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup) -> Callable[[torch.Tensor], None]:
-    def hook(_: torch.Tensor) -> None:
-        _post_backward(state, handle, group)
+def _before_unsharded_grad(state: _FSDPState, handle: FlatParamHandle) -> None:
+    """Every parameter gradient of ``handle`` is computed; its unsharded gradient is about to be
+    allocated: release what earlier reductions hold first (see [Note: Reductions in flight])."""
+    root = state.root
+    if root is not None and root.pending_reductions and state.sync_gradients:
+        release_earlier_reductions(root, handle)
 
-    return hook
+
+def _register_post_backward(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup) -> None:
+    if group.post_backward_hook is None:
+        group.post_backward_hook = group.padded_unsharded_flat.register_post_accumulate_grad_hook(
+            functools.partial(_post_backward_hook, state, handle, group))
 
 
-# ---------------------------------------------------------------------------- pytree helpers
-def _tensors_in(obj: Any) -> List[torch.Tensor]:
-    """Tensors inside nested tuples/lists/dicts (and dataclass-like objects' __dict__ values)."""
-    out: List[torch.Tensor] = []
-    stack = [obj]
+def _post_backward_hook(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup, _: torch.Tensor) -> None:
+    _post_backward(state, handle, group)
+
+
+def _track_modules(state: _FSDPState, module: nn.Module) -> None:
+    """See [Note: Tracked modules] in ``_watch.py``."""
+    slots: Dict[int, Dict[str, Any]] = {}
+    handle = state.handle
+    if handle is not None:
+        for group in handle.groups:
+            fp = group.flat_param
+            for p, info in zip(group.orig_params, fp._param_infos):
+                slots.setdefault(id(info.module), {})[info.param_name] = p
+            for sinfo in fp._shared_param_infos:
+                slots.setdefault(id(sinfo.module), {})[sinfo.param_name] = group.orig_params[sinfo.prim_param_index]
+    _watch.track(state, _owned_modules(state, module), slots)
+
+
+def _owned_modules(state: _FSDPState, module: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """Modules of ``module``'s subtree that this state's handle (not a nested one, not
+    ``replicate``, not an ignored module) is responsible for."""
+    owned: List[Tuple[str, nn.Module]] = []
+    stack: List[Tuple[str, nn.Module]] = [("", module)]
     while stack:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            out.append(item)
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-    return out
+        name, m = stack.pop()
+        if m is not module and (not _composable(m) or m in state.ignored_modules):
+            continue
+        owned.append((name, m))
+        stack.extend((f"{name}.{n}" if name else n, c) for n, c in m.named_children())
+    return owned
 
-
-def _move_to(obj: Any, device: torch.device) -> Any:
-    return _convert(obj, lambda t: t.to(device, non_blocking=True))
-
-
-def _convert(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """Apply ``fn`` to every tensor in nested tuples (named too), lists and dicts."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_convert(x, fn) for x in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_convert(x, fn) for x in obj)
-    if isinstance(obj, dict):
-        return {k: _convert(v, fn) for k, v in obj.items()}
-    return obj

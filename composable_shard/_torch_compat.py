@@ -6,6 +6,13 @@ versions checked (2.6, 2.11, 2.13).
   No public API offers "end of this backward pass"; torch's own DDP and FSDP use the autograd
   engine's ``queue_callback`` for it (``torch.autograd.Variable._execution_engine``, present
   unchanged in 2.6 through 2.13).
+* ``is_in_backward``: after a backward that raised, its end-of-backward callback never runs,
+  and the next entry point (forward, ``unshard_params``) must tell that apart from being called
+  from inside a backward that is still running. No public API says whether the autograd engine
+  is executing on this thread; ``torch._C._current_graph_task_id()`` (-1 outside backward,
+  present unchanged in 2.6 through 2.13, used by torch's own ``register_multi_grad_hook``) does.
+* ``tensor_version``: the in-place version counter (``Tensor._version``) is the only way to
+  notice that a parameter was edited in place; there is no public accessor (2.6 through 2.13).
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["queue_backward_callback"]
+__all__ = ["queue_backward_callback", "set_module_tensor", "is_in_backward", "tensor_version"]
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:
@@ -35,3 +42,13 @@ def set_module_tensor(module: "torch.nn.Module", name: str, tensor: "torch.Tenso
     ``Module.__getattr__`` is unchanged in 2.6 through 2.13) is written directly.
     """
     module._parameters[name] = tensor  # type: ignore[assignment]  # plain tensor on purpose, see docstring
+
+
+def is_in_backward() -> bool:
+    """True while the autograd engine is running a backward on this thread."""
+    return int(torch._C._current_graph_task_id()) != -1
+
+
+def tensor_version(tensor: "torch.Tensor") -> int:
+    """The in-place version counter of ``tensor`` (bumped by every in-place op on it)."""
+    return int(tensor._version)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator, List, Optional
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -22,6 +22,8 @@ import torch.nn as nn
 from . import _collectives
 from ._common_utils import HandleTrainingState, TrainingState, _FSDPState
 from ._flat_param import FlatGroup, FlatParamHandle
+from ._runtime_utils import recover_interrupted_backward
+from ._torch_compat import is_in_backward
 from ._traversal_utils import _get_fsdp_states
 from .contract import _get_module_state
 
@@ -36,7 +38,8 @@ class _Summoned:
     full: torch.Tensor  # padded full-precision flat values (aliases the shard for one rank)
     saved_shard: Optional[torch.Tensor]  # copy to restore when writeback=False and full aliases the shard
     full_grad: Optional[torch.Tensor]  # padded full gradient (with_grads)
-    had_grads: bool  # the original parameters had (sharded) .grad views on entry
+    grad_on_some_rank: List[bool]  # with_grads: per original parameter, some rank has a .grad
+    saved_grads: List[Optional[torch.Tensor]]  # each original parameter's .grad on entry, restored on exit
     offloaded: bool = False  # full parameters exposed as CPU copies of ``full``
 
 
@@ -60,14 +63,13 @@ def unshard_params(module: nn.Module, *, recurse: bool = True, writeback: bool =
         offload_to_cpu: full parameters are CPU copies (edits still written back).
         with_grads: also expose full gradients as ``.grad`` (``None`` where no rank has one).
     """
+    _check_arguments(module, recurse=recurse, writeback=writeback, rank0_only=rank0_only,
+                     offload_to_cpu=offload_to_cpu, with_grads=with_grads)
     if rank0_only and writeback:
         raise NotImplementedError("unshard_params(writeback=True, rank0_only=True) is not supported: ranks other "
                                   "than 0 have no full parameters to write back. Use writeback=False with rank0_only.")
     states = _selected_states(module, recurse)
-    for s in states:
-        if s.training_state is not TrainingState.IDLE or (s.handle is not None and s.handle.training_state is not HandleTrainingState.IDLE):
-            raise RuntimeError(f"{s.describe()}: unshard_params/summon_full_params cannot be used during forward/backward "
-                               f"or nested on the same module (state {s.training_state.name}); call it between steps.")
+    _check_idle(states)
     summoned: List[_Summoned] = []
     for s in states:
         s.training_state = TrainingState.SUMMON_FULL_PARAMS
@@ -85,6 +87,31 @@ def unshard_params(module: nn.Module, *, recurse: bool = True, writeback: bool =
             s.training_state = TrainingState.IDLE
             if s.handle is not None:
                 s.handle.training_state = HandleTrainingState.IDLE
+
+
+def _check_arguments(module: nn.Module, **flags: bool) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"unshard_params: module must be an nn.Module, got {type(module).__name__}")
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"unshard_params: {name} must be a bool (True or False), got {value!r}")
+
+
+def _check_idle(states: List[_FSDPState]) -> None:
+    """Refuse to run during a forward or backward, or nested; finish off a backward that
+    raised (its end-of-backward step never ran), so any state between steps is accepted."""
+    roots = {id(s.root): s.root for s in states if s.root is not None}
+    for root in roots.values():
+        if root.forward_in_progress or (root.final_callback_queued and is_in_backward()):
+            raise RuntimeError(f"{root.describe()}: unshard_params/summon_full_params cannot be used during forward "
+                               "or backward; call it between steps.")
+        if root.final_callback_queued:
+            recover_interrupted_backward(root)
+    for s in states:
+        handle_state = s.handle.training_state if s.handle is not None else HandleTrainingState.IDLE
+        if s.training_state is TrainingState.SUMMON_FULL_PARAMS or handle_state is not HandleTrainingState.IDLE:
+            raise RuntimeError(f"{s.describe()}: unshard_params/summon_full_params cannot be used during forward/backward "
+                               f"or nested on the same module (handle state {handle_state.name}); call it between steps.")
 
 
 def _selected_states(module: nn.Module, recurse: bool) -> List[_FSDPState]:
@@ -107,26 +134,30 @@ def _gather(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup, writeb
         full = torch.empty(padded, dtype=shard.dtype, device=shard.device)
         _collectives.all_gather_into(full, shard, state.process_group, tag=f"summon:{handle.fqn}").wait()
         saved = None
-    full_grad = _gather_grad(state, handle, group) if with_grads else None
-    had_grads = any(p.grad is not None for p in group.orig_params)
-    return _Summoned(state, handle, group, full, saved, full_grad, had_grads)
+    saved_grads = [p.grad for p in group.orig_params]
+    full_grad, on_some_rank = _gather_grad(state, handle, group) if with_grads else (None, [])
+    return _Summoned(state, handle, group, full, saved, full_grad, on_some_rank, saved_grads)
 
 
-def _gather_grad(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup) -> Optional[torch.Tensor]:
-    if not group.requires_grad:
-        return None
+def _gather_grad(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup) -> Tuple[Optional[torch.Tensor], List[bool]]:
+    """The padded full gradient of ``group`` (this rank's ``.grad`` slices, zeros where a
+    parameter has none), and per parameter whether some rank has a ``.grad``."""
     shard = group.flat_param.data
-    local = group.sharded_grad if group.sharded_grad is not None and any(p.grad is not None for p in group.orig_params) else None
+    has = torch.tensor([p.grad is not None for p in group.orig_params], dtype=torch.int32, device=shard.device)
+    if state.world_size > 1:
+        _collectives.all_reduce(has, state.process_group, tag="summon_has_grad").wait()
+    on_some_rank = [bool(v) for v in has.tolist()]
+    if not any(on_some_rank):
+        return None, on_some_rank
+    local = torch.zeros_like(shard)
+    for p, s in zip(group.orig_params, group.flat_param._shard_slices):
+        if p.grad is not None and s.numel > 0:
+            local[s.shard_start:s.shard_start + s.numel].copy_(p.grad.reshape(-1))
     if state.world_size == 1:
-        return local
-    has_any = torch.tensor([0 if local is None else 1], device=shard.device)
-    _collectives.all_reduce(has_any, state.process_group, tag="summon_has_grad").wait()
-    if int(has_any.item()) == 0:
-        return None
-    src = local if local is not None else torch.zeros_like(shard)
-    full = torch.empty(group.padded_numel, dtype=src.dtype, device=src.device)
-    _collectives.all_gather_into(full, src, state.process_group, tag=f"summon_grad:{handle.fqn}").wait()
-    return full
+        return local, on_some_rank
+    full = torch.empty(group.padded_numel, dtype=local.dtype, device=local.device)
+    _collectives.all_gather_into(full, local, state.process_group, tag=f"summon_grad:{handle.fqn}").wait()
+    return full, on_some_rank
 
 
 def _expose(item: _Summoned, rank0_only: bool, offload_to_cpu: bool) -> None:
@@ -137,11 +168,10 @@ def _expose(item: _Summoned, rank0_only: bool, offload_to_cpu: bool) -> None:
     pieces = torch.split(full[: fp._unpadded_unsharded_size.numel()], list(fp._numels))
     grad_pieces = torch.split(item.full_grad[: fp._unpadded_unsharded_size.numel()], list(fp._numels)) if item.full_grad is not None else None
     for i, (p, shape) in enumerate(zip(item.group.orig_params, fp._shapes)):
+        p.grad = None  # a sharded grad would not match the full shape; restored on exit
         p.data = pieces[i].view(shape)
-        if grad_pieces is not None:
+        if grad_pieces is not None and item.grad_on_some_rank[i]:
             p.grad = grad_pieces[i].view(shape).to(p.device)
-        elif p.grad is not None:
-            p.grad = None  # a sharded grad would not match the full shape; restored on exit
     item.offloaded = full is not item.full
 
 
@@ -158,8 +188,8 @@ def _restore(item: _Summoned, writeback: bool) -> None:
         fp.data.copy_(item.saved_shard)
     if writeback:
         handle.reshard(free=True)  # a kept unsharded buffer (reshard_after_backward=False) is stale now
-    handle._point_params_at_shard(group)
     for p in group.orig_params:
         p.grad = None
-    if item.had_grads:
-        handle._attach_grads(group)
+    handle._point_params_at_shard(group)
+    for p, grad in zip(group.orig_params, item.saved_grads):
+        p.grad = grad

@@ -50,6 +50,7 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
+from composable_shard._tree_utils import convert
 from composable_shard.contract import _State, contract
 
 __all__ = ["checkpoint"]
@@ -76,19 +77,6 @@ class _CheckpointState(_State):
         self.frames: List[Optional[_Frame]] = []
         # The forward pre-hook and post-hook, see [Note: Hook order].
         self.hook_handles: List[RemovableHandle] = []
-
-
-def _map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
-    """Apply ``fn`` to every tensor in nested tuples, lists and dicts; keep the rest."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_map_tensors(fn, x) for x in obj))
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_map_tensors(fn, x) for x in obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, _map_tensors(fn, v)) for k, v in obj.items())
-    return obj
 
 
 def _detach_input(tensor: torch.Tensor) -> torch.Tensor:
@@ -121,7 +109,12 @@ class _Frame:
     def record_rng_state(self) -> None:
         self.cpu_rng_state = torch.get_rng_state()
         devices: Set[torch.device] = set()
-        _map_tensors(lambda t: devices.add(t.device), (self.args, self.kwargs))
+
+        def note_device(t: torch.Tensor) -> torch.Tensor:
+            devices.add(t.device)
+            return t
+
+        convert((self.args, self.kwargs), note_device)
         for device in devices:  # a CUDA input implies CUDA is initialized
             if device.type == "cuda":
                 index = torch.cuda.current_device() if device.index is None else device.index
@@ -156,7 +149,7 @@ class _Frame:
         def unpack(index: int) -> torch.Tensor:  # only if forward itself runs autograd
             return captured[index]
 
-        args, kwargs = _map_tensors(_detach_input, (self.args, self.kwargs))
+        args, kwargs = convert((self.args, self.kwargs), _detach_input)
         with contextlib.ExitStack() as stack:
             if self.cpu_rng_state is not None:
                 devices = list(self.cuda_rng_states)
@@ -252,6 +245,10 @@ def checkpoint(
     Returns:
         ``module`` itself.
     """
+    for name, flag in (("preserve_rng_state", preserve_rng_state), ("use_reentrant", use_reentrant)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"checkpoint({type(module).__name__}): {name} must be a bool (True or False), got "
+                            f"{type(flag).__name__} ({flag!r})")
     if use_reentrant:
         raise NotImplementedError(
             "checkpoint(use_reentrant=True) is not supported; composable_shard's checkpoint is "

@@ -23,7 +23,9 @@ import torch.nn as nn
 from . import _collectives
 from ._common_utils import FSDP_API_NAME, _FSDPState
 from ._init_utils import apply_plan, plan_fully_shard, resolve_groups
-from ._runtime_utils import _Streams, register_runtime_hooks, reshard_handle, wait_unshard
+from ._validation import check_bool, check_fully_shard_arguments, check_real
+from ._runtime_utils import register_runtime_hooks, reshard_handle, wait_unshard
+from ._streams import Streams
 from ._subclass import _NoCopyMixin, make_subclass
 from ._traversal_utils import _get_fsdp_states
 from ._unshard_params import unshard_params
@@ -69,12 +71,16 @@ class FSDPModule(_NoCopyMixin):
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: backward communicates nothing and accumulates unsharded gradients; the next
         backward with True reduces their sum. Example: gradient accumulation over micro-batches."""
+        check_bool("FSDPModule.set_requires_gradient_sync", "requires_gradient_sync", requires_gradient_sync)
+        check_bool("FSDPModule.set_requires_gradient_sync", "recurse", recurse)
         for s in self._states(recurse):
             s.sync_gradients = requires_gradient_sync
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """False: keep parameters unsharded after backward (saves the next forward's
         all-gather; the caller must reshard before the optimizer updates the shards)."""
+        check_bool("FSDPModule.set_reshard_after_backward", "reshard_after_backward", reshard_after_backward)
+        check_bool("FSDPModule.set_reshard_after_backward", "recurse", recurse)
         for s in self._states(recurse):
             s.reshard_after_backward = reshard_after_backward
 
@@ -123,14 +129,19 @@ def fully_shard(
         module: the module to shard; returned, with class ``FSDP<Orig>``.
         process_group: shard group (default: world); a ``(shard, replicate)`` pair for hybrid.
         mesh: a 1-D ``DeviceMesh``, or 2-D ``(replicate, shard)`` for hybrid strategies.
-        policy: a ``_Policy`` or function policy choosing more fully sharded modules.
+        policy: a ``_Policy`` or function policy choosing more fully sharded modules. A
+            parameter several chosen modules share (tied weights) goes to the handle of their
+            lowest common fully sharded ancestor.
         strategy: a :class:`ShardingStrategy`.
         mixed_precision: low-precision compute/communication (:class:`MixedPrecision`).
         cpu_offload: :class:`CPUOffload` keeps shards and gradients on the CPU.
         ignored_modules: modules whose parameters are left alone (not sharded, not reduced).
         ignored_states: parameters (or modules) left alone.
         device_id: compute device; CPU-initialized modules are moved there first.
-        param_init_fn: materializes meta-device parameters (else ``reset_parameters()``).
+        param_init_fn: materializes meta-device tensors: called once per fully sharded module
+            that still has some, children first, before its parameters are collected; it may
+            replace parameters (``setattr(sub, name, nn.Parameter(...))``). Without it each
+            module's ``reset_parameters()`` runs once. Meta tensors left raise ``ValueError``.
         sync_module_states: broadcast parameters and buffers from rank 0 first.
         forward_prefetch: all-gather the next handle before the current forward computes.
         backward_prefetch: when to all-gather the next handle in backward (None: never).
@@ -142,11 +153,12 @@ def fully_shard(
                   ignored_states=ignored_states, device_id=device_id, param_init_fn=param_init_fn,
                   sync_module_states=sync_module_states, forward_prefetch=forward_prefetch,
                   backward_prefetch=backward_prefetch, limit_all_gathers=limit_all_gathers)
-    _reject_unbuilt(mixed_precision, cpu_offload, device_id)
+    kwargs = check_fully_shard_arguments(module, kwargs)
     plan = plan_fully_shard(module, kwargs)
-    root_state = fully_shard.state(module)
-    groups = resolve_groups(strategy, process_group, mesh)
-    apply_plan(plan, root_state, groups, _FSDPState, _finish_target)  # type: ignore[arg-type]  # state set by contract
+    for target in plan.targets:  # a policy may override mixed_precision/cpu_offload per module
+        _reject_unbuilt(target.config["mixed_precision"], target.config["cpu_offload"], device_id)
+    groups = {s: resolve_groups(s, process_group, mesh) for s in plan.strategies}
+    apply_plan(plan, fully_shard.state(module), groups, _FSDPState, _finish_target)  # type: ignore[arg-type]  # state set by contract
     return module
 
 
@@ -169,7 +181,7 @@ def _finish_target(module: nn.Module, state: _FSDPState) -> None:
     """Attach the state, swap the class, register the hooks."""
     if _get_module_state(module, _FSDPState) is not state:
         _register_api(module, FSDP_API_NAME, state)
-    state.streams = _Streams(state.compute_device)
+    state.streams = Streams(state.compute_device)
     make_subclass(module, "FSDP", FSDPModule)
     register_runtime_hooks(state, module)
 
@@ -185,10 +197,13 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
         total = clip_grad_norm_(model, 1.0)
         optim.step()
     """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"clip_grad_norm_: module must be an nn.Module, got {type(module).__name__}")
+    max_norm = _check_clip_arguments(max_norm, norm_type)
+    norm_type = float(norm_type)
     states = _get_fsdp_states(module)
     sharded = {id(p) for s in states if s.handle is not None for g in s.handle.groups for p in g.orig_params}
     params = [p for p in module.parameters() if p.grad is not None]
-    norm_type = float(norm_type)
     sharded_grads = [p.grad for p in params if id(p) in sharded]
     other_grads = [p.grad for p in params if id(p) not in sharded]
     device = states[0].compute_device if states else torch.device("cpu")
@@ -206,6 +221,18 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     for p in params:
         p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))  # type: ignore[union-attr]  # filtered above
     return total
+
+
+def _check_clip_arguments(max_norm: Any, norm_type: Any) -> float:
+    """``max_norm`` a number >= 0, ``norm_type`` a number > 0 (``float('inf')`` for the max
+    norm); raises before any collective, identically on every rank."""
+    max_norm = check_real("clip_grad_norm_", "max_norm", max_norm)
+    norm = check_real("clip_grad_norm_", "norm_type", norm_type)
+    if max_norm < 0:
+        raise ValueError(f"clip_grad_norm_: max_norm must be >= 0, got {max_norm}")
+    if norm <= 0:
+        raise ValueError(f"clip_grad_norm_: norm_type must be > 0 (a p-norm, or float('inf')), got {norm_type!r}")
+    return max_norm
 
 
 def _norm_accumulate(grads: List[Any], norm_type: float, device: torch.device) -> torch.Tensor:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from typing import Dict, Iterable, List, Optional, Protocol, Sequence, Set, Tuple, Union, cast
 
 import torch
@@ -45,6 +46,7 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from . import _collectives
+from ._validation import check_device_id, check_mixed_precision, check_modules, check_process_group, check_real
 from ._subclass import _NoCopyMixin, make_subclass
 from ._torch_compat import queue_backward_callback
 from .api import MixedPrecision
@@ -190,6 +192,13 @@ def replicate(
         bucket_cap_mb: the size of a bucket's flat buffer (MiB, in the reduce dtype).
         mixed_precision: only ``effective_reduce_dtype`` is used: the dtype of the all-reduce.
     """
+    api = f"replicate({type(module).__name__})"
+    check_process_group(api, process_group)
+    check_device_id(api, device_id)
+    ignored_modules = check_modules(api, "ignored_modules", ignored_modules)
+    if not 0 < check_real(api, "bucket_cap_mb", bucket_cap_mb) < math.inf:
+        raise ValueError(f"{api}: bucket_cap_mb must be a positive, finite number of MiB, got {bucket_cap_mb!r}")
+    check_mixed_precision(api, mixed_precision)
     reduce_dtype = _validate(module, bucket_cap_mb, mixed_precision)
     device = _resolve_device(device_id)
     skipped = _skipped_subtrees(module, ignored_modules)

@@ -108,7 +108,14 @@ class ModuleWrapPolicy(_Policy):
     """
 
     def __init__(self, module_classes: Iterable[Type[nn.Module]]) -> None:
+        if isinstance(module_classes, type) or not isinstance(module_classes, Iterable):
+            name = getattr(module_classes, "__name__", type(module_classes).__name__)
+            raise TypeError(f"ModuleWrapPolicy: module_classes must be an iterable of nn.Module classes, got "
+                            f"{name!r}; for one class write ModuleWrapPolicy({{{name}}})")
         self._module_classes: set[Type[nn.Module]] = set(module_classes)
+        for cls in self._module_classes:
+            if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+                raise TypeError(f"ModuleWrapPolicy: module_classes must contain nn.Module subclasses, got {cls!r}")
 
     def _run_policy(
         self,
@@ -160,6 +167,9 @@ class CustomPolicy(_Policy):
     """
 
     def __init__(self, lambda_fn: Callable[[nn.Module], _CustomPolicyResult]) -> None:
+        if not callable(lambda_fn):
+            raise TypeError(f"CustomPolicy: lambda_fn must be callable as lambda_fn(module) -> bool | dict, got "
+                            f"{type(lambda_fn).__name__} ({lambda_fn!r})")
         self._lambda_fn = lambda_fn
 
     def _run_policy(

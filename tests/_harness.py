@@ -52,6 +52,8 @@ STACK_DUMP_WAIT_S = 2.0  # how long the parent waits for the SIGUSR1 stack dumps
 STARTUP_TIMEOUT_S = 90.0  # spawn to "ready" (imports), for every rank
 PG_TIMEOUT_SLACK_S = 60.0  # gloo times out after the harness, so the harness reports first
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+# Room for str(dtype) of every dtype this torch has (the same torch on every rank).
+_DTYPE_NAME_BYTES = max(len(str(v)) for v in vars(torch).values() if isinstance(v, torch.dtype))
 
 
 class RankError(AssertionError):
@@ -187,8 +189,7 @@ def assert_close_ranks(t: torch.Tensor, name: str) -> None:
     replicas drifting apart (a missed all-reduce, a rank-dependent seed) go unnoticed.
     """
     world_size = dist.get_world_size()
-    metas: list[Any] = [None] * world_size
-    dist.all_gather_object(metas, (tuple(t.shape), str(t.dtype)))
+    metas = _gather_shape_dtype(t, world_size)
     if any(meta != metas[0] for meta in metas):
         raise AssertionError(f"assert_close_ranks({name!r}): (shape, dtype) differ across "
                              f"ranks: {dict(enumerate(metas))}")
@@ -202,6 +203,28 @@ def assert_close_ranks(t: torch.Tensor, name: str) -> None:
         raise AssertionError(f"assert_close_ranks({name!r}) on rank {dist.get_rank()}: "
                              f"{_ranks_phrase(differing)} differ from rank 0 "
                              f"(max abs diff per rank: {diffs})")
+
+
+def _gather_shape_dtype(t: torch.Tensor, world_size: int) -> list[tuple[tuple[int, ...], str]]:
+    """Every rank's ``(shape, str(dtype))``, with tensor all-gathers only: first a fixed-size
+    header (ndim, dtype name as bytes), then the shapes padded to the largest ndim.
+    ``dist.all_gather_object`` would need numpy, which the test extras do not install."""
+    name = str(t.dtype).encode()  # fits: see _DTYPE_NAME_BYTES
+    header = torch.zeros(1 + _DTYPE_NAME_BYTES, dtype=torch.int64, device=t.device)
+    header[0] = t.dim()
+    header[1:1 + len(name)] = torch.tensor(list(name), dtype=torch.int64)
+    headers = [torch.empty_like(header) for _ in range(world_size)]
+    dist.all_gather(headers, header)
+    max_ndim = max(int(h[0]) for h in headers)
+    shape = torch.full((max(max_ndim, 1),), -1, dtype=torch.int64, device=t.device)
+    shape[:t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    shapes = [torch.empty_like(shape) for _ in range(world_size)]
+    dist.all_gather(shapes, shape)
+    metas: list[tuple[tuple[int, ...], str]] = []
+    for h, s in zip(headers, shapes):
+        ndim, codes = int(h[0]), [int(c) for c in h[1:].tolist() if c]
+        metas.append((tuple(int(d) for d in s[:ndim].tolist()), bytes(codes).decode()))
+    return metas
 
 
 def _identical(a: torch.Tensor, b: torch.Tensor) -> bool:

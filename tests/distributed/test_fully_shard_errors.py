@@ -7,29 +7,42 @@ registered) and fail much later with an unrelated message, or hang.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-from composable_shard import MixedPrecision, ShardingStrategy, fully_shard, replicate
+from composable_shard import (CPUOffload, CustomPolicy, MixedPrecision, ModuleWrapPolicy, ShardingStrategy, checkpoint,
+                              clip_grad_norm_, fully_shard, replicate)
+from composable_shard._traversal_utils import _get_fsdp_states
 from composable_shard.contract import _get_registry
-from tests._harness import run_distributed
+from tests._harness import run_distributed, run_subtests
 
 
 def _snapshot(model: nn.Module) -> List[Tuple[Any, ...]]:
+    """Per module: name, class, registry, hook counts, and its parameters (name, object, shape,
+    values; meta tensors have no values to compare)."""
     return [(name, type(m), dict(_get_registry(m) or {}).keys().__repr__(), len(m._forward_pre_hooks),
-             len(m._forward_hooks), [(n, id(p), p.shape, p.detach().clone()) for n, p in m.named_parameters(recurse=False)])
+             len(m._forward_hooks), len(m._backward_hooks), len(m._backward_pre_hooks),
+             [(n, id(p), p.shape, p.device, None if p.is_meta else p.detach().clone())
+              for n, p in m.named_parameters(recurse=False)])
             for name, m in model.named_modules()]
 
 
-def _assert_unchanged(before: List[Tuple[Any, ...]], model: nn.Module) -> None:
+def _assert_unchanged(before: List[Tuple[Any, ...]], model: nn.Module, *, values: bool = True) -> None:
+    """Same modules, classes, registries and hooks; with ``values`` also the same parameter
+    objects, shapes, devices and values."""
     after = _snapshot(model)
-    assert len(before) == len(after)
+    assert len(before) == len(after), (len(before), len(after))
     for b, a in zip(before, after):
-        assert b[:5] == a[:5], (b[:5], a[:5])
-        for (n1, i1, s1, t1), (n2, i2, s2, t2) in zip(b[5], a[5]):
-            assert (n1, i1, s1) == (n2, i2, s2) and torch.equal(t1, t2), n1
+        assert b[:7] == a[:7], (b[:7], a[:7])
+        if not values:
+            continue
+        assert len(b[7]) == len(a[7]), (b[0], [n for n, *_ in b[7]], [n for n, *_ in a[7]])
+        for (n1, i1, s1, d1, t1), (n2, i2, s2, d2, t2) in zip(b[7], a[7]):
+            assert (n1, i1, s1, d1) == (n2, i2, s2, d2), (b[0], n1, n2)
+            assert (t1 is None) == (t2 is None) and (t1 is None or torch.equal(t1, t2)), (b[0], n1)
 
 
 def _expect(fn: Callable[[], Any], exc: type, *fragments: str) -> None:
@@ -55,14 +68,40 @@ def _errors() -> None:
     model = Tied()
     fully_shard(model.enc)
     before = _snapshot(model)
-    _expect(lambda: fully_shard(model), ValueError, "dec.0.weight", "lowest common ancestor", "'<root>'")
+    _expect(lambda: fully_shard(model), ValueError, "dec.0.weight", "'enc.1.weight'", "lowest common ancestor",
+            "'<root>'", "do not annotate 'enc' separately")
     _assert_unchanged(before, model)
 
+    # Two siblings annotated separately: the second call raises, naming both FQNs.
     model = Tied()
+    fully_shard(model.enc)
     before = _snapshot(model)
-    _expect(lambda: fully_shard(model, policy=lambda module, recurse, nonwrapped_numel: recurse or isinstance(module, nn.Sequential)),
-            ValueError, "shared by", "'<root>'")
+    _expect(lambda: fully_shard(model.dec), ValueError, "fully_shard(Sequential)", "'0.weight'", "'1.weight'",
+            "annotated separately", "lowest common ancestor")
     _assert_unchanged(before, model)
+
+    # A child annotated after its parent (root before children): raises at the child's call.
+    model = Tied()
+    fully_shard(model)
+    before = _snapshot(model)
+    _expect(lambda: fully_shard(model.enc), ValueError, "'enc'", "'enc.0.weight'", "children before their parents",
+            "do not annotate 'enc' separately")
+    _assert_unchanged(before, model)
+    # ... also when the child holds nothing the parent owns, once the parent ran forward.
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    fully_shard(model)
+    model(torch.randn(2, 4)).sum().backward()
+    before = _snapshot(model)
+    _expect(lambda: fully_shard(model[1]), RuntimeError, "fully_shard(ReLU)", "children before their parents")
+    _assert_unchanged(before, model)
+
+    # Under a policy the same sharing is planned: the tied weight goes to the root's handle, once.
+    model = Tied()
+    fully_shard(model, policy=lambda module, recurse, nonwrapped_numel: recurse or isinstance(module, nn.Sequential))
+    tied = model.enc[1].weight
+    owners = [s.module for s in _get_fsdp_states(model) if s.handle is not None
+              for g in s.handle.groups for p in g.orig_params if p is tied]
+    assert owners == [model] and model.dec[0].weight is tied, owners
 
     # Already managed by replicate.
     model = nn.Sequential(nn.Linear(4, 4))
@@ -107,8 +146,172 @@ def _errors() -> None:
     model(torch.randn(2, 4)).sum().backward()
 
 
+def _fully_shard_argument_errors() -> None:
+    """Every keyword of fully_shard refuses a wrong type or value, naming the API, the argument,
+    what it got and what it accepts; the model is left exactly as it was."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    before = _snapshot(model)
+    cases: List[Tuple[Dict[str, Any], type, Tuple[str, ...]]] = [
+        ({"process_group": "world"}, TypeError, ("fully_shard(Sequential)", "process_group", "str", "ProcessGroup")),
+        ({"process_group": (dist.group.WORLD,)}, ValueError, ("process_group", "pair")),
+        ({"mesh": "cpu"}, TypeError, ("mesh", "DeviceMesh", "str")),
+        ({"policy": nn.Linear}, TypeError, ("policy", "ModuleWrapPolicy({Linear})")),
+        ({"policy": {nn.Linear}}, TypeError, ("policy", "set", "ModuleWrapPolicy")),
+        ({"strategy": "FULL_SHARD"}, TypeError, ("strategy", "ShardingStrategy", "str")),
+        ({"mixed_precision": {"param_dtype": torch.bfloat16}}, TypeError, ("mixed_precision", "dict", "MixedPrecision")),
+        ({"mixed_precision": MixedPrecision(param_dtype="bf16")}, TypeError,  # type: ignore[arg-type]
+         ("mixed_precision.param_dtype", "torch.dtype", "bf16")),
+        ({"mixed_precision": MixedPrecision(reduce_dtype=torch.int32)}, ValueError, ("reduce_dtype", "floating")),
+        ({"mixed_precision": MixedPrecision(cast_forward_inputs=1)}, TypeError,  # type: ignore[arg-type]
+         ("cast_forward_inputs", "bool")),
+        ({"cpu_offload": True}, TypeError, ("cpu_offload", "CPUOffload", "bool")),
+        ({"cpu_offload": CPUOffload(offload_params="no")}, TypeError,  # type: ignore[arg-type]
+         ("cpu_offload.offload_params", "bool")),
+        ({"ignored_modules": model[0]}, TypeError, ("ignored_modules", "single Linear", "[module]")),
+        ({"ignored_modules": [model[0], "1"]}, TypeError, ("ignored_modules", "str", "index 1")),
+        ({"ignored_modules": 3}, TypeError, ("ignored_modules", "int")),
+        ({"ignored_states": model[0].weight}, TypeError, ("ignored_states", "Parameter")),
+        ({"ignored_states": [model[0].weight, model[2]]}, ValueError, ("ignored_states", "mix")),
+        ({"ignored_states": ["0.weight"]}, TypeError, ("ignored_states", "str")),
+        ({"device_id": "cpu"}, TypeError, ("device_id", "str", "torch.device('cpu')")),
+        ({"device_id": True}, TypeError, ("device_id", "bool")),
+        ({"device_id": -1}, ValueError, ("device_id", ">= 0")),
+        ({"device_id": torch.device("meta")}, ValueError, ("device_id", "meta")),
+        ({"param_init_fn": "reset"}, TypeError, ("param_init_fn", "callable", "str")),
+        ({"sync_module_states": "yes"}, TypeError, ("sync_module_states", "bool", "'yes'")),
+        ({"forward_prefetch": "yes"}, TypeError, ("forward_prefetch", "bool", "'yes'")),
+        ({"backward_prefetch": "BACKWARD_PRE"}, TypeError, ("backward_prefetch", "BackwardPrefetch")),
+        ({"limit_all_gathers": 1}, TypeError, ("limit_all_gathers", "bool", "int")),
+        ({"mesh": None, "process_group": dist.group.WORLD, "strategy": ShardingStrategy.NO_SHARD,
+          "policy": CustomPolicy(lambda m: {"strategy": "NO_SHARD"} if isinstance(m, nn.Linear) else False)},
+         TypeError, ("policy's options for '0'", "strategy", "ShardingStrategy")),
+    ]
+    if not torch.cuda.is_available():
+        cases.append(({"device_id": 0}, ValueError, ("device_id", "CUDA is not available")))
+    for kwargs, exc, fragments in cases:
+        _expect(lambda: fully_shard(model, **kwargs), exc, *fragments)
+        _assert_unchanged(before, model)
+    _expect(lambda: fully_shard([model[0], model[2]]), TypeError, "fully_shard", "one nn.Module", "list")  # type: ignore[arg-type]
+    _assert_unchanged(before, model)
+    _expect(lambda: ModuleWrapPolicy(nn.Linear), TypeError, "module_classes", "ModuleWrapPolicy({Linear})")  # type: ignore[arg-type]
+    _expect(lambda: ModuleWrapPolicy({"Linear"}), TypeError, "module_classes", "'Linear'")  # type: ignore[arg-type]
+    _expect(lambda: CustomPolicy(True), TypeError, "CustomPolicy", "lambda_fn", "callable")  # type: ignore[arg-type]
+
+
+def _other_api_argument_errors() -> None:
+    """replicate, checkpoint, FSDPModule's switches and clip_grad_norm_ refuse bad arguments."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    before = _snapshot(model)
+    for kwargs, exc, fragments in [
+        ({"process_group": "world"}, TypeError, ("replicate(Sequential)", "process_group", "ProcessGroup", "str")),
+        ({"device_id": "cpu"}, TypeError, ("replicate(Sequential)", "device_id", "torch.device")),
+        ({"ignored_modules": model[0]}, TypeError, ("replicate(Sequential)", "ignored_modules", "[module]")),
+        ({"ignored_modules": [1]}, TypeError, ("ignored_modules", "int")),
+        ({"bucket_cap_mb": "25"}, TypeError, ("bucket_cap_mb", "number", "str")),
+        ({"bucket_cap_mb": 0}, ValueError, ("bucket_cap_mb", "positive")),
+        ({"bucket_cap_mb": float("inf")}, ValueError, ("bucket_cap_mb", "positive", "inf")),
+        ({"mixed_precision": {"reduce_dtype": torch.float16}}, TypeError, ("replicate(Sequential)", "MixedPrecision")),
+    ]:
+        _expect(lambda: replicate(model, **kwargs), exc, *fragments)
+        _assert_unchanged(before, model)
+    _expect(lambda: checkpoint(model, preserve_rng_state="yes"), TypeError,  # type: ignore[arg-type]
+            "checkpoint(Sequential)", "preserve_rng_state", "bool")
+    _expect(lambda: checkpoint(model, use_reentrant="no"), TypeError, "use_reentrant", "bool")  # type: ignore[arg-type]
+    _assert_unchanged(before, model)
+
+    fully_shard(model)
+    model(torch.randn(2, 4)).sum().backward()
+    state = fully_shard.state(model)
+    before = _snapshot(model)
+    _expect(lambda: model.set_requires_gradient_sync("no"), TypeError,  # type: ignore[operator]
+            "set_requires_gradient_sync", "requires_gradient_sync", "bool", "'no'")
+    _expect(lambda: model.set_requires_gradient_sync(False, recurse=0), TypeError, "recurse", "bool")  # type: ignore[operator]
+    _expect(lambda: model.set_reshard_after_backward(1), TypeError,  # type: ignore[operator]
+            "set_reshard_after_backward", "reshard_after_backward", "bool")
+    assert state.sync_gradients and state.reshard_after_backward
+    grads = [p.grad.clone() for p in model.parameters()]
+    for args, exc, fragments in [
+        (("1.0",), TypeError, ("clip_grad_norm_", "max_norm", "number", "str")),
+        ((1.0, "fro"), TypeError, ("clip_grad_norm_", "norm_type", "number", "str")),
+        ((-1.0,), ValueError, ("max_norm", ">= 0")),
+        ((1.0, 0), ValueError, ("norm_type", "> 0")),
+        ((float("nan"),), ValueError, ("max_norm", "NaN")),
+    ]:
+        _expect(lambda: clip_grad_norm_(model, *args), exc, *fragments)
+        _expect(lambda: model.clip_grad_norm_(*args), exc, *fragments)  # type: ignore[operator]
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+    _assert_unchanged(before, model)
+
+
+def _non_member_group() -> None:
+    """A process group this rank is not in raises ValueError saying so (not 'world_size must be
+    >= 1, got -1' from deep inside)."""
+    group = dist.new_group([0])  # every rank must call new_group
+    if dist.get_rank() != 0:
+        model = nn.Sequential(nn.Linear(4, 4))
+        before = _snapshot(model)
+        for kwargs in ({"process_group": group},
+                       {"process_group": (group, dist.group.WORLD), "strategy": ShardingStrategy.HYBRID_SHARD}):
+            _expect(lambda: fully_shard(model, **kwargs), ValueError, "fully_shard(Sequential)", "process_group",
+                    f"global rank {dist.get_rank()}", "not a member")
+            _assert_unchanged(before, model)
+        _expect(lambda: replicate(model, process_group=group), ValueError, "replicate(Sequential)", "not a member")
+        _assert_unchanged(before, model)
+
+
+class _NoReset(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(3))
+
+
+class _MetaModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.inner = _NoReset()
+
+
+def _meta_errors() -> None:
+    """Meta parameters nothing can initialize raise at fully_shard naming them, and the model
+    gets no fully_shard state, hook or class change."""
+    with torch.device("meta"):
+        model = _MetaModel()
+    before = _snapshot(model)
+    _expect(lambda: fully_shard(model), ValueError, "'inner.w' (_NoReset)", "meta", "reset_parameters",
+            "param_init_fn")
+    _assert_unchanged(before, model)
+    assert model.lin.weight.is_meta and model.inner.w.is_meta
+
+    def only_linears(module: nn.Module) -> None:
+        for sub in module.modules():
+            if isinstance(sub, nn.Linear):
+                sub.to_empty(device="cpu", recurse=False)
+                sub.reset_parameters()
+
+    _expect(lambda: fully_shard(model, param_init_fn=only_linears), ValueError, "['inner.w']", "still on the meta",
+            "param_init_fn", "not applied")
+    _assert_unchanged(before, model, values=False)  # the user's function materialized lin; nothing else changed
+    assert fully_shard.state(model) is None and _get_registry(model) is None and model.inner.w.is_meta
+    fully_shard(model, param_init_fn=lambda m: m.to_empty(device="cpu"))  # a complete function works
+    assert not model.inner.w.is_meta
+
+
+def _case(name: str) -> None:
+    {"composition": _errors, "fully_shard_arguments": _fully_shard_argument_errors,
+     "other_api_arguments": _other_api_argument_errors, "non_member_group": _non_member_group,
+     "meta": _meta_errors}[name]()
+
+
+def _all() -> None:
+    run_subtests(_case, {"name": ["composition", "fully_shard_arguments", "other_api_arguments", "non_member_group",
+                                  "meta"]})
+
+
 def test_errors_are_clear_and_leave_the_model_unchanged() -> None:
-    """Shared parameter across handles, replicate/fully_shard on each other's modules, applying
-    twice, a nested FlatParameter and bad arguments raise naming what to fix; nothing changes."""
-    run_distributed(_errors, 2, timeout=90)
+    """Shared parameters across manually annotated handles (siblings, child after parent, child
+    before parent), replicate/fully_shard on each other's modules, applying twice, a nested
+    FlatParameter, bad arguments of every public function, a process group this rank is not in,
+    and uninitializable meta parameters raise naming what to fix; nothing changes."""
+    run_distributed(_all, 2, timeout=120)
 

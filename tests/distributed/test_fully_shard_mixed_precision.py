@@ -8,10 +8,11 @@ gradients could be reduced at the wrong precision or left in bf16 for the optimi
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from composable_shard import MixedPrecision, ModuleWrapPolicy, fully_shard
 from composable_shard._collectives import record_collectives
@@ -68,3 +69,76 @@ def test_bf16_param_dtype() -> None:
     fp32 when set), fp32 shards and gradients; losses track fp32 training and torch FSDP1
     with the same MixedPrecision."""
     run_distributed(_grid, 2, timeout=120)
+
+
+# ---------------------------------------------------------------------------- per-unit input casting
+class _SaveInputs(nn.Module):
+    """Linear layers that record the dtype of what they received."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Linear(8, 8)
+        self.c2 = nn.Linear(8, 8)
+        self.seen: Dict[str, torch.dtype] = {}
+        for name in ("c1", "c2"):
+            getattr(self, name).register_forward_pre_hook(  # appended: runs after fully_shard's cast
+                lambda m, args, name=name: self.seen.__setitem__(name, args[0].dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c2(self.c1(x)).float()
+
+
+def _float16_submodule(cast_root: bool, cast_each: bool) -> None:
+    """c2 in float16 under a float32 root without mixed precision, as torch's composable
+    fully_shard allows: c2's inputs are cast at c2 (its own fully_shard unit) by
+    cast_root_forward_inputs, or by cast_forward_inputs; with neither, torch's dtype error."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    reference = _SaveInputs()
+    torch.manual_seed(0)
+    model = _SaveInputs()
+    mp = MixedPrecision(param_dtype=torch.float16, cast_root_forward_inputs=cast_root, cast_forward_inputs=cast_each)
+    fully_shard(model.c2, mixed_precision=mp)
+    fully_shard(model)
+    x = torch.randn(world_size * 2, 8, generator=torch.Generator().manual_seed(1))
+    if not (cast_root or cast_each):
+        try:
+            model(x[rank * 2:(rank + 1) * 2])
+        except RuntimeError as e:
+            assert "dtype" in str(e), e
+            return
+        raise AssertionError("float32 inputs into float16 weights must raise torch's dtype error")
+    model(x[rank * 2:(rank + 1) * 2]).pow(2).sum().backward()
+    assert model.seen == {"c1": torch.float32, "c2": torch.float16}, model.seen
+    # The same casts locally: c2 computes in float16 on float16 copies of its weights, and its
+    # gradients are reduced in float16 (param_dtype), averaged over the ranks.
+    ref_c2 = nn.Linear(8, 8).half()
+    with torch.no_grad():
+        ref_c2.weight.copy_(reference.c2.weight)
+        ref_c2.bias.copy_(reference.c2.bias)
+    total = torch.zeros(())
+    for r in range(world_size):
+        rows = x[r * 2:(r + 1) * 2]
+        total = total + ref_c2(reference.c1(rows).half()).float().pow(2).sum() / world_size
+    total.backward()
+    from composable_shard import unshard_params
+
+    with unshard_params(model, with_grads=True):
+        got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    expected = {"c1.weight": reference.c1.weight.grad, "c1.bias": reference.c1.bias.grad,
+                "c2.weight": ref_c2.weight.grad.float(), "c2.bias": ref_c2.bias.grad.float()}
+    assert sorted(got) == sorted(expected), (sorted(got), sorted(expected))
+    for name, grad in expected.items():
+        tol = 1e-5 if name.startswith("c1") else 2e-3  # float16 reductions
+        diff = (got[name] - grad).abs().max().item()
+        assert diff <= tol * max(1.0, grad.abs().max().item()), (name, diff)
+        assert got[name].dtype == torch.float32
+
+
+def test_cast_root_forward_inputs_applies_to_every_fully_shard_unit() -> None:
+    """A float16 submodule under a float32 root: all four combinations of cast_root_forward_inputs
+    and cast_forward_inputs behave as torch's composable fully_shard (cast at the unit's own
+    root, or per handle; neither: torch's dtype error), with gradients equal to local training
+    doing the same casts."""
+    run_distributed(run_subtests, 2, _float16_submodule, {"cast_root": [True, False], "cast_each": [True, False]},
+                    timeout=90)

@@ -1,0 +1,139 @@
+"""Ranks that disagree raise on every rank instead of hanging, aborting or computing garbage.
+
+Collectives are matched across ranks by the order they are issued in, not by what they carry.
+Ranks that all-gather different handles (data-dependent control flow), or where one rank skips a
+reduction (``set_requires_gradient_sync(False)`` on one rank, a backward that raised on one
+rank), issue unmatched collectives: gloo aborts the process when the sizes differ and returns
+wrong data when they agree, and the next collective hangs.
+
+[Note: Agreement]  Before a collective that must match, every rank tells the others, in one
+small synchronous all-gather of integers (:func:`composable_shard._collectives.exchange`), what it
+is about to do: ``(kind, handle index, group index, flag)``. Every rank sees the same table,
+so on a difference every rank raises the same error naming the modules and the ranks.
+  * first iteration, always: before every all-gather of parameters (forward and backward), and
+    the layout of every handle once at lazy init (a digest; the full description only on a
+    mismatch);
+  * later iterations: each rank compares its forward order with the recorded one locally and
+    warns once on a change (no communication);
+  * debug mode (``COMPOSABLE_SHARD_DEBUG=1``, or ``TORCH_DISTRIBUTED_DEBUG=DETAIL``): every
+    iteration, before every all-gather and before every reduction (with the gradient-sync flag),
+    and when recovering from a backward that raised.
+What is not agreed on can still leave a collective unmatched; its wait then fails after the
+process group's timeout with a message naming the pending handle and collective
+(:meth:`composable_shard._collectives.Pending.wait`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import TYPE_CHECKING, Any, List, Optional
+
+import torch.distributed as dist
+
+from . import _collectives
+
+if TYPE_CHECKING:
+    from ._common_utils import _FSDPState
+    from ._flat_param import FlatParamHandle
+
+__all__ = ["debug_mode", "agree_before_gather", "agree_before_reduction", "agree_on_failed_backward",
+           "check_layout_across_ranks"]
+
+GATHER, REDUCE, FAILED_BACKWARD = 1, 2, 3
+
+
+def debug_mode() -> bool:
+    """The opt-in per-iteration checks (read at lazy init)."""
+    flag = os.environ.get("COMPOSABLE_SHARD_DEBUG", "")
+    return flag not in ("", "0") or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
+
+
+def agree_before_gather(root: "_FSDPState", state: "_FSDPState", handle: "FlatParamHandle") -> None:
+    """Raise on every rank of ``state``'s shard group unless all are about to gather ``handle``."""
+    _agree(root, state.process_group, [GATHER, handle.index, 0, 0])
+
+
+def agree_before_reduction(root: "_FSDPState", state: "_FSDPState", handle: "FlatParamHandle", group_index: int,
+                           sync: bool) -> None:
+    """Raise unless every rank is about to reduce (or, all of them, keep) the same gradient."""
+    for group in _dp_groups(state):
+        _agree(root, group, [REDUCE, handle.index, group_index, int(sync)])
+
+
+def agree_on_failed_backward(root: "_FSDPState") -> None:
+    """A rank recovering from a backward that raised meets the others' next agreement: equal if
+    they all failed, an error on every rank otherwise."""
+    for group in _dp_groups(root):
+        _agree(root, group, [FAILED_BACKWARD, -1, 0, 0])
+
+
+def _dp_groups(state: "_FSDPState") -> List[Any]:
+    groups = [g for g in (state.process_group, state.replicate_group) if g is not None]
+    return [g for g in groups if dist.get_world_size(g) > 1]
+
+
+def _agree(root: "_FSDPState", group: Optional[dist.ProcessGroup], mine: List[int]) -> None:
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    everyone = _collectives.exchange(mine, group, tag="agree")
+    if any(theirs != everyone[0] for theirs in everyone):
+        ranks = [dist.get_global_rank(group, r) for r in range(len(everyone))]
+        lines = [f"rank {rank}: {_describe(root, values)}" for rank, values in zip(ranks, everyone)]
+        raise RuntimeError(
+            "fully_shard: ranks disagree on the next collective, which would hang or mix up data:\n  "
+            + "\n  ".join(lines)
+            + "\nEvery rank must run the same fully sharded modules in the same order, with the same "
+            "gradient-sync setting, and raise in backward together (or not at all)."
+        )
+
+
+def _describe(root: "_FSDPState", values: List[int]) -> str:
+    kind, index, group_index, flag = values
+    name = repr(root.all_handles[index].fqn or "<root>") if 0 <= index < len(root.all_handles) else "?"
+    if kind == GATHER:
+        return f"all-gather of the parameters of {name}"
+    if kind == REDUCE:
+        how = "reduction" if flag else "keeping it unreduced (gradient sync off)"
+        return f"gradient of {name} (flat parameter {group_index}): {how}"
+    if kind == FAILED_BACKWARD:
+        return "recovering from a backward that raised on this rank"
+    return f"unknown {values}"
+
+
+# ---------------------------------------------------------------------------- layout at lazy init
+def check_layout_across_ranks(root: "_FSDPState") -> None:
+    """Ranks that built different handles would issue mismatched collectives; compare a digest
+    of every handle's names, shapes and dtypes, and on a difference describe the first one."""
+    mine = [(h.fqn, [(tuple(g.flat_param._fqns), [tuple(s) for s in g.flat_param._shapes], str(g.flat_param.dtype))
+                     for g in h.groups]) for h in root.all_handles]
+    digest = hashlib.sha256(repr(mine).encode()).digest()
+    words = [int.from_bytes(digest[i:i + 8], "little", signed=True) for i in range(0, 32, 8)]
+    for group in {id(g): g for g in (root.process_group, root.replicate_group) if g is not None}.values():
+        everyone = _collectives.exchange(words, group, tag="lazy_init_check")
+        if all(theirs == words for theirs in everyone):
+            continue
+        layouts = _collectives.all_gather_object(mine, group, tag="lazy_init_check")
+        for other_rank, theirs in enumerate(layouts):
+            if theirs != mine:
+                raise RuntimeError(_describe_mismatch(root, mine, theirs, other_rank))
+
+
+def _describe_mismatch(root: "_FSDPState", mine: List[Any], theirs: List[Any], other_rank: int) -> str:
+    head = f"fully_shard: rank {root.rank} and rank {other_rank} of the process group built different handles; "
+    if len(mine) != len(theirs):
+        return head + (f"{len(mine)} handles here vs {len(theirs)} there. Apply fully_shard identically "
+                       "(same model, same policy) on every rank.")
+    for (fqn_a, groups_a), (fqn_b, groups_b) in zip(mine, theirs):
+        if fqn_a != fqn_b:
+            return head + f"handle {fqn_a!r} here vs {fqn_b!r} there."
+        if len(groups_a) != len(groups_b):
+            return head + f"in handle {fqn_a or '<root>'!r}: {len(groups_a)} flat parameters here vs {len(groups_b)} there."
+        for ga, gb in zip(groups_a, groups_b):
+            for name_a, name_b, shape_a, shape_b in zip(ga[0], gb[0], ga[1], gb[1]):
+                if name_a != name_b or shape_a != shape_b:
+                    return head + (f"in handle {fqn_a or '<root>'!r}: parameter {name_a!r} {list(shape_a)} here vs "
+                                   f"{name_b!r} {list(shape_b)} there. Build the same model on every rank.")
+            if ga != gb:
+                return head + f"in handle {fqn_a or '<root>'!r}: {ga} here vs {gb} there."
+    return head + "parameter layouts differ."

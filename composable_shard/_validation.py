@@ -1,0 +1,200 @@
+"""Argument checks of the public API: every wrong type or value raises ``TypeError`` /
+``ValueError`` naming the API, the argument, what was found and what is accepted, before
+anything changes. Used by ``fully_shard``, ``replicate``, the ``FSDPModule`` methods and
+``clip_grad_norm_``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Dict, Iterable, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from .wrap import _Policy
+
+__all__ = ["check_bool", "check_real", "check_process_group", "check_device_id", "check_mixed_precision",
+           "check_modules", "check_config", "check_fully_shard_arguments"]
+
+
+def check_bool(api: str, name: str, value: Any) -> None:
+    """``TypeError`` unless ``value`` is a bool (``1`` or ``"yes"`` are mistakes, not flags)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{api}: {name} must be a bool (True or False), got {type(value).__name__} ({value!r})")
+
+
+def check_real(api: str, name: str, value: Any) -> float:
+    """``TypeError`` unless ``value`` is a real number (not a bool); ``ValueError`` for NaN."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{api}: {name} must be a number (int or float), got {type(value).__name__} ({value!r})")
+    if math.isnan(float(value)):
+        raise ValueError(f"{api}: {name} must be a number, got NaN")
+    return float(value)
+
+
+def check_process_group(api: str, group: Any, *, allow_pair: bool = False, name: str = "process_group") -> None:
+    """A ``ProcessGroup`` this rank belongs to (or None; or a pair of them if ``allow_pair``)."""
+    if group is None:
+        return
+    if allow_pair and isinstance(group, tuple):
+        if len(group) != 2 or any(g is None for g in group):
+            raise ValueError(f"{api}: a tuple {name} must be a (shard group, replicate group) pair of ProcessGroups, "
+                             f"got {len(group)} elements")
+        for i, g in enumerate(group):
+            check_process_group(api, g, name=f"{name}[{i}]")
+        return
+    non_member = dist.GroupMember.NON_GROUP_MEMBER
+    if (isinstance(group, int) and group == non_member) or (
+            isinstance(group, dist.ProcessGroup) and dist.is_initialized() and dist.get_rank(group) < 0):
+        rank = dist.get_rank() if dist.is_initialized() else "?"
+        raise ValueError(f"{api}: this rank (global rank {rank}) is not a member of {name} (dist.new_group returns "
+                         "GroupMember.NON_GROUP_MEMBER on ranks outside the group). Pass a group that contains "
+                         "this rank, or make this call only on the group's ranks.")
+    if not isinstance(group, dist.ProcessGroup):
+        accepted = "a torch.distributed.ProcessGroup" + (", a (shard, replicate) pair of them" if allow_pair else "")
+        raise TypeError(f"{api}: {name} must be {accepted} or None (the default group), got "
+                        f"{type(group).__name__} ({group!r})")
+
+
+def check_device_id(api: str, device_id: Any) -> None:
+    """An int (CUDA index), a ``torch.device`` or None, naming a device that exists."""
+    if device_id is None:
+        return
+    if isinstance(device_id, bool) or not isinstance(device_id, (int, torch.device)):
+        hint = f"; for a device name pass torch.device({device_id!r})" if isinstance(device_id, str) else ""
+        raise TypeError(f"{api}: device_id must be an int (CUDA device index), a torch.device or None, got "
+                        f"{type(device_id).__name__} ({device_id!r}){hint}")
+    if isinstance(device_id, int) and device_id < 0:
+        raise ValueError(f"{api}: device_id must be a CUDA device index >= 0, got {device_id}")
+    device = torch.device("cuda", device_id) if isinstance(device_id, int) else device_id
+    if device.type == "meta":
+        raise ValueError(f"{api}: device_id cannot be the meta device: it is where parameters are materialized "
+                         "and computed; pass torch.device('cpu'), a CUDA device, or None")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{api}: device_id={device_id!r} names a CUDA device but CUDA is not available here; "
+                         "pass torch.device('cpu') or None")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"{api}: device_id={device_id!r} but only {torch.cuda.device_count()} CUDA devices exist")
+
+
+def check_mixed_precision(api: str, mixed_precision: Any) -> None:
+    """A :class:`MixedPrecision` (or None) whose dtypes are floating ``torch.dtype``s and whose
+    flags are bools."""
+    if mixed_precision is None:
+        return
+    if not isinstance(mixed_precision, MixedPrecision):
+        hint = "; build one with MixedPrecision(**your_dict)" if isinstance(mixed_precision, dict) else ""
+        raise TypeError(f"{api}: mixed_precision must be a composable_shard.MixedPrecision or None, got "
+                        f"{type(mixed_precision).__name__} ({mixed_precision!r}){hint}")
+    for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+        dtype = getattr(mixed_precision, name)
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"{api}: mixed_precision.{name} must be a torch.dtype or None, got "
+                            f"{type(dtype).__name__} ({dtype!r})")
+        if dtype is not None and not dtype.is_floating_point:
+            raise ValueError(f"{api}: mixed_precision.{name} must be a floating-point dtype, got {dtype}")
+    for name in ("keep_low_precision_grads", "cast_forward_inputs", "cast_root_forward_inputs"):
+        check_bool(api, f"mixed_precision.{name}", getattr(mixed_precision, name))
+
+
+def check_modules(api: str, name: str, value: Any) -> Optional[List[nn.Module]]:
+    """An iterable of ``nn.Module`` (or None), returned as a list so it can be read twice."""
+    if value is None:
+        return None
+    if isinstance(value, nn.Module) and not isinstance(value, (nn.ModuleList, nn.Sequential)):
+        raise TypeError(f"{api}: {name} must be an iterable of nn.Modules, got a single {type(value).__name__}; "
+                        f"pass [module]")
+    if isinstance(value, (str, bytes, torch.Tensor)) or not isinstance(value, Iterable):
+        raise TypeError(f"{api}: {name} must be an iterable of nn.Modules (e.g. a list), got {type(value).__name__}")
+    modules = list(value)
+    for i, m in enumerate(modules):
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"{api}: {name} must contain nn.Modules only, got {type(m).__name__} at index {i}")
+    return modules
+
+
+def _check_ignored_states(api: str, value: Any) -> Optional[List[Any]]:
+    if value is None:
+        return None
+    if isinstance(value, (torch.Tensor, nn.Module, str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(f"{api}: ignored_states must be an iterable of nn.Parameters or of nn.Modules (e.g. a list), "
+                        f"got {type(value).__name__}")
+    states = list(value)
+    kinds = {"parameter" if isinstance(s, nn.Parameter) else "module" if isinstance(s, nn.Module) else type(s).__name__
+             for s in states}
+    if kinds - {"parameter", "module"}:
+        raise TypeError(f"{api}: ignored_states must contain nn.Parameters or nn.Modules, got {sorted(kinds)}")
+    if len(kinds) > 1:
+        raise ValueError(f"{api}: ignored_states must be all nn.Parameters or all nn.Modules, not a mix")
+    return states
+
+
+def _check_policy(api: str, policy: Any) -> None:
+    if policy is None or isinstance(policy, _Policy):
+        return
+    if isinstance(policy, type):
+        raise TypeError(f"{api}: policy must be a policy object or a function policy, got the class {policy.__name__}; "
+                        f"to fully shard every {policy.__name__}, pass policy=ModuleWrapPolicy({{{policy.__name__}}})")
+    if not callable(policy):
+        raise TypeError(f"{api}: policy must be a _Policy (ModuleWrapPolicy, CustomPolicy), a function policy "
+                        f"(module, recurse, nonwrapped_numel) -> bool, or None, got {type(policy).__name__} "
+                        f"({policy!r}); for classes pass ModuleWrapPolicy({{...}})")
+
+
+def _check_mesh(api: str, mesh: Any) -> None:
+    if mesh is None:
+        return
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"{api}: mesh must be a torch.distributed.device_mesh.DeviceMesh (1-D, or 2-D (replicate, "
+                        f"shard) for hybrid strategies) or None, got {type(mesh).__name__} ({mesh!r})")
+
+
+def check_config(api: str, config: Dict[str, Any]) -> None:
+    """The per-module options (also what a CustomPolicy may override)."""
+    strategy = config["strategy"]
+    if not isinstance(strategy, ShardingStrategy):
+        raise TypeError(f"{api}: strategy must be a ShardingStrategy (e.g. ShardingStrategy.FULL_SHARD), got "
+                        f"{type(strategy).__name__} ({strategy!r})")
+    check_mixed_precision(api, config["mixed_precision"])
+    offload = config["cpu_offload"]
+    if offload is not None and not isinstance(offload, CPUOffload):
+        raise TypeError(f"{api}: cpu_offload must be a CPUOffload or None, got {type(offload).__name__} ({offload!r})")
+    if offload is not None:
+        check_bool(api, "cpu_offload.offload_params", offload.offload_params)
+    prefetch = config["backward_prefetch"]
+    if prefetch is not None and not isinstance(prefetch, BackwardPrefetch):
+        raise TypeError(f"{api}: backward_prefetch must be a BackwardPrefetch or None, got "
+                        f"{type(prefetch).__name__} ({prefetch!r})")
+    for name in ("forward_prefetch", "limit_all_gathers"):
+        check_bool(api, name, config[name])
+
+
+def check_fully_shard_arguments(module: Any, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """Raise ``TypeError``/``ValueError`` naming the argument for anything ``fully_shard`` does
+    not accept; return ``kwargs`` with the iterables read into lists."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard: module must be one nn.Module, got {type(module).__name__}; "
+                        "call fully_shard once per module (children first)")
+    api = f"fully_shard({type(module).__name__})"
+    check_process_group(api, kwargs["process_group"], allow_pair=True)
+    _check_mesh(api, kwargs["mesh"])
+    if kwargs["mesh"] is not None and kwargs["process_group"] is not None:
+        raise ValueError(f"{api}: pass either process_group or mesh, not both")
+    _check_policy(api, kwargs["policy"])
+    check_config(api, kwargs)
+    checked = dict(kwargs)
+    checked["ignored_modules"] = check_modules(api, "ignored_modules", kwargs["ignored_modules"])
+    checked["ignored_states"] = _check_ignored_states(api, kwargs["ignored_states"])
+    check_device_id(api, kwargs["device_id"])
+    init_fn = kwargs["param_init_fn"]
+    if init_fn is not None and not callable(init_fn):
+        raise TypeError(f"{api}: param_init_fn must be callable as param_init_fn(module) or None, got "
+                        f"{type(init_fn).__name__} ({init_fn!r})")
+    check_bool(api, "sync_module_states", kwargs["sync_module_states"])
+    return checked

@@ -1,0 +1,146 @@
+"""What the user does to a fully sharded model between steps, seen through torch's global hooks.
+
+* **Structure changes.** A handle owns fixed parameter objects registered at fixed slots
+  (``module.<name>``). A parameter registered (or replaced) at a slot of a managed module
+  afterwards, or a submodule holding parameters added under one, would silently be left out of
+  training (never gathered, reduced or updated). torch's global parameter and module
+  registration hooks report each such registration as it happens, so nothing is checked per
+  step: the change is recorded on the owning state and the next forward raises naming the FQN
+  (:func:`raise_on_model_change`). Registering the same object again, or wrapping a managed
+  submodule in a container without parameters of its own (activation-checkpoint wrappers do
+  that), is not a change.
+* **Optimizer steps.** Unsharded buffers kept across steps (``SHARD_GRAD_OP`` after a forward
+  without backward, ``set_reshard_after_backward(False)``, a manual ``unshard()``) must not
+  outlive an update of the shards they were gathered from. In-place edits bump the parameters'
+  version counters, but fused optimizers do not, so every optimizer step also bumps a global
+  epoch through torch's global optimizer step hook; a kept buffer gathered before the last
+  epoch is gathered again (:func:`optimizer_epoch`). Writes through ``param.data`` are seen by
+  neither; use ``unshard_params(writeback=True)`` or in-place ops on the parameter instead.
+
+[Note: Tracked modules]  Every module of a fully sharded module's subtree that is not ignored,
+not managed by ``replicate`` and not inside a nested fully sharded module is tracked with the
+parameters its slots held when the handle was built. A module registered later under a tracked
+module is tracked too (if it brings no parameters), so parameters added to it later are caught.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Set
+
+import torch.nn as nn
+from torch.nn.modules.module import (register_module_module_registration_hook,
+                                     register_module_parameter_registration_hook)
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+if TYPE_CHECKING:
+    from ._common_utils import _FSDPState
+
+__all__ = ["track", "raise_on_model_change", "optimizer_epoch", "changes_epoch"]
+
+
+@dataclass
+class _Tracked:
+    state_ref: Callable[[], Optional["_FSDPState"]]  # weak reference to the owning state
+    name: str  # the module's FQN relative to the owning fully sharded module ("" for itself)
+    slots: Dict[str, Any] = field(default_factory=dict)  # parameter name -> the object the handle owns
+
+
+_tracked: "weakref.WeakKeyDictionary[nn.Module, _Tracked]" = weakref.WeakKeyDictionary()
+_counters = {"optimizer_epoch": 0, "changes_epoch": 0}
+_installed: List[Any] = []  # the global hook handles, installed once
+
+
+def _install() -> None:
+    if not _installed:
+        _installed.append(register_module_parameter_registration_hook(_on_parameter))
+        _installed.append(register_module_module_registration_hook(_on_module))
+        _installed.append(register_optimizer_step_post_hook(_on_optimizer_step))
+
+
+def optimizer_epoch() -> int:
+    """How many optimizer steps (of any optimizer) this process has taken."""
+    return _counters["optimizer_epoch"]
+
+
+def changes_epoch() -> int:
+    """How many structure changes of tracked modules this process has seen (a root compares it
+    with the value it last checked, so the per-step check is one integer comparison)."""
+    return _counters["changes_epoch"]
+
+
+def track(state: "_FSDPState", modules: Iterable[tuple], params_by_slot: Dict[int, Dict[str, Any]]) -> None:
+    """Track ``modules`` (``(name, module)`` pairs relative to ``state.module``) as owned by
+    ``state``; ``params_by_slot[id(module)]`` holds the parameters its slots own. Modules
+    already tracked (by a nested fully sharded module, annotated first) are left alone."""
+    _install()
+    ref = weakref.ref(state)
+    for name, module in modules:
+        if module not in _tracked:
+            _tracked[module] = _Tracked(ref, name, dict(params_by_slot.get(id(module), {})))
+
+
+def _record(tracked: _Tracked, what: str) -> None:
+    state = tracked.state_ref()
+    if state is None:
+        return
+    if state.model_change is None:
+        state.model_change = what
+    _counters["changes_epoch"] += 1
+
+
+def _fqn(tracked: _Tracked, name: str) -> str:
+    state = tracked.state_ref()
+    parts = [state.fqn if state is not None else "", tracked.name, name]
+    return ".".join(p for p in parts if p)
+
+
+def _on_parameter(module: nn.Module, name: str, param: Any) -> None:
+    tracked = _tracked.get(module)
+    if tracked is None or tracked.slots.get(name) is param:
+        return
+    action = "removed" if param is None else ("replaced" if name in tracked.slots else "registered")
+    _record(tracked, f"parameter {_fqn(tracked, name)!r} was {action} after fully_shard")
+
+
+def _on_module(module: nn.Module, name: str, submodule: Any) -> None:
+    tracked = _tracked.get(module)
+    if tracked is None or not isinstance(submodule, nn.Module):
+        return
+    new_params = _untracked_params(submodule)
+    if new_params:
+        _record(tracked, f"submodule {_fqn(tracked, name)!r} with parameters {new_params} was added after "
+                         "fully_shard")
+        return
+    for sub_name, sub in submodule.named_modules():
+        if sub not in _tracked:
+            _tracked[sub] = _Tracked(tracked.state_ref, ".".join(p for p in (tracked.name, name, sub_name) if p))
+
+
+def _untracked_params(submodule: nn.Module) -> List[str]:
+    """Parameters of ``submodule``'s subtree held by modules no handle owns."""
+    found: List[str] = []
+    seen: Set[int] = set()
+    for sub_name, sub in submodule.named_modules():
+        if sub in _tracked or id(sub) in seen:
+            continue
+        seen.add(id(sub))
+        found.extend(f"{sub_name}.{n}" if sub_name else n for n, p in sub.named_parameters(recurse=False)
+                     if p is not None)
+    return found
+
+
+def _on_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    _counters["optimizer_epoch"] += 1
+
+
+def raise_on_model_change(states: Iterable["_FSDPState"]) -> None:
+    """Raise ``RuntimeError`` naming the first recorded structure change among ``states``."""
+    for s in states:
+        if s.model_change is not None:
+            raise RuntimeError(
+                f"{s.describe()}: {s.model_change}. A handle owns the parameters that were registered when "
+                "fully_shard ran, so this change would be silently left out of training. Make such changes "
+                "before fully_shard (build the model, then shard it), or rebuild and reshard the model."
+            )

@@ -1,0 +1,188 @@
+"""Ranks that disagree raise on every rank, naming the modules and the ranks, instead of
+hanging, aborting the process, or returning mixed-up data (see [Note: Agreement] in
+``composable_shard/_divergence.py``).
+
+Without the agreement, blocks of equal shapes run in a different order on two ranks all-gather
+each other's parameters (wrong outputs, then a hang), and blocks of different sizes abort the
+process inside gloo.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any, List
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from composable_shard import fully_shard, unshard_params
+from tests._harness import run_distributed, run_subtests
+
+
+class _Wide(nn.Module):
+    """6 -> 20 -> 6: a block with other shapes than ``_Narrow``."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, hidden)
+        self.fc2 = nn.Linear(hidden, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class _Routed(nn.Module):
+    """Runs its blocks in ``self.order`` (data-dependent routing, as a mixture of experts does)."""
+
+    def __init__(self, same_shapes: bool) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Wide(7), _Wide(7 if same_shapes else 20)])
+        self.head = nn.Linear(6, 2)
+        self.order = [0, 1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in self.order:
+            x = self.blocks[i](x)
+        return self.head(x)
+
+
+def _routed(same_shapes: bool) -> _Routed:
+    torch.manual_seed(0)
+    model = _Routed(same_shapes)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def _expect_error(fn: Any, *fragments: str) -> str:
+    try:
+        fn()
+    except RuntimeError as e:
+        for fragment in fragments:
+            assert fragment in str(e), f"{fragment!r} not in: {e}"
+        return str(e)
+    raise AssertionError("expected a RuntimeError on every rank")
+
+
+def _step(model: nn.Module) -> None:
+    torch.manual_seed(dist.get_rank())
+    model(torch.randn(2, 6)).sum().backward()
+
+
+# ---------------------------------------------------------------------------- first iteration
+def _order_differs_in_first_iteration(same_shapes: bool) -> None:
+    rank = dist.get_rank()
+    model = _routed(same_shapes)
+    model.order = [0, 1] if rank == 0 else [1, 0]
+    _expect_error(lambda: _step(model), "rank 0: all-gather of the parameters of 'blocks.0'",
+                  "rank 1: all-gather of the parameters of 'blocks.1'")
+    # Nothing is left half-done: the same model trains once the ranks agree, like a fresh one.
+    model.order = [0, 1]
+    model.zero_grad()
+    _step(model)
+    fresh = _routed(same_shapes)
+    _step(fresh)
+    with unshard_params(model, with_grads=True), unshard_params(fresh, with_grads=True):
+        pairs = list(zip(model.parameters(), fresh.parameters()))
+        assert len(pairs) == len(list(fresh.parameters()))
+        for p, q in pairs:
+            assert p.grad is not None and q.grad is not None and torch.equal(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_different_handle_order_raises_in_first_iteration(world_size: int) -> None:
+    """Blocks run in a different order on rank 0 (same shapes: used to return wrong outputs
+    and hang; different shapes: used to abort in gloo): every rank raises naming both blocks
+    and the ranks, and the model trains normally afterwards."""
+    run_distributed(run_subtests, world_size, _order_differs_in_first_iteration,
+                    {"same_shapes": [True, False]}, timeout=90)
+
+
+# ---------------------------------------------------------------------------- later iterations
+def _order_changes_later() -> None:
+    model = _routed(True)
+    _step(model)
+    model.order = [1, 0]  # on every rank: allowed, but prefetch follows the old order
+    with pytest.warns(UserWarning, match="forward order changed after the first iteration"):
+        _step(model)
+
+
+def _debug_mode(case: str) -> None:
+    os.environ["COMPOSABLE_SHARD_DEBUG"] = "1"  # read at lazy init
+    try:
+        rank = dist.get_rank()
+        model = _routed(True)
+        _step(model)
+        model.zero_grad()
+        if case == "order":
+            model.order = [0, 1] if rank == 0 else [1, 0]
+            _expect_error(lambda: _step(model), "rank 0: all-gather of the parameters of 'blocks.0'",
+                          "rank 1: all-gather of the parameters of 'blocks.1'")
+        elif case == "no_sync on one rank":
+            model.set_requires_gradient_sync(rank != 0)
+            _expect_error(lambda: _step(model), "rank 0: gradient of", "keeping it unreduced",
+                          "rank 1: gradient of", "reduction")
+        else:  # a backward that raises on rank 0 only
+            def explode(grad: torch.Tensor) -> torch.Tensor:
+                raise ValueError("user error in backward")
+
+            if rank == 0:
+                out = model(torch.randn(2, 6))
+                out.register_hook(explode)
+                try:
+                    out.sum().backward()
+                except (ValueError, RuntimeError):
+                    pass
+                model.zero_grad()
+                _expect_error(lambda: model(torch.randn(2, 6)), "rank 0: recovering from a backward that raised")
+            else:
+                _expect_error(lambda: _step(model), "rank 0: recovering from a backward that raised")
+    finally:
+        del os.environ["COMPOSABLE_SHARD_DEBUG"]
+
+
+def _later() -> None:
+    _order_changes_later()
+    dist.barrier()
+    run_subtests(_debug_mode, {"case": ["order", "no_sync on one rank", "failed backward on one rank"]})
+
+
+def test_debug_mode_checks_every_iteration() -> None:
+    """After the first iteration an order change warns once (no communication); with
+    COMPOSABLE_SHARD_DEBUG=1 a divergent order, gradient sync switched off on one rank, or a
+    backward that raised on one rank raises on every rank instead of hanging."""
+    run_distributed(_later, 2, timeout=120)
+
+
+# ---------------------------------------------------------------------------- what only times out
+def _timeout_names_the_collective() -> None:
+    rank = dist.get_rank()
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=3))
+    torch.manual_seed(0)
+    model = _Routed(True)
+    for block in model.blocks:
+        fully_shard(block, process_group=group)
+    fully_shard(model, process_group=group)
+    _step(model)
+    model.set_requires_gradient_sync(rank != 0)  # rank 0 skips the reductions rank 1 waits for
+    if rank == 1:
+        message = _expect_error(lambda: _step(model), "reduce_scatter of", "did not complete",
+                                "COMPOSABLE_SHARD_DEBUG=1")
+        assert any(name in message for name in ("'blocks.0'", "'blocks.1'", "'<root>'")), message
+    else:
+        _step(model)
+    dist.barrier()  # on the default group: rank 0 waits here until rank 1 has seen its error
+
+
+def test_unagreed_divergence_times_out_naming_the_collective() -> None:
+    """Without debug mode, gradient sync switched off on one rank leaves a reduce-scatter
+    unmatched: its wait fails after the process group's timeout with a message naming the
+    collective and the handle, and pointing to COMPOSABLE_SHARD_DEBUG."""
+    run_distributed(_timeout_names_the_collective, 2, timeout=90)
+
+
+_ = List  # typing re-export guard for older interpreters

@@ -1,0 +1,496 @@
+"""Whatever a training script does between steps, fully_shard gives the numbers local training
+gives (API.md, "Lifecycle and safety"): a backward that raised, an eval forward followed by an
+optimizer step, freezing and unfreezing, parameters without a gradient, outputs of any
+structure, unshard_params in every idle state, and parameters swapped after sharding.
+
+Each test compares with a single-process model doing the same steps on the global batch
+(gradients, not only losses: Adam hides a wrong gradient scale), and each pattern gave silently
+wrong numbers, a broken model or a refusal before the runtime handled it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from composable_shard import MixedPrecision, ShardingStrategy, fully_shard, unshard_params
+from tests._harness import assert_close_ranks, run_distributed, run_subtests
+from tests._models import (assert_params_close, batch, local_rows, loss_fn, make_model)
+
+_STRATEGIES = [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD,
+               ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2]
+
+
+def _strategy_kwargs(strategy: ShardingStrategy) -> Dict[str, Any]:
+    if strategy not in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
+        return {"strategy": strategy}
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world_size = dist.get_world_size()
+    shard = 2 if world_size % 2 == 0 and world_size > 2 else world_size
+    return {"strategy": strategy, "mesh": init_device_mesh("cpu", (world_size // shard, shard))}
+
+
+def _shard(model: nn.Module, **kwargs: Any) -> nn.Module:
+    for block in model.blocks:  # type: ignore[union-attr]
+        fully_shard(block, **kwargs)
+    fully_shard(model.scale, **kwargs)  # type: ignore[arg-type]
+    fully_shard(model, **kwargs)
+    return model
+
+
+def _full_grads(model: nn.Module) -> List[Tuple[str, Optional[torch.Tensor]]]:
+    with unshard_params(model, with_grads=True):
+        return [(n, None if p.grad is None else p.grad.detach().clone()) for n, p in model.named_parameters()]
+
+
+def _full_params(model: nn.Module) -> List[Tuple[str, torch.Tensor]]:
+    with unshard_params(model):
+        return [(n, p.detach().clone()) for n, p in model.named_parameters()]
+
+
+def _assert_grads_equal(model: nn.Module, reference: nn.Module, what: str, atol: float = 1e-5) -> None:
+    """Same gradients as the reference, and None exactly where the reference has None; the
+    same on every rank."""
+    actual = _full_grads(model)
+    expected = [(n, None if p.grad is None else p.grad.detach()) for n, p in reference.named_parameters()]
+    assert len(actual) == len(expected), (what, len(actual), len(expected))
+    for (name, a), (name_e, e) in zip(actual, expected):
+        assert name == name_e, (what, name, name_e)
+        assert (a is None) == (e is None), f"{what} {name}: .grad {'None' if a is None else 'set'} here, " \
+                                           f"{'None' if e is None else 'set'} in local training"
+        if a is not None and e is not None:
+            diff = (a - e).abs().max().item() if a.numel() else 0.0
+            assert diff <= atol, f"{what} {name}: max abs grad diff {diff}"
+            assert_close_ranks(a, f"{what} {name} grad")
+
+
+def _local_step(model: nn.Module, step: int) -> torch.Tensor:
+    """Forward + backward on this rank's rows of ``step``'s batch."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    inputs, targets = batch(step, world_size)
+    loss = loss_fn(model(local_rows(inputs, rank)), local_rows(targets, rank))
+    loss.backward()
+    return loss
+
+
+def _global_step(model: nn.Module, step: int) -> torch.Tensor:
+    inputs, targets = batch(step, dist.get_world_size())
+    loss = loss_fn(model(inputs), targets)
+    loss.backward()
+    return loss
+
+
+# ---------------------------------------------------------------------------- failed backward
+class _Boom(Exception):
+    pass
+
+
+def _arm(module: nn.Module, armed: List[bool]) -> None:
+    """While ``armed[0]``, the gradient reaching ``module``'s output raises: backward has then
+    already reduced every handle after it in forward order."""
+    def raise_in_backward(grad: torch.Tensor) -> torch.Tensor:
+        raise _Boom("user error in backward")
+
+    def register(m: nn.Module, args: Any, output: torch.Tensor) -> None:
+        if armed[0] and output.requires_grad:
+            output.register_hook(raise_in_backward)
+
+    module.register_forward_hook(register)
+
+
+def _failed_backward(strategy: ShardingStrategy) -> None:
+    reference = make_model()
+    model = _shard(make_model(), **_strategy_kwargs(strategy))
+    armed = [True]
+    _arm(model.blocks[0], armed)
+    optim = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_optim = torch.optim.SGD(reference.parameters(), lr=0.5)
+    try:
+        _local_step(model, 0)  # scale's and blocks.1's reductions are issued, then it raises
+    except (_Boom, RuntimeError) as e:
+        assert "user error in backward" in str(e), e
+    else:
+        raise AssertionError("backward should have raised")
+    armed[0] = False
+    optim.zero_grad()
+    _local_step(model, 1)
+    _global_step(reference, 1)
+    _assert_grads_equal(model, reference, f"[{strategy.name}] after a failed backward")
+    optim.step()
+    ref_optim.step()
+    assert_params_close(_full_params(model), list(reference.named_parameters()), what=f"[{strategy.name}] params")
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_failed_backward_leaks_nothing_into_the_next_step(world_size: int) -> None:
+    """A backward raising after some handles' gradients were reduce-scattered (on every rank),
+    then zero_grad and a clean step: exactly the clean step's gradients and SGD update."""
+    run_distributed(_all_world_sizes_entry, world_size, "failed_backward", timeout=180)
+
+
+# ---------------------------------------------------------------------------- stale parameters
+def _eval_forward_then_step(strategy: ShardingStrategy, edit: str, mp: bool) -> None:
+    """Each step: train forward/backward, an eval forward with grad on (loss discarded), then
+    the update (optimizer step, or an in-place edit of the parameters); the next forward must
+    compute on the updated values."""
+    kwargs = _strategy_kwargs(strategy)
+    if mp:
+        kwargs["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16)
+    model = _shard(make_model(), **kwargs)
+    twin = _shard(make_model(), **kwargs)  # the same, without the eval forwards
+    reference = make_model()
+    models = [(model, True), (twin, False)] + ([] if mp else [(reference, None)])
+    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=(edit == "fused")) for m, _ in models]
+    rank = dist.get_rank()
+    losses: Dict[int, List[float]] = {0: [], 1: [], 2: []}
+    for step in range(3):
+        for i, ((m, eval_forward), optim) in enumerate(zip(models, optims)):
+            loss = _global_step(m, step) if eval_forward is None else _local_step(m, step)
+            if eval_forward:
+                inputs, _ = batch(step, dist.get_world_size())
+                m(local_rows(inputs, rank)).sum()  # grad on, no backward
+            if edit == "in_place":
+                with torch.no_grad():
+                    for p in m.parameters():
+                        if p.grad is not None:
+                            p.sub_(0.1 * p.grad)
+            else:
+                optim.step()
+            optim.zero_grad()
+            losses[i].append(loss.item())
+    out = {i: m(local_rows(batch(3, dist.get_world_size())[0], rank)) for i, (m, e) in enumerate(models) if e is not None}
+    what = f"[{strategy.name}/{edit}/mp={mp}]"
+    assert torch.equal(out[0], out[1]), f"{what} eval forwards changed what the next forward computes"
+    assert_params_close(_full_params(model), _full_params(twin), atol=0.0, what=what)
+    if not mp:
+        expected = reference(batch(3, dist.get_world_size())[0])[rank * 2:(rank + 1) * 2]
+        assert (out[0] - expected).abs().max().item() < 1e-5, what
+
+
+def test_updates_are_visible_after_a_forward_without_backward() -> None:
+    """Eval forward with grad on, then optimizer.step() (foreach, fused) or an in-place edit,
+    under every strategy, fp32 and bf16: the next forward computes on the updated shards
+    (SHARD_GRAD_OP used to keep the stale unsharded buffer; fused optimizers bump no version
+    counter)."""
+    run_distributed(_all_world_sizes_entry, 2, "stale", timeout=240)
+
+
+# ---------------------------------------------------------------------------- freeze / unfreeze
+def _freeze_unfreeze(strategy: ShardingStrategy) -> None:
+    """Step 0 all trainable; steps 1-2 blocks.0 frozen and fc2.bias of blocks.1 frozen; step 3
+    the originally frozen Linear unfrozen; step 4 everything back. AdamW with weight decay, so
+    a frozen parameter that still got a gradient would move."""
+    reference = make_model()
+    model = _shard(make_model(), **_strategy_kwargs(strategy))
+    pairs = [(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)),
+             (reference, torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1))]
+    what = f"[{strategy.name}]"
+
+    def set_trainable(m: nn.Module, step: int) -> None:
+        m.blocks[0].requires_grad_(step not in (1, 2))
+        m.blocks[1].fc2.bias.requires_grad_(step not in (1, 2))
+        m.frozen.requires_grad_(step >= 3)
+
+    for step in range(5):
+        for m, _ in pairs:
+            set_trainable(m, step)
+        frozen_before = model.blocks[0].fc1.weight.detach().clone()
+        _local_step(model, step)
+        _global_step(reference, step)
+        _assert_grads_equal(model, reference, f"{what} step {step}")
+        if step in (1, 2):
+            assert model.blocks[0].fc1.weight.grad is None and model.blocks[1].fc2.bias.grad is None
+        for m, optim in pairs:
+            optim.step()
+            optim.zero_grad()
+        if step in (1, 2):
+            assert torch.equal(model.blocks[0].fc1.weight, frozen_before), f"{what} frozen parameter updated"
+    assert_params_close(_full_params(model), list(reference.named_parameters()), what=what)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_freeze_and_unfreeze_after_fully_shard(world_size: int) -> None:
+    """requires_grad changed after fully_shard (a block, one parameter, a group built frozen)
+    is honoured from the next forward: frozen parameters get .grad None and are not updated,
+    unfrozen ones train; gradients equal local training at every step."""
+    run_distributed(_all_world_sizes_entry, world_size, "freeze", timeout=240)
+
+
+# ---------------------------------------------------------------------------- unused parameters
+class _Gated(nn.Module):
+    """A Linear that only some ranks' data uses (``use`` set per call), and one never used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.main = nn.Linear(6, 6)
+        self.sometimes = nn.Linear(6, 6)
+        self.never = nn.Linear(6, 6)
+        self.use = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.main(x)
+        return y + self.sometimes(x) if self.use else y
+
+
+class _GatedModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _Gated()
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.inner(x))
+
+
+def _unused_parameters(strategy: ShardingStrategy, sometimes_on: str) -> None:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    reference = _GatedModel()
+    torch.manual_seed(0)
+    model = _GatedModel()
+    kwargs = _strategy_kwargs(strategy)
+    fully_shard(model.inner, **kwargs)
+    fully_shard(model, **kwargs)
+    uses = {"all": [True] * world_size, "none": [False] * world_size, "rank0": [r == 0 for r in range(world_size)]}
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.5)
+    ref_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.5)
+    for step in range(2):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(world_size * 2, 6, generator=g)
+        model.inner.use = uses[sometimes_on][rank]
+        model(x[rank * 2:(rank + 1) * 2]).pow(2).mean().backward()
+        total = torch.zeros(())
+        for r in range(world_size):  # the global batch, each rank's rows with that rank's gating
+            reference.inner.use = uses[sometimes_on][r]
+            total = total + reference(x[r * 2:(r + 1) * 2]).pow(2).mean() / world_size
+        total.backward()
+        what = f"[{strategy.name}/sometimes used on {sometimes_on}, step {step}]"
+        _assert_grads_equal(model, reference, what)
+        for p in model.inner.never.parameters():
+            assert p.grad is None, f"{what} a never-used parameter got a .grad"
+        optim.step()
+        ref_optim.step()
+        optim.zero_grad()
+        ref_optim.zero_grad()
+    assert_params_close(_full_params(model), list(reference.named_parameters()), what=f"[{strategy.name}]")
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_parameters_without_gradient_keep_grad_none(world_size: int) -> None:
+    """A parameter no rank used keeps .grad None (AdamW's weight decay leaves it alone, as
+    locally); one used on some ranks only gets the averaged gradient on every rank."""
+    run_distributed(_all_world_sizes_entry, world_size, "unused", timeout=180)
+
+
+def _partial_grad_reset() -> None:
+    """The user sets one parameter's .grad to None between two backwards without zero_grad: it
+    restarts from zero, the others accumulate, as with autograd."""
+    reference = make_model()
+    model = _shard(make_model())
+    for m in (model, reference):
+        (_local_step if m is model else _global_step)(m, 0)
+        m.blocks[1].fc1.weight.grad = None
+        m.emb.weight.grad = m.emb.weight.grad * 2  # a tensor of the user's, not our view
+        (_local_step if m is model else _global_step)(m, 1)
+    _assert_grads_equal(model, reference, "partial reset")
+
+
+# ---------------------------------------------------------------------------- output structures
+@dataclasses.dataclass
+class _DataOut:
+    logits: torch.Tensor
+    aux: Optional[torch.Tensor] = None
+
+
+class _TupleOut(NamedTuple):
+    logits: torch.Tensor
+    extra: List[torch.Tensor]
+
+
+class _ModelOutputLike(collections.OrderedDict):
+    """Like Hugging Face's ModelOutput: an OrderedDict subclass with attribute access."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError as e:
+            raise AttributeError(name) from e
+
+
+class _Opaque:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+class _Wrapped(nn.Module):
+    """The ParityModel returning its logits inside ``kind`` of container (blocks too)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.inner = make_model()
+        self.kind = kind
+        for block in self.inner.blocks:
+            block.register_forward_hook(lambda m, a, out: _DataOut(out) if kind == "dataclass" else None)
+
+    def forward(self, tokens: torch.Tensor) -> Any:
+        inner = self.inner
+        x = inner.emb(tokens)
+        for block in inner.blocks:
+            out = block(x)
+            x = out.logits if isinstance(out, _DataOut) else out
+        logits = inner.head(inner.scale(inner.frozen(x)))
+        if self.kind == "dataclass":
+            return _DataOut(logits, aux=None)
+        if self.kind == "namedtuple":
+            return _TupleOut(logits, [logits[:, :1] * 0])
+        if self.kind == "model_output":
+            return _ModelOutputLike(logits=logits)
+        if self.kind == "dict_of_lists":
+            return {"out": [(logits,)]}
+        return _Opaque(logits)
+
+
+def _logits_of(out: Any) -> torch.Tensor:
+    if isinstance(out, (_DataOut, _TupleOut)):
+        return out.logits
+    if isinstance(out, dict) and "out" in out:
+        return out["out"][0][0]
+    return out["logits"]
+
+
+def _output_structures(kind: str) -> None:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    reference = _Wrapped(kind)
+    model = _Wrapped(kind)
+    for block in model.inner.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    inputs, targets = batch(0, world_size)
+    if kind == "opaque":
+        try:
+            model(local_rows(inputs, rank))
+        except TypeError as e:
+            assert "_Opaque" in str(e) and "fully_shard(<root>)" in str(e), e
+        else:
+            raise AssertionError("an output holding tensors in an opaque object must raise at forward")
+        model.kind = reference.kind = "dataclass"  # the model is left usable
+    loss_fn(_logits_of(model(local_rows(inputs, rank))), local_rows(targets, rank)).backward()
+    loss_fn(_logits_of(reference(inputs)), targets).backward()
+    _assert_grads_equal(model, reference, f"[{kind}]")
+
+
+def test_outputs_of_any_structure() -> None:
+    """Root and block outputs as dataclass, namedtuple, OrderedDict subclass (ModelOutput-like)
+    and nested dict/list/tuple: backward hooks reach every tensor and gradients equal local
+    training; an opaque object holding tensors raises TypeError at forward naming the module
+    and type, and the model keeps working."""
+    run_distributed(_all_world_sizes_entry, 2, "outputs", timeout=180)
+
+
+# ---------------------------------------------------------------------------- unshard_params
+class _NoParams(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
+def _unshard_params_when_idle(situation: str) -> None:
+    reference = make_model()
+    model = _shard(make_model())
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    inputs, _ = batch(0, world_size)
+    if situation == "after eval forward":
+        model(local_rows(inputs, rank)).sum()
+    elif situation == "after failed forward":
+        def fail(m: nn.Module, args: Any) -> None:
+            raise _Boom("user error in forward")
+        hook = model.blocks[1].register_forward_pre_hook(fail)
+        try:
+            model(local_rows(inputs, rank))
+        except _Boom:
+            pass
+        hook.remove()
+    elif situation == "after failed backward":
+        armed = [True]
+        _arm(model.blocks[0], armed)
+        try:
+            _local_step(model, 0)
+        except (_Boom, RuntimeError):
+            pass
+        armed[0] = False
+    assert_params_close(_full_params(model), list(reference.named_parameters()), what=situation)
+    model.zero_grad()
+    _local_step(model, 1)  # and training goes on exactly
+    _global_step(reference, 1)
+    _assert_grads_equal(model, reference, situation)
+    empty = _NoParams()
+    fully_shard(empty)
+    empty(torch.ones(2))
+    with unshard_params(empty):
+        pass
+
+
+def test_unshard_params_in_every_idle_state() -> None:
+    """unshard_params works after an eval forward without backward, after a forward or a
+    backward that raised, and on a module without parameters; training continues exactly."""
+    run_distributed(_all_world_sizes_entry, 2, "unshard", timeout=180)
+
+
+# ---------------------------------------------------------------------------- model changes
+def _model_changed_after_fully_shard(change: str) -> None:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = _shard(make_model())
+    inputs, _ = batch(0, world_size)
+    model(local_rows(inputs, rank)).sum().backward()
+    if change == "parameter reassigned":
+        model.blocks[1].fc1.weight = nn.Parameter(torch.zeros(7, 6))
+        expected = "'blocks.1.fc1.weight' was replaced"
+    elif change == "submodule added":
+        model.blocks[0].adapter = nn.Linear(6, 6)
+        expected = "'blocks.0.adapter'"
+    else:  # a container without parameters around a managed module: not a change
+        model.blocks[0].fc1 = nn.Sequential(model.blocks[0].fc1)
+        model(local_rows(inputs, rank)).sum().backward()
+        return
+    try:
+        model(local_rows(inputs, rank))
+    except RuntimeError as e:
+        assert expected in str(e) and "after fully_shard" in str(e), e
+    else:
+        raise AssertionError(f"{change}: the next forward must raise")
+
+
+def test_model_changes_after_fully_shard_raise_at_next_forward() -> None:
+    """A parameter reassigned, or a submodule with parameters added, after fully_shard would
+    be silently left out of training: the next forward raises naming the FQN. Wrapping a
+    managed module in a container without parameters is allowed."""
+    run_distributed(_all_world_sizes_entry, 2, "changes", timeout=120)
+
+
+# ---------------------------------------------------------------------------- entry
+_GRIDS: Dict[str, Callable[[], None]] = {
+    "failed_backward": lambda: run_subtests(_failed_backward, {"strategy": _STRATEGIES}),
+    "stale": lambda: run_subtests(_eval_forward_then_step, {"strategy": _STRATEGIES[1:] + _STRATEGIES[:1],
+                                                            "edit": ["foreach", "fused", "in_place"],
+                                                            "mp": [False, True]}),
+    "freeze": lambda: run_subtests(_freeze_unfreeze, {"strategy": _STRATEGIES}),
+    "unused": lambda: (run_subtests(_unused_parameters, {"strategy": _STRATEGIES,
+                                                         "sometimes_on": ["all", "none", "rank0"]}),
+                       _partial_grad_reset()),
+    "outputs": lambda: run_subtests(_output_structures, {"kind": ["dataclass", "namedtuple", "model_output",
+                                                                 "dict_of_lists", "opaque"]}),
+    "unshard": lambda: run_subtests(_unshard_params_when_idle, {"situation": [
+        "after eval forward", "after failed forward", "after failed backward"]}),
+    "changes": lambda: run_subtests(_model_changed_after_fully_shard, {"change": [
+        "parameter reassigned", "submodule added", "wrapped"]}),
+}
+
+
+def _all_world_sizes_entry(name: str) -> None:
+    _GRIDS[name]()
