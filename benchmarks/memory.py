@@ -326,35 +326,30 @@ def _measure(rank: int, cfg: Dict[str, Any], distributed: bool, validation: Dict
         rec: Dict[str, Any] = {"step": i, "measured": i >= cfg["warmup"], "start": start, "held": held}
         counter.reset_peak()
         peak_sizes: List[int] = []
+
+        def end_phase(phase: str) -> None:
+            """Record the phase's end and peak; keep the live block sizes if it is the step's peak."""
+            nonlocal peak_sizes
+            counter.sync()
+            rec[f"{phase}_end"], rec[f"{phase}_peak"] = counter.live(), counter.peak()
+            if cfg["trace_peak"] and rec[f"{phase}_peak"] >= max(rec.get(f"{q}_peak", 0) for q in PHASES):
+                peak_sizes = ca.peak_sizes()
+            counter.reset_peak()
+
         if cfg["keep_logits"]:  # as benchmarks/run.py's step: a Python reference to the logits
             logits = module(tokens)
             loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
         else:
             loss = F.cross_entropy(module(tokens).reshape(-1, VOCAB), targets.reshape(-1))
-        counter.sync()
-        rec["fwd_end"], rec["fwd_peak"] = counter.live(), counter.peak()
-        if cfg["trace_peak"] and rec["fwd_peak"] >= max(rec.get(f"{q}_peak", 0) for q in PHASES):
-            peak_sizes = ca.peak_sizes()  # the blocks alive at this phase's (so far the step's) peak
-        counter.reset_peak()
+        end_phase("fwd")
         loss.backward()
-        counter.sync()
-        rec["bwd_end"], rec["bwd_peak"] = counter.live(), counter.peak()
-        if cfg["trace_peak"] and rec["bwd_peak"] >= max(rec.get(f"{q}_peak", 0) for q in PHASES):
-            peak_sizes = ca.peak_sizes()  # the blocks alive at this phase's (so far the step's) peak
+        end_phase("bwd")
         rec["loss"] = float(loss.item())
         del loss
-        counter.reset_peak()
         optim.step()
-        counter.sync()
-        rec["opt_end"], rec["opt_peak"] = counter.live(), counter.peak()
-        if cfg["trace_peak"] and rec["opt_peak"] >= max(rec.get(f"{q}_peak", 0) for q in PHASES):
-            peak_sizes = ca.peak_sizes()  # the blocks alive at this phase's (so far the step's) peak
-        counter.reset_peak()
+        end_phase("opt")
         optim.zero_grad(set_to_none=True)
-        counter.sync()
-        rec["zero_end"], rec["zero_peak"] = counter.live(), counter.peak()
-        if cfg["trace_peak"] and rec["zero_peak"] >= max(rec.get(f"{q}_peak", 0) for q in PHASES):
-            peak_sizes = ca.peak_sizes()  # the blocks alive at this phase's (so far the step's) peak
+        end_phase("zero")
         rec["peak"] = max(rec[f"{p}_peak"] for p in PHASES)
         if cfg["trace_peak"]:
             rec["peak_sizes"] = peak_sizes

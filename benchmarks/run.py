@@ -177,11 +177,15 @@ def param_bytes(c: Contender) -> Dict[str, int]:
             math.ceil(fp._unpadded_unsharded_size.numel() / h.world_size) * fp.element_size()
             for h in handles for fp in h.flat_params)
         out["handles"] = len(handles)
-        # collectives one FULL_SHARD step must issue: 2 all-gathers per group that does not
-        # alias its shard (W > 1), 1 reduce-scatter per such group that requires grad
-        gathered = [g for h in handles for g in h.groups if not g.aliases_shard and h.world_size > 1]
-        out["expected_all_gathers"] = 2 * len(gathered)
-        out["expected_reduce_scatters"] = sum(1 for g in gathered if g.requires_grad)
+        # collectives one FULL_SHARD step must issue (BENCHMARK.md): 2 all-gathers per group
+        # that does not alias its shard (W > 1), 1 for the root's (kept unsharded from its
+        # forward to its backward), 1 reduce-scatter per such group that requires grad, and
+        # one small all-reduce agreeing on which parameters got a gradient (W > 1)
+        root = handles[0] if handles and handles[0].fqn == "" else None
+        gathered = [(h, g) for h in handles for g in h.groups if not g.aliases_shard and h.world_size > 1]
+        out["expected_all_gathers"] = sum(1 if h is root else 2 for h, _ in gathered)
+        out["expected_reduce_scatters"] = sum(1 for _, g in gathered if g.requires_grad)
+        out["expected_all_reduces"] = 1 if gathered else 0
     return out
 
 
@@ -410,7 +414,8 @@ def report(args: argparse.Namespace, cs: List[Contender], losses: Dict[str, List
               f"optim {c.info.get('optim_bytes', 0):>11,}{extra}")
 
     print("\ncollectives of ours, one step (last warm-up step, this rank" +
-          ("; it is the first step, so it includes lazy init's all_gather_object)" if args.warmup == 1 else ")"))
+          ("; it is the first step, so it includes lazy init's and the first iteration's agreement checks)"
+           if args.warmup == 1 else ")"))
     for c in cs:
         if "collectives" not in c.info:
             continue
@@ -419,11 +424,15 @@ def report(args: argparse.Namespace, cs: List[Contender], losses: Dict[str, List
         if c.name == "fully_shard":
             pb = c.info["param_bytes"]
             eag, ers = pb["expected_all_gathers"], pb["expected_reduce_scatters"]
+            ear = pb["expected_all_reduces"]
             ag = c.info["collectives"].get("all_gather", {}).get("count", 0)
             rs = c.info["collectives"].get("reduce_scatter", {}).get("count", 0)
-            allowed = {"all_gather", "reduce_scatter"} | ({"all_gather_object"} if args.warmup == 1 else set())
-            expect_ok = ag == eag and rs == ers and set(c.info["collectives"]) <= allowed
-            line += (f"   [expected {eag} all_gather + {ers} reduce_scatter ({pb['handles']} handles"
+            ar = c.info["collectives"].get("all_reduce", {}).get("count", 0)
+            first_step = {"all_gather_object", "exchange"} if args.warmup == 1 else set()
+            allowed = {"all_gather", "reduce_scatter", "all_reduce"} | first_step
+            expect_ok = ag == eag and rs == ers and ar == ear and set(c.info["collectives"]) <= allowed
+            line += (f"   [expected {eag} all_gather + {ers} reduce_scatter + {ear} all_reduce (used parameters; "
+                     f"{pb['handles']} handles"
                      f"{'; W=1: shards alias, nothing to gather' if W == 1 else ''}): {'ok' if expect_ok else 'MISMATCH'}]")
         print(line)
 

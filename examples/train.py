@@ -102,6 +102,7 @@ def main() -> None:
     if rank == 0:
         print(f"world size {world_size}: {args.steps} steps in {elapsed:.1f}s; rank 0 stores {local} of {total} "
               f"parameter elements (full model seen inside unshard_params: {full})")
+    dist.barrier()  # every rank done with every collective before any rank tears gloo down
     dist.destroy_process_group()
 
 
