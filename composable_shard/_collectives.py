@@ -200,14 +200,7 @@ def reduce_scatter_into(
 
 
 def _is_gloo(group: Optional[dist.ProcessGroup]) -> bool:
-    key = id(group)
-    known = _GLOO_GROUPS.get(key)
-    if known is None:
-        known = _GLOO_GROUPS[key] = dist.get_backend(group) == "gloo"
-    return known
-
-
-_GLOO_GROUPS: "dict[int, bool]" = {}  # id(group) -> backend is gloo (groups live as long as the process)
+    return dist.get_backend(group) == "gloo"
 
 
 def all_reduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], *, tag: str = "",
