@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -135,10 +136,11 @@ def _float16_submodule(cast_root: bool, cast_each: bool) -> None:
         assert got[name].dtype == torch.float32
 
 
-def test_cast_root_forward_inputs_applies_to_every_fully_shard_unit() -> None:
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_cast_root_forward_inputs_applies_to_every_fully_shard_unit(world_size: int) -> None:
     """A float16 submodule under a float32 root: all four combinations of cast_root_forward_inputs
     and cast_forward_inputs behave as torch's composable fully_shard (cast at the unit's own
     root, or per handle; neither: torch's dtype error), with gradients equal to local training
     doing the same casts."""
-    run_distributed(run_subtests, 2, _float16_submodule, {"cast_root": [True, False], "cast_each": [True, False]},
+    run_distributed(run_subtests, world_size, _float16_submodule, {"cast_root": [True, False], "cast_each": [True, False]},
                     timeout=90)
