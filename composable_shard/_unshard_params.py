@@ -24,6 +24,7 @@ from ._common_utils import HandleTrainingState, TrainingState, _FSDPState
 from ._flat_param import FlatGroup, FlatParamHandle
 from ._runtime_utils import recover_interrupted_backward
 from ._torch_compat import is_in_backward
+from ._validation import check_bool
 from ._traversal_utils import _get_fsdp_states
 from .contract import _get_module_state
 
@@ -93,8 +94,7 @@ def _check_arguments(module: nn.Module, **flags: bool) -> None:
     if not isinstance(module, nn.Module):
         raise TypeError(f"unshard_params: module must be an nn.Module, got {type(module).__name__}")
     for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"unshard_params: {name} must be a bool (True or False), got {value!r}")
+        check_bool("unshard_params", name, value)
 
 
 def _check_idle(states: List[_FSDPState]) -> None:

@@ -8,7 +8,7 @@ and a fully sharded module (``Scale``) with a single element (fewer elements tha
 from __future__ import annotations
 
 import copy
-from typing import Callable, List, Tuple
+from typing import Any, Callable, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -159,3 +159,35 @@ def assert_params_close(named_actual: List[Tuple[str, torch.Tensor]], named_expe
         diff = (a.detach().float() - e.detach().float()).abs().max().item() if a.numel() else 0.0
         if diff > atol:
             raise AssertionError(f"{what} {name}: max abs diff {diff} > {atol}")
+
+
+class BackwardFailure(Exception):
+    """The error :func:`arm_backward_failure` raises inside backward."""
+
+
+def arm_backward_failure(module: nn.Module) -> List[bool]:
+    """While the returned flag's ``[0]`` is True, the gradient reaching ``module``'s output (the
+    first element of a tuple output) raises :class:`BackwardFailure`: by then backward has
+    already reduced every handle after ``module`` in forward order."""
+    armed = [True]
+
+    def raise_in_backward(grad: torch.Tensor) -> torch.Tensor:
+        raise BackwardFailure("user error in backward")
+
+    def register(m: nn.Module, args: Any, output: Any) -> None:
+        hidden = output[0] if isinstance(output, tuple) else output
+        if armed[0] and hidden.requires_grad:
+            hidden.register_hook(raise_in_backward)
+
+    module.register_forward_hook(register)
+    return armed
+
+
+def expect_backward_failure(step: Callable[[], Any]) -> None:
+    """Run ``step`` (forward and backward) and check that its backward raised the armed error."""
+    try:
+        step()
+    except (BackwardFailure, RuntimeError) as e:
+        assert "user error in backward" in str(e), e
+    else:
+        raise AssertionError("backward should have raised")

@@ -21,7 +21,8 @@ import torch.nn as nn
 
 from composable_shard import MixedPrecision, ShardingStrategy, fully_shard, unshard_params
 from tests._harness import assert_close_ranks, run_distributed, run_subtests
-from tests._models import (assert_params_close, batch, local_rows, loss_fn, make_model)
+from tests._models import (arm_backward_failure, assert_params_close, batch, expect_backward_failure, local_rows,
+                           loss_fn, make_model)
 
 _STRATEGIES = [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD,
                ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2]
@@ -88,36 +89,13 @@ def _global_step(model: nn.Module, step: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- failed backward
-class _Boom(Exception):
-    pass
-
-
-def _arm(module: nn.Module, armed: List[bool]) -> None:
-    """While ``armed[0]``, the gradient reaching ``module``'s output raises: backward has then
-    already reduced every handle after it in forward order."""
-    def raise_in_backward(grad: torch.Tensor) -> torch.Tensor:
-        raise _Boom("user error in backward")
-
-    def register(m: nn.Module, args: Any, output: torch.Tensor) -> None:
-        if armed[0] and output.requires_grad:
-            output.register_hook(raise_in_backward)
-
-    module.register_forward_hook(register)
-
-
 def _failed_backward(strategy: ShardingStrategy) -> None:
     reference = make_model()
     model = _shard(make_model(), **_strategy_kwargs(strategy))
-    armed = [True]
-    _arm(model.blocks[0], armed)
+    armed = arm_backward_failure(model.blocks[0])
     optim = torch.optim.SGD(model.parameters(), lr=0.5)
     ref_optim = torch.optim.SGD(reference.parameters(), lr=0.5)
-    try:
-        _local_step(model, 0)  # scale's and blocks.1's reductions are issued, then it raises
-    except (_Boom, RuntimeError) as e:
-        assert "user error in backward" in str(e), e
-    else:
-        raise AssertionError("backward should have raised")
+    expect_backward_failure(lambda: _local_step(model, 0))  # after scale's and blocks.1's reductions
     armed[0] = False
     optim.zero_grad()
     _local_step(model, 1)
@@ -409,20 +387,16 @@ def _unshard_params_when_idle(situation: str) -> None:
         model(local_rows(inputs, rank)).sum()
     elif situation == "after failed forward":
         def fail(m: nn.Module, args: Any) -> None:
-            raise _Boom("user error in forward")
+            raise ValueError("user error in forward")
         hook = model.blocks[1].register_forward_pre_hook(fail)
         try:
             model(local_rows(inputs, rank))
-        except _Boom:
-            pass
+        except ValueError as e:
+            assert "user error in forward" in str(e), e
         hook.remove()
     elif situation == "after failed backward":
-        armed = [True]
-        _arm(model.blocks[0], armed)
-        try:
-            _local_step(model, 0)
-        except (_Boom, RuntimeError):
-            pass
+        armed = arm_backward_failure(model.blocks[0])
+        expect_backward_failure(lambda: _local_step(model, 0))
         armed[0] = False
     assert_params_close(_full_params(model), list(reference.named_parameters()), what=situation)
     model.zero_grad()

@@ -22,6 +22,7 @@ from composable_shard import ModuleWrapPolicy, ShardingStrategy, fully_shard, un
 from composable_shard._collectives import record_collectives
 from composable_shard._traversal_utils import _get_fsdp_handles
 from tests._harness import assert_close_ranks, run_distributed, run_subtests
+from tests._models import arm_backward_failure, expect_backward_failure
 
 transformers = pytest.importorskip("transformers", reason="the [hf] extra (README's test command installs it)")
 
@@ -198,23 +199,8 @@ def _failed_backward(kind: str) -> None:
     """A backward that raises after some blocks' gradients were reduced, zero_grad, then a
     clean step: exactly the clean step's gradients."""
     model, reference = _shard(_build(kind), "manual"), _build(kind)
-    armed = [True]
-
-    def raise_in_backward(grad: torch.Tensor) -> torch.Tensor:
-        raise ValueError("user error in backward")
-
-    def arm(m: nn.Module, args: Any, out: Any) -> None:
-        hidden = out[0] if isinstance(out, tuple) else out
-        if armed[0] and hidden.requires_grad:
-            hidden.register_hook(raise_in_backward)
-
-    _blocks(model)[0].register_forward_hook(arm)
-    try:
-        _local_loss(model, _ids(0)).backward()
-    except (ValueError, RuntimeError) as e:
-        assert "user error in backward" in str(e), e
-    else:
-        raise AssertionError("backward should have raised")
+    armed = arm_backward_failure(_blocks(model)[0])
+    expect_backward_failure(lambda: _local_loss(model, _ids(0)).backward())
     armed[0] = False
     model.zero_grad()
     _local_loss(model, _ids(1)).backward()
