@@ -18,6 +18,9 @@ from .checkpoint import checkpoint
 from .fully_shard import FSDPModule, clip_grad_norm_, fully_shard
 from .replicate import ReplicateModule, replicate
 from ._unshard_params import unshard_params
+from ._state_dict import get_model_state_dict, set_model_state_dict, state_dict_type
+from ._optim_state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from ._sharded_tensor import ShardedSlice
 from .wrap import (
     CustomPolicy,
     ModuleWrapPolicy,
@@ -35,5 +38,7 @@ __all__ = [
     "StateDictType", "FullStateDictConfig", "ShardedStateDictConfig",
     "ModuleWrapPolicy", "CustomPolicy", "always_wrap_policy", "lambda_auto_wrap_policy",
     "transformer_auto_wrap_policy", "size_based_auto_wrap_policy", "enable_wrap", "wrap",
-    "unshard_params", "clip_grad_norm_",
+    "unshard_params", "state_dict_type", "clip_grad_norm_",
+    "get_model_state_dict", "set_model_state_dict", "get_optimizer_state_dict", "set_optimizer_state_dict",
+    "ShardedSlice",
 ]

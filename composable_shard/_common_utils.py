@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, StateDictType
 from .contract import _root_modules, _State
 
 if TYPE_CHECKING:
@@ -81,6 +81,8 @@ class _FSDPState(_State):
         # -- per-module switches (FSDPModule methods) --
         self.sync_gradients: bool = True  # False: accumulate unsharded grads, no communication
         self.reshard_after_backward: bool = True  # False: keep parameters unsharded after backward
+        self.state_dict_type: StateDictType = StateDictType.FULL_STATE_DICT  # set by state_dict_type(...)
+        self.state_dict_config: Any = None  # its Full/ShardedStateDictConfig (None: the type's defaults)
         # -- runtime --
         self.training_state: TrainingState = TrainingState.IDLE
         self.is_root: Optional[bool] = None  # None until lazy init decides

@@ -13,15 +13,19 @@ versions checked (2.6, 2.11, 2.13).
   present unchanged in 2.6 through 2.13, used by torch's own ``register_multi_grad_hook``) does.
 * ``tensor_version``: the in-place version counter (``Tensor._version``) is the only way to
   notice that a parameter was edited in place; there is no public accessor (2.6 through 2.13).
+* ``make_wrapper_tensor``: the sharded state dict's values report a parameter's global shape
+  while holding only this rank's elements (``_sharded_tensor.ShardedSlice``). A tensor whose
+  metadata differs from its storage can only be made with ``torch.Tensor._make_wrapper_subclass``
+  (what ``DTensor`` is built on; same signature in 2.6 through 2.13).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
-__all__ = ["queue_backward_callback", "set_module_tensor", "is_in_backward", "tensor_version"]
+__all__ = ["queue_backward_callback", "set_module_tensor", "is_in_backward", "tensor_version", "make_wrapper_tensor"]
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:
@@ -52,3 +56,8 @@ def is_in_backward() -> bool:
 def tensor_version(tensor: "torch.Tensor") -> int:
     """The in-place version counter of ``tensor`` (bumped by every in-place op on it)."""
     return int(tensor._version)
+
+
+def make_wrapper_tensor(cls: Any, shape: "torch.Size", dtype: "torch.dtype", device: "torch.device") -> Any:
+    """A tensor of subclass ``cls`` with the given metadata and no storage of its own."""
+    return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=False)

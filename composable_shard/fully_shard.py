@@ -14,7 +14,7 @@ product of both sizes.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterable, List, Optional, Union
+from typing import Any, Callable, Iterable, List, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ from ._common_utils import FSDP_API_NAME, _FSDPState
 from ._init_utils import apply_plan, plan_fully_shard, resolve_groups
 from ._validation import check_bool, check_fully_shard_arguments, check_real
 from ._runtime_utils import register_runtime_hooks, reshard_handle, wait_unshard
+from ._state_dict import check_model_state_dict, register_state_dict_hooks
 from ._streams import Streams
 from ._subclass import _NoCopyMixin, make_subclass
 from ._traversal_utils import _get_fsdp_states
@@ -89,6 +90,17 @@ class FSDPModule(_NoCopyMixin):
         """Context manager exposing full parameters; same as :func:`unshard_params`."""
         return unshard_params(self, recurse=recurse, writeback=writeback, rank0_only=rank0_only,  # type: ignore[arg-type]  # self is an nn.Module
                               offload_to_cpu=offload_to_cpu, with_grads=with_grads)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """``nn.Module.load_state_dict`` for a full or sharded state dict (see
+        :func:`state_dict_type`), except that every key and shape is checked before anything
+        is written: a state dict that does not fit raises and leaves the model unchanged."""
+        if assign:
+            raise NotImplementedError(f"{type(self).__name__}.load_state_dict(assign=True): a fully sharded module's "
+                                      "parameters are views of its flat shards and cannot be replaced; load with "
+                                      "assign=False (values are copied into the shards).")
+        check_model_state_dict(self, state_dict, strict, check_dtype=False, api=f"{type(self).__name__}.load_state_dict")  # type: ignore[arg-type]  # self is an nn.Module
+        return super().load_state_dict(state_dict, strict=strict)  # type: ignore[misc]  # nn.Module's, via the dynamic subclass
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients of the whole tree by their total norm over all shards and ranks;
@@ -184,6 +196,7 @@ def _finish_target(module: nn.Module, state: _FSDPState) -> None:
     state.streams = Streams(state.compute_device)
     make_subclass(module, "FSDP", FSDPModule)
     register_runtime_hooks(state, module)
+    register_state_dict_hooks(state)
 
 
 def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

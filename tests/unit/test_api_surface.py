@@ -22,7 +22,8 @@ EXPECTED_EXPORTS = {
     "StateDictType", "FullStateDictConfig", "ShardedStateDictConfig",
     "ModuleWrapPolicy", "CustomPolicy", "always_wrap_policy", "lambda_auto_wrap_policy",
     "transformer_auto_wrap_policy", "size_based_auto_wrap_policy", "enable_wrap", "wrap",
-    "unshard_params", "clip_grad_norm_",
+    "unshard_params", "state_dict_type", "clip_grad_norm_",
+    "get_model_state_dict", "set_model_state_dict", "get_optimizer_state_dict", "set_optimizer_state_dict",
 }
 
 

@@ -1,0 +1,236 @@
+"""Optimizer state dicts keyed by parameter FQN: full and sharded.
+
+An optimizer built on ``model.parameters()`` holds, for each sharded parameter, state tensors
+shaped like the parameter's 1-D slice on this rank (AdamW's ``exp_avg``, SGD's
+``momentum_buffer``) and scalars (``step``). Layout, as torch's distributed state-dict API::
+
+    {"state": {fqn: {name: tensor_or_scalar}},
+     "param_groups": [{"lr": ..., ..., "params": [fqn, ...]}]}
+
+* Full: each slice-shaped state is all-gathered with its flat group (one all-gather per group
+  and state name) into the parameter's full shape.
+* Sharded: each slice-shaped state becomes a :class:`ShardedSlice` of the parameter's global
+  shape over the rank's elements (a view of the optimizer's state tensor): no collective, and
+  ``dcp.load`` writes straight into the optimizer's state.
+* An optimizer that has not stepped has no state to describe (or to load a checkpoint into):
+  its state is created first as its own first ``step()`` would create it, with zero
+  gradients and ``lr=0`` (parameters unchanged) and the step counters reset to 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import _collectives
+from ._sharded_tensor import ShardedSlice
+from ._state_dict import Managed, full_values, global_rank, local_slice, managed_params
+
+__all__ = ["get_optimizer_state_dict", "set_optimizer_state_dict"]
+
+
+def _check(api: str, module: Any, optim: Any) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{api}: module must be an nn.Module, got {type(module).__name__}")
+    if not isinstance(optim, torch.optim.Optimizer):
+        raise TypeError(f"{api}: optim must be a torch.optim.Optimizer, got {type(optim).__name__}")
+
+
+def _param_names(api: str, module: nn.Module, optim: torch.optim.Optimizer) -> Tuple[List[str], Dict[str, Managed]]:
+    """Each optimizer parameter's FQN in the optimizer's order, and where the sharded ones live."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    first_names = set(names.values())
+    managed: Dict[str, Managed] = {}
+    for path, m in module.named_modules():
+        for name, where in managed_params(m).items():
+            fqn = f"{path}.{name}" if path else name
+            if fqn in first_names:
+                managed[fqn] = where
+    fqns = []
+    for i, group in enumerate(optim.param_groups):
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError(f"{api}: a parameter of the optimizer's param_groups[{i}] (shape {tuple(p.shape)}) is not "
+                                 f"a parameter of {type(module).__name__}; pass the module the optimizer was built for.")
+            fqns.append(names[id(p)])
+    return fqns, managed
+
+
+def _is_sliced(value: Any, param: torch.Tensor) -> bool:
+    """A per-element state (same shape as the parameter's local slice), not a scalar."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.shape
+
+
+def _init_state(optim: torch.optim.Optimizer) -> None:
+    """Create the state of an optimizer that has not stepped (see the module docstring)."""
+    if optim.state:
+        return
+    params = [p for g in optim.param_groups for p in g["params"]]
+    if any(p.grad is not None for p in params):
+        return  # a step is under way; do not touch gradients
+    for p in params:
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    saved = []
+    for group in optim.param_groups:
+        lr = group.get("lr")
+        saved.append(lr)
+        if isinstance(lr, torch.Tensor):
+            group["lr"] = torch.zeros_like(lr)
+        elif lr is not None:
+            group["lr"] = 0.0
+    try:
+        optim.step()
+    finally:
+        for group, lr in zip(optim.param_groups, saved):
+            if lr is not None:
+                group["lr"] = lr
+        optim.zero_grad(set_to_none=True)
+    for state in optim.state.values():
+        step = state.get("step")
+        if isinstance(step, torch.Tensor):
+            step.zero_()
+        elif step is not None:
+            state["step"] = 0
+
+
+def get_optimizer_state_dict(module: nn.Module, optim: torch.optim.Optimizer, *, full: bool = True,
+                             cpu_offload: bool = False, rank0_only: bool = False) -> Dict[str, Any]:
+    """``optim``'s state dict keyed by parameter FQN (see the module docstring).
+
+    Example::
+
+        osd = get_optimizer_state_dict(model, optim, full=False)
+        dcp.save({"model": get_model_state_dict(model, full=False), "optim": osd}, checkpoint_id=path)
+
+    Args:
+        module: the model the optimizer was built on.
+        optim: its optimizer (state created first if it has not stepped).
+        full: True: full-shaped state tensors (all-gathered); False: :class:`ShardedSlice`
+            values, no collective.
+        cpu_offload: every tensor on the CPU.
+        rank0_only: (full only) ranks other than 0 take part and get ``{}``.
+    """
+    api = "get_optimizer_state_dict"
+    _check(api, module, optim)
+    for name, flag in (("full", full), ("cpu_offload", cpu_offload), ("rank0_only", rank0_only)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{api}: {name} must be a bool, got {flag!r}")
+    if rank0_only and not full:
+        raise ValueError(f"{api}: rank0_only=True needs full=True (a sharded state dict is per rank).")
+    fqns, managed = _param_names(api, module, optim)
+    _init_state(optim)
+    params = [p for g in optim.param_groups for p in g["params"]]
+    state: Dict[str, Dict[str, Any]] = {}
+    for fqn, p in zip(fqns, params):
+        if p in optim.state:
+            state[fqn] = dict(optim.state[p])
+    if full:
+        _gather_states(state, managed, params, fqns)
+    else:
+        for fqn, p in zip(fqns, params):
+            where = managed.get(fqn)
+            for name, value in state.get(fqn, {}).items():
+                if where is not None and _is_sliced(value, p):
+                    local = value.detach().reshape(-1)
+                    state[fqn][name] = ShardedSlice(local.cpu() if cpu_offload else local, where.param_range[0], where.shape)
+    groups = []
+    position = 0
+    for group in optim.param_groups:
+        n = len(group["params"])
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": fqns[position:position + n]})
+        position += n
+    if rank0_only and global_rank() != 0:
+        return {}
+    if cpu_offload:
+        state = {f: {k: v.cpu() if isinstance(v, torch.Tensor) and not isinstance(v, ShardedSlice) else v
+                     for k, v in s.items()} for f, s in state.items()}
+    return {"state": state, "param_groups": groups}
+
+
+def _gather_states(state: Dict[str, Dict[str, Any]], managed: Dict[str, Managed], params: List[torch.Tensor],
+                   fqns: List[str]) -> None:
+    """Replace each sharded parameter's slice-shaped states by full tensors, one all-gather
+    per flat group and state name, in an order every rank agrees on."""
+    local_kinds = {f: sorted((k, str(v.dtype)) for k, v in state.get(f, {}).items() if _is_sliced(v, p))
+                   for f, p in zip(fqns, params) if f in managed}
+    world = dist.is_available() and dist.is_initialized()
+    everyone = _collectives.all_gather_object(local_kinds, None, tag="optim_state_kinds") if world else [local_kinds]
+    kinds: Dict[str, Dict[str, str]] = {}
+    for per_rank in everyone:
+        for f, pairs in per_rank.items():
+            kinds.setdefault(f, {}).update(pairs)
+    by_group: Dict[int, Tuple[Managed, Dict[int, str]]] = {}
+    for f in fqns:
+        where = managed.get(f)
+        if where is not None and kinds.get(f):
+            by_group.setdefault(id(where.group), (where, {}))[1][where.param_index] = f
+    for where, members in by_group.values():
+        group = where.group
+        names = sorted({name for f in members.values() for name in kinds[f]})
+        for name in names:
+            dtype = next(getattr(torch, kinds[f][name].split(".")[-1]) for f in members.values() if name in kinds[f])
+            locals_: List[Optional[torch.Tensor]] = [None] * len(group.orig_params)
+            for index, f in members.items():
+                value = state.get(f, {}).get(name)
+                locals_[index] = value if isinstance(value, torch.Tensor) else None
+            fulls = full_values(where.state, group, locals_, dtype, tag=f"optim_state:{name}")
+            for index, f in members.items():
+                if name in kinds[f]:
+                    state.setdefault(f, {})[name] = fulls[index]
+
+
+def set_optimizer_state_dict(module: nn.Module, optim: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> None:
+    """Load an FQN-keyed optimizer state dict (full or sharded, from any world size or
+    strategy) into ``optim``. Everything is checked before the optimizer changes.
+
+    Example::
+
+        osd = get_optimizer_state_dict(model, optim, full=False)
+        dcp.load({"optim": osd}, checkpoint_id=path)
+        set_optimizer_state_dict(model, optim, osd)
+    """
+    api = "set_optimizer_state_dict"
+    _check(api, module, optim)
+    if not isinstance(state_dict, Mapping) or set(state_dict) != {"state", "param_groups"}:
+        raise ValueError(f"{api}: expected {{'state': ..., 'param_groups': [...]}} (from get_optimizer_state_dict), "
+                         f"got {type(state_dict).__name__} with keys {sorted(state_dict) if isinstance(state_dict, Mapping) else '-'}")
+    fqns, managed = _param_names(api, module, optim)
+    params = dict(zip(fqns, (p for g in optim.param_groups for p in g["params"])))
+    saved_groups = list(state_dict["param_groups"])
+    if len(saved_groups) != len(optim.param_groups):
+        raise ValueError(f"{api}: the state dict has {len(saved_groups)} param_groups, the optimizer "
+                         f"{len(optim.param_groups)}")
+    index_of = {f: i for i, f in enumerate(fqns)}
+    position, local_groups = 0, []
+    for i, (saved, group) in enumerate(zip(saved_groups, optim.param_groups)):
+        mine = fqns[position:position + len(group["params"])]
+        position += len(group["params"])
+        theirs = list(saved.get("params", []))
+        if set(theirs) != set(mine):
+            raise ValueError(f"{api}: param_groups[{i}] holds {sorted(set(theirs) ^ set(mine))} in only one of the "
+                             "state dict and the optimizer; build the optimizer on the same parameters, in the same groups.")
+        local_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": [index_of[f] for f in mine]})
+    unknown = [f for f in state_dict["state"] if f not in params]
+    if unknown:
+        raise ValueError(f"{api}: state for parameters the optimizer does not hold: {unknown}")
+    local_state: Dict[int, Dict[str, Any]] = {}
+    for f, entries in state_dict["state"].items():
+        where, p = managed.get(f), params[f]
+        converted = {}
+        for name, value in entries.items():
+            if where is not None and isinstance(value, torch.Tensor) and value.dim() > 0:
+                try:
+                    piece = local_slice(where, f"state[{f!r}][{name!r}]", value)
+                except ValueError as e:
+                    raise ValueError(f"{api}: {e}") from None
+                value = piece if isinstance(value, ShardedSlice) else piece.clone()  # no view keeping a full tensor alive
+            elif isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != p.shape:
+                raise ValueError(f"{api}: size mismatch for state[{f!r}][{name!r}]: {tuple(value.shape)} in the state "
+                                 f"dict, {tuple(p.shape)} in the model")
+            converted[name] = value
+        local_state[index_of[f]] = converted
+    optim.load_state_dict({"state": local_state, "param_groups": local_groups})

@@ -1,0 +1,432 @@
+"""Model state dicts of sharded modules: full (a plain model's) and sharded (DCP-ready).
+
+[Note: State dict hooks]
+  Every module that registers a parameter a handle owns (its *registration module*; a tied
+  parameter has several) gets a state-dict post-hook and a load pre-hook that rewrite the
+  entries of its own parameters, whatever module ``state_dict()``/``load_state_dict()`` was
+  called on. Every fully sharded module with a handle also gets a state-dict pre-hook.
+
+  * ``FULL_STATE_DICT`` (the default, outside any :func:`state_dict_type`): the entry becomes
+    the full parameter. The owner's pre-hook opens a *session*; the first entry of a flat group
+    all-gathers it (full precision, from the shards) and each parameter is copied out of the
+    gathered buffer; the owner's post-hook, which runs after its whole subtree was saved, drops
+    the buffer. Peak memory is therefore the output plus one handle's full size. A call on a
+    module below the owner gathers for that call only. ``rank0_only``: other ranks take part
+    in the all-gathers and drop the values.
+  * ``SHARDED_STATE_DICT``: the entry becomes a :class:`ShardedSlice` over the rank's elements
+    of the parameter, a view of the flat shard: no collective, no full parameter.
+  * Loading: the entry, full tensor or ``ShardedSlice``, is replaced by this rank's 1-D slice
+    of it, which torch's loader then copies into the parameter (a view of the shard). No
+    collective. A value's global shape is checked first.
+
+  ``FSDPModule.load_state_dict`` and :func:`set_model_state_dict` check every key and shape of
+  the whole state dict before anything is written (torch's loader writes as it goes and
+  reports errors at the end).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import _collectives
+from ._common_utils import HandleTrainingState, _FSDPState
+from ._flat_param import FlatGroup
+from ._runtime_utils import recover_interrupted_backward
+from ._shard_math import param_offsets
+from ._sharded_tensor import ShardedSlice
+from ._torch_compat import is_in_backward
+from ._traversal_utils import _get_fsdp_states
+from .api import FullStateDictConfig, ShardedStateDictConfig, StateDictType
+
+__all__ = ["state_dict_type", "get_model_state_dict", "set_model_state_dict", "register_state_dict_hooks",
+           "check_model_state_dict", "managed_params", "Managed", "full_values", "global_rank"]
+
+_REGISTRY_KEY = "_composable_shard_state_dict"  # in a registration module's __dict__: {param name: Managed}
+_OWNER_KEY = "_composable_shard_state_dict_owner"  # in an owner's __dict__: its _FSDPState
+
+
+class Managed(NamedTuple):
+    """Where one registered parameter lives: ``group.orig_params[param_index]`` of ``state``'s handle."""
+
+    state: _FSDPState
+    group: FlatGroup
+    param_index: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.group.flat_param._shapes[self.param_index]
+
+    @property
+    def param_range(self) -> Tuple[int, int]:
+        """The flattened elements of the parameter this rank holds."""
+        s = self.group.flat_param._shard_slices[self.param_index]
+        return (s.param_start, s.param_end) if s.numel else (0, 0)
+
+    @property
+    def local(self) -> torch.Tensor:
+        """This rank's elements (a view of the flat shard)."""
+        s = self.group.flat_param._shard_slices[self.param_index]
+        return self.group.flat_param.data[s.shard_start:s.shard_start + s.numel]
+
+
+@dataclass
+class _Session:
+    """One handle's gathered groups during a full ``state_dict()`` (see [Note: State dict hooks])."""
+
+    gathered: Dict[int, Optional[torch.Tensor]] = field(default_factory=dict)  # id(group) -> padded full flat (None: dropped)
+    values: Dict[Tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (id(group), param index) -> output
+
+
+_SESSIONS: Dict[int, _Session] = {}  # id(handle) -> open session
+
+
+def global_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+# ---------------------------------------------------------------------------- registration
+def register_state_dict_hooks(state: _FSDPState) -> None:
+    """Install the hooks of [Note: State dict hooks] for ``state``'s handle (called once by
+    ``fully_shard`` per fully sharded module)."""
+    handle, owner = state.handle, state.module
+    if handle is None or owner is None:
+        return
+    owner.__dict__[_OWNER_KEY] = state
+    for group in handle.groups:
+        fp = group.flat_param
+        places = [(info.module, info.param_name, i) for i, info in enumerate(fp._param_infos)]
+        places += [(s.module, s.param_name, s.prim_param_index) for s in fp._shared_param_infos]
+        for module, name, index in places:
+            _registry(module)[name] = Managed(state, group, index)
+    _install_hooks(owner)
+
+
+def _registry(module: nn.Module) -> Dict[str, Managed]:
+    registry = module.__dict__.get(_REGISTRY_KEY)
+    if registry is None:
+        registry = module.__dict__[_REGISTRY_KEY] = {}
+        _install_hooks(module)
+    return registry  # type: ignore[no-any-return]
+
+
+def _install_hooks(module: nn.Module) -> None:
+    if module.__dict__.get("_composable_shard_sd_hooks"):
+        return
+    module.__dict__["_composable_shard_sd_hooks"] = True
+    module.register_state_dict_pre_hook(_pre_state_dict)
+    module.register_state_dict_post_hook(_post_state_dict)
+    module.register_load_state_dict_pre_hook(_pre_load_state_dict)
+
+
+def managed_params(module: nn.Module) -> Dict[str, Managed]:
+    """``module``'s own registered parameters that a handle owns, by name."""
+    return module.__dict__.get(_REGISTRY_KEY, {})  # type: ignore[no-any-return]
+
+
+# ---------------------------------------------------------------------------- state_dict_type
+@contextlib.contextmanager
+def state_dict_type(module: nn.Module, state_dict_type: StateDictType,
+                    state_dict_config: Optional[Any] = None) -> Iterator[None]:
+    """Inside the context, ``state_dict()``/``load_state_dict()`` of ``module`` (and of any
+    module below it) use ``state_dict_type`` for every fully sharded module below ``module``.
+
+    Example::
+
+        with state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            dcp.save({"model": model.state_dict()}, checkpoint_id=path)
+
+    Args:
+        module: the model (or any module containing fully sharded modules).
+        state_dict_type: ``FULL_STATE_DICT`` (full tensors, a plain model's state dict) or
+            ``SHARDED_STATE_DICT`` (per parameter, this rank's elements as a
+            :class:`ShardedSlice` that ``torch.distributed.checkpoint`` saves and loads).
+        state_dict_config: a :class:`FullStateDictConfig` / :class:`ShardedStateDictConfig`
+            matching the type (default: the type's defaults).
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"state_dict_type: module must be an nn.Module, got {type(module).__name__}")
+    if not isinstance(state_dict_type, StateDictType):
+        raise TypeError(f"state_dict_type: expected a StateDictType, got {state_dict_type!r}")
+    expected = FullStateDictConfig if state_dict_type is StateDictType.FULL_STATE_DICT else ShardedStateDictConfig
+    config = expected() if state_dict_config is None else state_dict_config
+    if type(config) is not expected:
+        raise TypeError(f"state_dict_type: {state_dict_type.name} takes a {expected.__name__}, "
+                        f"got {type(config).__name__}")
+    states = _get_fsdp_states(module)
+    saved = [(s.state_dict_type, s.state_dict_config) for s in states]
+    for s in states:
+        s.state_dict_type, s.state_dict_config = state_dict_type, config
+    try:
+        yield
+    finally:
+        for s, (kind, cfg) in zip(states, saved):
+            s.state_dict_type, s.state_dict_config = kind, cfg
+
+
+def _config(state: _FSDPState) -> Tuple[StateDictType, Any]:
+    if state.state_dict_config is None:
+        return state.state_dict_type, FullStateDictConfig()
+    return state.state_dict_type, state.state_dict_config
+
+
+# ---------------------------------------------------------------------------- saving
+def _check_idle(state: _FSDPState, what: str) -> None:
+    """State dicts are taken between steps: finish a backward that raised, refuse otherwise."""
+    root = state.root
+    if root is not None:
+        if root.forward_in_progress or (root.final_callback_queued and is_in_backward()):
+            raise RuntimeError(f"{state.describe()}: {what} cannot run during forward or backward; call it between steps.")
+        if root.final_callback_queued:
+            recover_interrupted_backward(root)
+    handle = state.handle
+    if handle is not None and handle.training_state is not HandleTrainingState.IDLE:
+        raise RuntimeError(f"{state.describe()}: {what} cannot run during forward/backward or inside unshard_params "
+                           f"(handle state {handle.training_state.name}); call it between steps.")
+
+
+def _pre_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    state = module.__dict__.get(_OWNER_KEY)
+    if state is None or state.handle is None:
+        return
+    _check_idle(state, "state_dict()")
+    if _config(state)[0] is StateDictType.FULL_STATE_DICT:
+        _SESSIONS[id(state.handle)] = _Session()
+
+
+def _post_state_dict(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    try:
+        registry = managed_params(module)
+        if registry:
+            once = _Session()  # for handles whose owner's state_dict() is not running
+            for name, m in registry.items():
+                key = prefix + name
+                if key in state_dict:
+                    _check_idle(m.state, "state_dict()")
+                    _save_entry(state_dict, key, m, _SESSIONS.get(id(m.state.handle), once))
+    finally:
+        state = module.__dict__.get(_OWNER_KEY)
+        if state is not None and state.handle is not None:
+            _SESSIONS.pop(id(state.handle), None)
+
+
+def _save_entry(state_dict: Dict[str, Any], key: str, m: Managed, session: _Session) -> None:
+    kind, config = _config(m.state)
+    if kind is StateDictType.SHARDED_STATE_DICT:
+        local = m.local.detach()
+        if config.offload_to_cpu and local.device.type != "cpu":
+            local = local.cpu()
+        state_dict[key] = ShardedSlice(local, m.param_range[0], m.shape)
+        return
+    if config.rank0_only and global_rank() != 0:
+        if id(m.group) not in session.gathered:  # take part in the all-gather, keep nothing
+            _gather_flat(m.state, m.group.flat_param.data, m.group.padded_numel, tag=f"state_dict:{m.state.describe()}")
+            session.gathered[id(m.group)] = None
+        del state_dict[key]
+        return
+    value = _full_value(m, session)
+    state_dict[key] = value.cpu() if config.offload_to_cpu else value
+
+
+def _full_value(m: Managed, session: _Session) -> torch.Tensor:
+    """The full parameter. Its flat group is all-gathered once per session and dropped as soon
+    as each of its parameters was copied out, so one group's full buffer is alive at a time;
+    tied registrations get the same tensor, as a plain model's state dict does."""
+    cached = session.values.get((id(m.group), m.param_index))
+    if cached is not None:
+        return cached
+    full = session.gathered.get(id(m.group))
+    if full is None:
+        full = _gather_flat(m.state, m.group.flat_param.data, m.group.padded_numel, tag=f"state_dict:{m.state.describe()}")
+        session.gathered[id(m.group)] = full
+    fp = m.group.flat_param
+    start = param_offsets(fp._numels)[m.param_index]
+    value = full[start:start + fp._numels[m.param_index]].view(m.shape)
+    if full is not fp.data:  # a plain model's state dict aliases the live parameter
+        value = value.clone()
+    session.values[(id(m.group), m.param_index)] = value
+    if all((id(m.group), i) in session.values for i in range(len(fp._numels))):
+        session.gathered[id(m.group)] = None
+    return value
+
+
+def _gather_flat(state: _FSDPState, shard: torch.Tensor, padded_numel: int, tag: str) -> torch.Tensor:
+    """The padded full flat tensor whose chunk ``rank`` is ``shard`` on each rank of the shard
+    group (``shard`` itself for a group of one)."""
+    if state.world_size == 1:
+        return shard
+    full = torch.empty(padded_numel, dtype=shard.dtype, device=shard.device)
+    _collectives.all_gather_into(full, shard.contiguous(), state.process_group, tag=tag).wait()
+    return full
+
+
+def full_values(state: _FSDPState, group: FlatGroup, local_values: List[Optional[torch.Tensor]],
+                dtype: torch.dtype, tag: str) -> List[torch.Tensor]:
+    """Full tensors of per-parameter local slices laid out like ``group``'s shard (e.g. an
+    optimizer state): one all-gather for the group. ``None`` contributes zeros."""
+    fp = group.flat_param
+    local = torch.zeros(fp.numel(), dtype=dtype, device=fp.device)
+    for value, s in zip(local_values, fp._shard_slices):
+        if value is not None and s.numel:
+            local[s.shard_start:s.shard_start + s.numel].copy_(value.reshape(-1))
+    full = _gather_flat(state, local, group.padded_numel, tag)
+    offsets = param_offsets(fp._numels)
+    return [full[o:o + n].view(shape).clone() for o, n, shape in zip(offsets, fp._numels, fp._shapes)]
+
+
+# ---------------------------------------------------------------------------- loading
+def local_slice(m: Managed, key: str, value: Any) -> torch.Tensor:
+    """This rank's 1-D slice of ``value`` (a full tensor or a ``ShardedSlice`` of the
+    parameter's global shape). Raises ``ValueError`` naming ``key`` if it does not fit."""
+    start, end = m.param_range
+    if isinstance(value, ShardedSlice):
+        if tuple(value.shape) != tuple(m.shape):
+            raise ValueError(f"size mismatch for {key}: the checkpoint's shape is {tuple(value.shape)}, "
+                             f"the model's is {tuple(m.shape)}")
+        if end > start and not value.start <= start <= end <= value.end:
+            raise ValueError(f"{key}: the ShardedSlice holds elements [{value.start}, {value.end}) but this rank "
+                             f"needs [{start}, {end}); load a sharded checkpoint with torch.distributed.checkpoint "
+                             "into this model's own sharded state dict.")
+        return value.elements(start, end) if end > start else value.local[:0]
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{key}: expected a tensor, got {type(value).__name__}")
+    value = _full_tensor(value)
+    if tuple(value.shape) != tuple(m.shape):
+        raise ValueError(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from checkpoint, "
+                         f"the shape in current model is {tuple(m.shape)}.")
+    return value.reshape(-1)[start:end]
+
+
+def _full_tensor(value: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor  # deferred: importing DTensor is slow and seldom needed
+
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _pre_load_state_dict(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any,
+                         strict: bool, missing_keys: List[str], unexpected_keys: List[str], error_msgs: List[str]) -> None:
+    for name, m in managed_params(module).items():
+        key = prefix + name
+        if key not in state_dict:
+            continue
+        _check_idle(m.state, "load_state_dict()")
+        try:
+            state_dict[key] = local_slice(m, key, state_dict[key])
+        except ValueError as e:
+            error_msgs.append(str(e))
+            del state_dict[key]
+
+
+# ---------------------------------------------------------------------------- checks
+class _Expected(NamedTuple):
+    shape: Optional[torch.Size]  # None: not a tensor entry (extra state)
+    dtype: Optional[torch.dtype]
+
+
+def _expected_entries(module: nn.Module) -> Dict[str, _Expected]:
+    """The keys ``module.state_dict()`` produces, with each entry's full shape and dtype."""
+    entries: Dict[str, _Expected] = {}
+    for path, m in module.named_modules(remove_duplicate=False):
+        prefix = path + "." if path else ""
+        registry = managed_params(m)
+        for name, p in m._parameters.items():
+            if p is not None:
+                entries[prefix + name] = _Expected(registry[name].shape if name in registry else p.shape, p.dtype)
+        for name, b in m._buffers.items():
+            if b is not None and name not in m._non_persistent_buffers_set:
+                entries[prefix + name] = _Expected(b.shape, b.dtype)
+        if type(m).get_extra_state is not nn.Module.get_extra_state:
+            entries[prefix + "_extra_state"] = _Expected(None, None)
+    return entries
+
+
+def check_model_state_dict(module: nn.Module, state_dict: Mapping[str, Any], strict: bool, check_dtype: bool,
+                           api: str) -> None:
+    """Raise ``RuntimeError`` listing every missing/unexpected key (if ``strict``) and every
+    shape (and, with ``check_dtype``, floating dtype) mismatch, before anything is loaded."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"{api}: expected a dict (Mapping) of tensors, got {type(state_dict).__name__}")
+    expected = _expected_entries(module)
+    errors: List[str] = []
+    if strict:
+        missing = [k for k in expected if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in expected]
+        if unexpected:
+            errors.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + ".")
+        if missing:
+            errors.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ".")
+    for key, want in expected.items():
+        value = state_dict.get(key)
+        if want.shape is None or not isinstance(value, torch.Tensor):
+            continue
+        if tuple(value.shape) != tuple(want.shape):
+            errors.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from checkpoint, "
+                          f"the shape in current model is {tuple(want.shape)}.")
+        elif check_dtype and value.dtype != want.dtype and (value.is_floating_point() or (want.dtype is not None and want.dtype.is_floating_point)):
+            errors.append(f"dtype mismatch for {key}: the checkpoint's is {value.dtype}, the model's is {want.dtype}.")
+    if errors:
+        raise RuntimeError(f"{api}: error(s) in loading state_dict for {type(module).__name__} (nothing was loaded):\n\t"
+                           + "\n\t".join(errors))
+
+
+# ---------------------------------------------------------------------------- public helpers
+def get_model_state_dict(module: nn.Module, *, full: bool = True, cpu_offload: bool = False,
+                         rank0_only: bool = False) -> Dict[str, Any]:
+    """``module``'s state dict with original FQNs.
+
+    Example::
+
+        sd = get_model_state_dict(model)                       # full tensors, every rank
+        sd = get_model_state_dict(model, full=False)           # sharded: for torch.distributed.checkpoint
+        dcp.save({"model": sd}, checkpoint_id=path)
+
+    Args:
+        module: the model (or any module containing fully sharded modules).
+        full: True: full tensors, a plain model's state dict (parameters gathered one handle at
+            a time); False: :class:`ShardedSlice` per sharded parameter, made without any
+            collective (other entries are plain tensors).
+        cpu_offload: every tensor on the CPU.
+        rank0_only: (full only) ranks other than 0 take part and get ``{}``.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"get_model_state_dict: module must be an nn.Module, got {type(module).__name__}")
+    for name, flag in (("full", full), ("cpu_offload", cpu_offload), ("rank0_only", rank0_only)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"get_model_state_dict: {name} must be a bool, got {flag!r}")
+    if rank0_only and not full:
+        raise ValueError("get_model_state_dict: rank0_only=True needs full=True (a sharded state dict is per rank).")
+    if full:
+        kind, config = StateDictType.FULL_STATE_DICT, FullStateDictConfig(cpu_offload, rank0_only)
+    else:
+        kind, config = StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(cpu_offload)  # type: ignore[assignment]
+    with state_dict_type(module, kind, config):
+        sd = module.state_dict()
+    if rank0_only and global_rank() != 0:
+        return {}
+    if cpu_offload:
+        sd = type(sd)((k, v.cpu() if isinstance(v, torch.Tensor) and not isinstance(v, ShardedSlice) else v)
+                      for k, v in sd.items())
+    return sd  # type: ignore[no-any-return]
+
+
+def set_model_state_dict(module: nn.Module, state_dict: Mapping[str, Any], *, strict: bool = True) -> Any:
+    """Load a full or sharded state dict into ``module``; every key, shape and floating dtype
+    is checked before anything is written. Returns torch's ``(missing_keys, unexpected_keys)``.
+
+    Example::
+
+        sd = get_model_state_dict(model, full=False)
+        dcp.load({"model": sd}, checkpoint_id=path)   # writes straight into the shards
+        set_model_state_dict(model, sd)
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"set_model_state_dict: module must be an nn.Module, got {type(module).__name__}")
+    if not isinstance(strict, bool):
+        raise TypeError(f"set_model_state_dict: strict must be a bool, got {strict!r}")
+    check_model_state_dict(module, state_dict, strict, check_dtype=True, api="set_model_state_dict")
+    return nn.Module.load_state_dict(module, state_dict, strict=strict)
