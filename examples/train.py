@@ -3,9 +3,17 @@ the root, activation checkpointing in every block, on random next-token data.
 
     torchrun --nproc_per_node 2 examples/train.py        # 2 CPU processes, gloo
     python examples/train.py                              # one process
+    torchrun --nproc_per_node 2 examples/train.py --steps 10 --checkpoint-dir ckpt
+    torchrun --nproc_per_node 2 examples/train.py --steps 20 --checkpoint-dir ckpt   # resumes at 10
 
 Every rank prints nothing but rank 0, which prints the global mean loss per step and, at the
 end, the parameter elements this rank stores against the model's total.
+
+With ``--checkpoint-dir DIR`` the run resumes from the newest checkpoint ``DIR/step_<N>`` if
+there is one and saves ``DIR/step_<steps>`` at the end (model and optimizer, sharded, with
+torch.distributed.checkpoint, through ``save_checkpoint``). A checkpoint directory appears complete,
+with checksums, or not at all, so a run killed while saving resumes from the previous checkpoint;
+``load_checkpoint`` refuses a damaged one, naming the file.
 """
 
 from __future__ import annotations
@@ -19,7 +27,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from composable_shard import checkpoint, fully_shard, unshard_params
+from composable_shard import (checkpoint, fully_shard, latest_checkpoint, load_checkpoint, save_checkpoint,
+                              unshard_params)
 
 
 class Block(nn.Module):
@@ -62,6 +71,8 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=2)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="resume from its newest step_<N> if any; save step_<steps> at the end")
     args = parser.parse_args()
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -80,10 +91,19 @@ def main() -> None:
         fully_shard(block)
     fully_shard(model)
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    first_step = 0
+    found = latest_checkpoint(args.checkpoint_dir) if args.checkpoint_dir else None
+    if found is not None:
+        first_step, path = found
+        load_checkpoint(path, model, optim)
+        if rank == 0:
+            print(f"resumed from {path} at step {first_step}", flush=True)
 
     gen = torch.Generator().manual_seed(1234 + rank)  # different data on each rank
+    for _ in range(first_step):  # the data of the steps before the checkpoint
+        torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
     start = time.perf_counter()
-    for step in range(args.steps):
+    for step in range(first_step, args.steps):
         tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, args.vocab), tokens[:, 1:].reshape(-1))
@@ -100,8 +120,13 @@ def main() -> None:
     with unshard_params(model, rank0_only=True, writeback=False):
         full = sum(p.numel() for p in model.parameters())
     if rank == 0:
-        print(f"world size {world_size}: {args.steps} steps in {elapsed:.1f}s; rank 0 stores {local} of {total} "
-              f"parameter elements (full model seen inside unshard_params: {full})")
+        print(f"world size {world_size}: {max(args.steps - first_step, 0)} steps in {elapsed:.1f}s; rank 0 stores {local} of "
+              f"{total} parameter elements (full model seen inside unshard_params: {full})")
+    if args.checkpoint_dir and args.steps > first_step:
+        path = os.path.join(args.checkpoint_dir, f"step_{args.steps:06d}")
+        save_checkpoint(path, model, optim)
+        if rank == 0:
+            print(f"saved {path}", flush=True)
     dist.barrier()  # every rank done with every collective before any rank tears gloo down
     dist.destroy_process_group()
 

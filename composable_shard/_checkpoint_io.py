@@ -1,0 +1,221 @@
+"""Crash-safe, verified checkpoints: ``save_checkpoint`` / ``load_checkpoint`` /
+``latest_checkpoint``.
+
+[Note: Publishing]
+  Every rank ``dcp.save``s the sharded model and optimizer state into ``<path>.tmp-<token>``
+  (the token drawn on rank 0). ``dcp.save`` is collective and returns once every rank's data
+  file and rank 0's ``.metadata`` are written. Rank 0 then hashes every file into
+  ``checksums.json``, fsyncs, renames the directory to ``<path>`` (atomic on a POSIX
+  filesystem) and fsyncs the parent; the other ranks wait for its verdict. A save killed at
+  any point leaves no ``<path>``; an existing ``<path>`` is never written into (DCP would keep
+  the old ``.metadata`` until its end, so a save killed there loads, without error, as a mix of
+  two checkpoints).
+
+[Note: Verifying]
+  ``load_checkpoint`` first has rank 0 check every file against ``checksums.json`` (a missing,
+  extra, truncated or altered file raises on every rank, naming it), before anything is read
+  into the model or optimizer. DCP itself stores no checksum: a flipped bit in a tensor's bytes
+  loads as a wrong value, and a truncated file fails with an error that does not name it.
+  Verification reads the whole checkpoint once, on rank 0.
+
+All cross-rank agreement here uses tensor collectives (no pickled objects). The filesystem is
+assumed shared by all ranks, as DCP's ``FileSystemWriter`` assumes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import secrets
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+
+from ._optim_state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from ._state_dict import get_model_state_dict, set_model_state_dict
+
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint"]
+
+CHECKSUMS = "checksums.json"
+_STEP_DIR = re.compile(r"step_(\d+)")
+
+
+def _training_state(model: nn.Module, optim: Optional[torch.optim.Optimizer]) -> Dict[str, Any]:
+    state: Dict[str, Any] = {"model": get_model_state_dict(model, full=False)}
+    if optim is not None:
+        state["optim"] = get_optimizer_state_dict(model, optim, full=False)
+    return state
+
+
+# ---------------------------------------------------------------------------- rank-0 decisions
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _from_rank0(message: str) -> str:
+    """Rank 0's ``message`` on every rank (UTF-8 bytes in a tensor broadcast; '' on others)."""
+    if not _distributed():
+        return message
+    data = torch.tensor(list(message.encode()), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    dist.broadcast(size, src=0)
+    buffer = data if _rank() == 0 else torch.empty(int(size.item()), dtype=torch.uint8)
+    if buffer.numel():
+        dist.broadcast(buffer, src=0)
+    return bytes(buffer.tolist()).decode()
+
+
+def _raise_from_rank0(error: str, api: str) -> None:
+    error = _from_rank0(error)
+    if error:
+        raise RuntimeError(f"{api}: {error}")
+
+
+# ---------------------------------------------------------------------------- files
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _files(directory: str) -> List[str]:
+    return sorted(name for name in os.listdir(directory) if name != CHECKSUMS)
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(tmp: str, path: str) -> str:
+    """Rank 0: checksums, then the atomic rename. Returns an error message or ''."""
+    try:
+        sums = {name: _sha256(os.path.join(tmp, name)) for name in _files(tmp)}
+        with open(os.path.join(tmp, CHECKSUMS), "w") as f:
+            json.dump(sums, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync(tmp)
+        os.rename(tmp, path)
+        _fsync(os.path.dirname(path))
+    except OSError as e:
+        return f"could not publish {tmp} as {path}: {type(e).__name__}: {e}"
+    return ""
+
+
+def _verify(path: str) -> str:
+    """Rank 0: every file of ``path`` matches ``checksums.json``. Returns an error or ''."""
+    listing = os.path.join(path, CHECKSUMS)
+    if not os.path.isdir(path):
+        return f"no checkpoint at {path} (a save that did not finish publishes nothing)"
+    try:
+        with open(listing) as f:
+            expected = json.load(f)
+        if not isinstance(expected, dict) or not all(isinstance(v, str) for v in expected.values()):
+            raise ValueError("not a {file: sha256} object")
+    except (OSError, ValueError) as e:
+        return (f"{listing} is missing or unreadable ({type(e).__name__}: {e}); not a checkpoint that "
+                "save_checkpoint published, or a damaged one")
+    present = _files(path)
+    for name in sorted(set(expected) - set(present)):
+        return f"{os.path.join(path, name)} is missing (listed in {CHECKSUMS})"
+    for name in sorted(set(present) - set(expected)):
+        return f"{os.path.join(path, name)} is not part of the checkpoint (not listed in {CHECKSUMS})"
+    for name in sorted(expected):
+        if os.path.basename(name) != name:
+            return f"{listing} lists {name!r}, which is not a file of the checkpoint directory"
+        actual = _sha256(os.path.join(path, name))
+        if actual != expected[name]:
+            return (f"{os.path.join(path, name)} is damaged: its sha256 is {actual}, the checkpoint recorded "
+                    f"{expected[name]} (truncated, altered or overwritten after the save)")
+    return ""
+
+
+# ---------------------------------------------------------------------------- public
+def save_checkpoint(path: str, model: nn.Module, optim: Optional[torch.optim.Optimizer] = None) -> None:
+    """Save ``model`` (and ``optim``) sharded to the new directory ``path``, crash-safely:
+    ``path`` appears complete, with checksums, or not at all. Collective: every rank calls it
+    with the same ``path``, which must not exist.
+
+    Example::
+
+        save_checkpoint(f"ckpt/step_{step:06d}", model, optim)
+
+    Args:
+        path: the directory to create (one per checkpoint, e.g. ``step_<N>``).
+        model: the model (sharded any way, or plain).
+        optim: its optimizer, or None.
+    """
+    path = os.path.abspath(os.fspath(path))
+    api = "save_checkpoint"
+    error, tmp = "", ""
+    if _rank() == 0:
+        tmp = f"{path}.tmp-{secrets.token_hex(6)}"
+        if os.path.exists(path):
+            error = (f"{path} already exists; a published checkpoint is never written into. Save each "
+                     "checkpoint to a new directory (e.g. one per step).")
+    _raise_from_rank0(error, api)
+    tmp = _from_rank0(tmp)
+    dcp.save(_training_state(model, optim), checkpoint_id=tmp)
+    _raise_from_rank0(_publish(tmp, path) if _rank() == 0 else "", api)
+
+
+def load_checkpoint(path: str, model: nn.Module, optim: Optional[torch.optim.Optimizer] = None) -> None:
+    """Load a checkpoint that :func:`save_checkpoint` published into ``model`` (and
+    ``optim``), at any world size and sharding strategy. Every file is checked against the
+    checkpoint's checksums first: a missing, truncated or altered file raises, naming it, with
+    model and optimizer untouched. Collective.
+
+    Example::
+
+        found = latest_checkpoint("ckpt")
+        if found is not None:
+            load_checkpoint(found[1], model, optim)
+
+    Args:
+        path: a directory :func:`save_checkpoint` published.
+        model: the model to load into (sharded any way, or plain).
+        optim: its optimizer (built on the model's parameters), or None.
+    """
+    path = os.path.abspath(os.fspath(path))
+    _raise_from_rank0(_verify(path) if _rank() == 0 else "", "load_checkpoint")
+    state = _training_state(model, optim)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    if optim is not None:
+        set_optimizer_state_dict(model, optim, state["optim"])
+
+
+def latest_checkpoint(root: str) -> Optional[Tuple[int, str]]:
+    """``(step, path)`` of the newest published ``root/step_<N>``, or None (decided on rank 0
+    for every rank). Unfinished saves (``*.tmp-*``) never match.
+
+    Args:
+        root: the directory holding ``step_<N>`` checkpoints.
+    """
+    found = ""
+    if _rank() == 0 and os.path.isdir(root):
+        steps = [int(m.group(1)) for m in map(_STEP_DIR.fullmatch, os.listdir(root)) if m]
+        if steps:
+            step = max(steps)
+            found = f"{step}\n" + next(os.path.join(os.path.abspath(root), name) for name in os.listdir(root)
+                                       if (m := _STEP_DIR.fullmatch(name)) and int(m.group(1)) == step)
+    found = _from_rank0(found)
+    if not found:
+        return None
+    step_text, path = found.split("\n", 1)
+    return int(step_text), path

@@ -1,0 +1,251 @@
+"""Crash safety of checkpoints (issue 10 item 7): a save killed midway never leaves a directory
+that loads, and a damaged checkpoint fails to load, naming the file, instead of loading wrong
+values.
+
+Under test: ``save_checkpoint`` / ``load_checkpoint`` / ``latest_checkpoint`` (see
+[Note: Publishing] and [Note: Verifying] in ``composable_shard/_checkpoint_io.py``). Without
+these tests:
+
+* a save killed midway could leave a directory under the checkpoint's name: torch 2.13's DCP
+  saving in place over an older checkpoint keeps the old ``.metadata`` until the very end, so a
+  rank killed after another rank rewrote its data file leaves a directory that loads without
+  error as a mix of both checkpoints (checked by hand; see the README);
+* the killed save could damage the checkpoint a resume needs (the previous one), or make
+  ``latest_checkpoint`` pick an unfinished one;
+* DCP alone loads a flipped bit inside a tensor's bytes as a wrong value (its files carry no
+  checksum, ``torch.load`` checks none), and fails on a truncated data file with an error
+  (``EOFError``, "failed reading zip archive") that does not name the file.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import os
+import pickle
+import shutil
+import signal
+from pathlib import Path
+from typing import Any, Dict, List, NamedTuple, Tuple
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
+
+from composable_shard import fully_shard, latest_checkpoint, load_checkpoint, save_checkpoint
+from tests._harness import RankError, run_distributed
+from tests._models import batch, local_rows, loss_fn, make_model
+
+WORLD_SIZE = 2
+TIMEOUT_S = 60.0
+DATA_FILE = "__1_0.distcp"  # rank 1's data file (DCP names them __<rank>_<n>.distcp)
+# ParityModel's tied weight: loading one of the two names rewrites the other's storage.
+TIED = ("model.emb.weight", "model.head.weight")
+
+
+def _step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step_{step:06d}")  # the name latest_checkpoint looks for
+
+
+def _trained(steps: int) -> Tuple[nn.Module, torch.optim.Optimizer]:
+    """A sharded ParityModel after ``steps`` AdamW steps: the same on every call."""
+    model = make_model()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model.scale)
+    fully_shard(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    for step in range(steps):
+        inputs, targets = batch(step, world_size)
+        loss_fn(model(local_rows(inputs, rank)), local_rows(targets, rank)).backward()
+        optim.step()
+        optim.zero_grad()
+    return model, optim
+
+
+def _differences(model: nn.Module, optim: torch.optim.Optimizer, steps: int) -> List[str]:
+    """The parameters and optimizer states (this rank's shards) that differ from ``_trained(steps)``."""
+    reference, reference_optim = _trained(steps)
+    wrong = [name for (name, p), q in zip(model.named_parameters(), reference.parameters()) if not torch.equal(p, q)]
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        state, expected = optim.state[p], reference_optim.state[q]
+        if state.keys() != expected.keys():
+            wrong.append(f"optimizer state of {name}: {sorted(state)} vs {sorted(expected)}")
+        wrong += [f"{key} of {name}" for key in state if not torch.equal(state[key], expected[key])]
+    return wrong
+
+
+def _load_error(path: str) -> str:
+    """Resume a fresh model from ``path``; the error's message, or "" if it loaded."""
+    model, optim = _trained(0)
+    try:
+        load_checkpoint(path, model, optim)
+    except (RuntimeError, CheckpointException) as e:
+        return str(e)
+    return ""
+
+
+# ---------------------------------------------------------------------------- rank functions
+def _save(root: str, steps: int) -> None:
+    model, optim = _trained(steps)
+    save_checkpoint(_step_dir(root, steps), model, optim)
+
+
+def _die_in_save(point: str) -> None:
+    """From here on this process dies by SIGKILL inside DCP's FileSystemWriter at ``point``:
+    ``before_data`` (before writing its data file), ``before_metadata`` (rank 0, every data file
+    written, ``.metadata`` not yet). Process-local fault injection; DCP runs unchanged around it."""
+    def die(*args: Any, **kwargs: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    setattr(FileSystemWriter, {"before_data": "write_data", "before_metadata": "finish"}[point], die)
+
+
+def _save_killed(root: str, steps: int, victim: int, point: str) -> None:
+    model, optim = _trained(steps)
+    if dist.get_rank() == victim:
+        _die_in_save(point)
+    save_checkpoint(_step_dir(root, steps), model, optim)
+
+
+def _check_after_killed_save(root: str, tmp: str) -> None:
+    """The killed save of step 4 loads neither under its name (there is none) nor from its
+    temporary directory (never published: no checksums), each error naming what is missing;
+    step 2 still resumes exactly."""
+    killed = _step_dir(root, 4)
+    for path, missing in ((killed, f"no checkpoint at {killed}"), (tmp, os.path.join(tmp, "checksums.json"))):
+        message = _load_error(path)
+        assert message, f"{path} loaded"
+        assert missing in message, f"the error does not name {missing}:\n{message}"
+    latest = latest_checkpoint(root)
+    assert latest == (2, _step_dir(root, 2)), latest
+    model, optim = _trained(0)
+    load_checkpoint(latest[1], model, optim)
+    wrong = _differences(model, optim, steps=2)
+    assert not wrong, f"the published step-2 checkpoint changed: {wrong}"
+
+
+def _record_loads(paths: List[str], out_dir: str) -> None:
+    """For each path, write ``raised:<message>`` or ``loaded:<differences from step 2>`` to
+    ``out_dir/<i>.rank<r>`` (the parent judges, so an expected failure is told apart from a bug)."""
+    for i, path in enumerate(paths):
+        model, optim = _trained(0)
+        try:
+            load_checkpoint(path, model, optim)
+            outcome = "loaded:" + ", ".join(_differences(model, optim, steps=2))
+        except (RuntimeError, CheckpointException) as e:
+            outcome = f"raised:{e}"
+        if outcome.startswith("raised:"):
+            assert not _differences(model, optim, steps=0), "a refused load changed the model or optimizer"
+        Path(out_dir, f"{i}.rank{dist.get_rank()}").write_text(outcome)
+
+
+# ---------------------------------------------------------------------------- damage
+def _truncate(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def _flip_tensor_byte(checkpoint: str, data_file: str) -> str:
+    """Flip one bit in the middle of the raw bytes of the first untied model tensor (more than
+    one element) stored in ``data_file``, found through ``.metadata``; returns its name."""
+    with open(os.path.join(checkpoint, ".metadata"), "rb") as f:
+        metadata = pickle.load(f)
+    path = os.path.join(checkpoint, data_file)
+    raw = bytearray(Path(path).read_bytes())
+    for index, info in metadata.storage_data.items():
+        if info.relative_path != data_file or not index.fqn.startswith("model.") or index.fqn in TIED:
+            continue
+        item = bytes(raw[info.offset:info.offset + info.length])  # one torch.save archive
+        data = torch.load(io.BytesIO(item), weights_only=True).contiguous().numpy().tobytes()
+        at = item.find(data)
+        if len(data) > 4 and at >= 0:
+            raw[info.offset + at + len(data) // 2] ^= 0x40
+            Path(path).write_bytes(bytes(raw))
+            return f"{index.fqn} at offsets {tuple(index.offset)}"
+    raise AssertionError(f"no untied model tensor with more than one element in {path}")
+
+
+# ---------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def published(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A root holding one published checkpoint, ``step_000002``."""
+    root = str(tmp_path_factory.mktemp("published"))
+    run_distributed(_save, WORLD_SIZE, root, 2, timeout=TIMEOUT_S)
+    assert os.listdir(root) == ["step_000002"], os.listdir(root)
+    return root
+
+
+class _Damaged(NamedTuple):
+    """Per rank, ``_record_loads``'s outcome of loading each damaged copy of step 2."""
+
+    truncated: Dict[int, str]  # DATA_FILE truncated to half
+    flipped: Dict[int, str]  # one bit flipped inside a tensor's data in DATA_FILE
+    flipped_where: str  # which tensor
+
+
+@pytest.fixture(scope="module")
+def damaged_loads(published: str, tmp_path_factory: pytest.TempPathFactory) -> _Damaged:
+    work = tmp_path_factory.mktemp("damaged")
+    truncated, flipped = str(work / "truncated"), str(work / "flipped")
+    for copy in (truncated, flipped):
+        shutil.copytree(_step_dir(published, 2), copy)
+    _truncate(os.path.join(truncated, DATA_FILE))
+    where = _flip_tensor_byte(flipped, DATA_FILE)
+    run_distributed(_record_loads, WORLD_SIZE, [truncated, flipped], str(work), timeout=TIMEOUT_S)
+    truncated_outcomes, flipped_outcomes = ({rank: (work / f"{i}.rank{rank}").read_text() for rank in range(WORLD_SIZE)}
+                                            for i in range(2))
+    return _Damaged(truncated_outcomes, flipped_outcomes, where)
+
+
+# ---------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("victim,point", [(1, "before_data"), (0, "before_metadata")])
+def test_killed_save_publishes_nothing(published: str, tmp_path: Path, victim: int, point: str) -> None:
+    """A rank SIGKILLed inside ``dcp.save`` (rank 1 before its data file; rank 0 with every data
+    file written, before ``.metadata``): the save fails, ``step_000004`` does not exist, loading
+    it or its temporary directory fails naming what is missing, and the previous
+    checkpoint is untouched: ``latest_checkpoint`` picks it and it resumes exactly."""
+    root = str(tmp_path / "ckpt")
+    shutil.copytree(published, root)
+    with pytest.raises(RankError, match="SIGKILL") as failure:
+        run_distributed(_save_killed, WORLD_SIZE, root, 4, victim, point, timeout=TIMEOUT_S)
+    assert failure.value.rank == victim, str(failure.value)
+    assert not os.path.exists(_step_dir(root, 4)), f"a killed save published {_step_dir(root, 4)}"
+    leftovers = glob.glob(_step_dir(root, 4) + ".tmp-*")
+    assert len(leftovers) == 1, sorted(os.listdir(root))
+    tmp = leftovers[0]
+    expected_files = ["__0_0.distcp"] if point == "before_data" else ["__0_0.distcp", "__1_0.distcp"]
+    assert sorted(os.listdir(tmp)) == expected_files, "the save was not killed where intended"
+    run_distributed(_check_after_killed_save, WORLD_SIZE, root, tmp, timeout=TIMEOUT_S)
+
+
+def test_save_refuses_to_overwrite(published: str, tmp_path: Path) -> None:
+    """Saving to a published checkpoint's name raises on every rank before writing anything
+    (an in-place save killed midway is what loads as a mix of two checkpoints)."""
+    root = str(tmp_path / "ckpt")
+    shutil.copytree(published, root)
+    before = {name: os.path.getmtime(os.path.join(_step_dir(root, 2), name)) for name in os.listdir(_step_dir(root, 2))}
+    with pytest.raises(RankError, match="already exists; a published checkpoint is never written into"):
+        run_distributed(_save, WORLD_SIZE, root, 2, timeout=TIMEOUT_S)
+    after = {name: os.path.getmtime(os.path.join(_step_dir(root, 2), name)) for name in os.listdir(_step_dir(root, 2))}
+    assert after == before and os.listdir(root) == ["step_000002"], (before, after, os.listdir(root))
+
+
+def test_truncated_data_file_fails_to_load_naming_it(damaged_loads: _Damaged) -> None:
+    """A data file truncated to half fails to load on every rank, naming the file, before the
+    model or optimizer changes."""
+    for rank, outcome in damaged_loads.truncated.items():
+        assert outcome.startswith("raised:"), f"rank {rank}: the truncated checkpoint {outcome}"
+        assert f"{DATA_FILE} is damaged" in outcome, f"rank {rank}: {outcome}"
+
+
+def test_flipped_data_bit_fails_to_load_naming_it(damaged_loads: _Damaged) -> None:
+    """One bit flipped inside a tensor's bytes (which DCP alone loads as a wrong value) fails to
+    load on every rank, naming the file, before the model or optimizer changes."""
+    where, outcomes = damaged_loads.flipped_where, damaged_loads.flipped
+    for rank, outcome in outcomes.items():
+        assert outcome.startswith("raised:"), f"rank {rank}: flipped a bit of {where}, yet {outcome}"
+        assert f"{DATA_FILE} is damaged" in outcome, f"rank {rank}: {outcome}"
