@@ -18,6 +18,17 @@
   loads as a wrong value, and a truncated file fails with an error that does not name it.
   Verification reads the whole checkpoint once, on rank 0.
 
+[Note: Loading executes nothing]
+  DCP's default reader unpickles ``.metadata`` with ``pickle.load`` and its default planner
+  loads every non-tensor entry (optimizer ``param_groups``) with ``torch.load(weights_only=False)``:
+  a tampered checkpoint runs code at load time, and checksums do not help (an attacker rewrites
+  them too). ``load_checkpoint`` uses DCP's public extension points instead:
+  :class:`SafeFileSystemReader` reads ``.metadata`` with an unpickler that resolves only an
+  allow-list of globals (DCP's metadata classes, ``torch.Size``, dtypes, layouts, paths) and
+  :class:`SafeLoadPlanner` checks non-tensor entries with ``torch.load(weights_only=True)``.
+  Anything else raises, naming the file and the refused global, before anything is loaded.
+  (Tensors DCP already reads with ``weights_only=True``.)
+
 All cross-rank agreement here uses tensor collectives (no pickled objects). The filesystem is
 assumed shared by all ranks, as DCP's ``FileSystemWriter`` assumes.
 """
@@ -25,8 +36,10 @@ assumed shared by all ranks, as DCP's ``FileSystemWriter`` assumes.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
+import pickle
 import re
 import secrets
 from typing import Any, Dict, List, Optional, Tuple
@@ -35,14 +48,89 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
 
-from ._optim_state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from ._optim_state_dict import get_optimizer_state_dict, param_groups_by_fqn, set_optimizer_state_dict
 from ._state_dict import get_model_state_dict, set_model_state_dict
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint"]
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "SafeFileSystemReader", "SafeLoadPlanner",
+           "UnsafeCheckpointError"]
 
 CHECKSUMS = "checksums.json"
 _STEP_DIR = re.compile(r"step_(\d+)")
+
+
+class UnsafeCheckpointError(RuntimeError):
+    """A checkpoint file holds something loading it would have to execute."""
+
+
+_METADATA_CLASSES = {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                     "TensorProperties", "StorageMeta", "MetadataIndex", "_MEM_FORMAT_ENCODING"}
+_ALLOWED: Dict[str, set] = {
+    "torch.distributed.checkpoint.metadata": _METADATA_CLASSES,
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch": {"Size", "device"} | {n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)},
+    "torch.serialization": {"_get_layout"},  # a layout by its name ("torch.strided")
+    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file: Any, path: str) -> None:
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        raise UnsafeCheckpointError(f"{self.path}: refused to load global {module}.{name}: a DCP checkpoint's metadata "
+                                    "holds only DCP's metadata classes, torch sizes, dtypes and paths. The file was "
+                                    "altered or is not a checkpoint; nothing was loaded.")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's ``FileSystemReader`` whose ``.metadata`` is read with an allow-list unpickler
+    (see [Note: Loading executes nothing]); pass it to ``dcp.load(storage_reader=...)``."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        path = os.path.join(os.fspath(self.path), ".metadata" if rank is None else f"__{rank}.metadata")
+        with open(path, "rb") as f:
+            try:
+                metadata = _MetadataUnpickler(f, path).load()
+            except UnsafeCheckpointError:
+                raise
+            except Exception as e:  # a truncated or garbled pickle
+                raise UnsafeCheckpointError(f"{path}: not a readable DCP metadata file ({type(e).__name__}: {e})") from e
+        if not isinstance(metadata, Metadata):
+            raise UnsafeCheckpointError(f"{path}: holds a {type(metadata).__name__}, not DCP Metadata")
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id  # what FileSystemReader.read_metadata does after unpickling
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's ``DefaultLoadPlanner`` that accepts a non-tensor entry only if
+    ``torch.load(weights_only=True)`` can read it (plain data: numbers, strings, lists, dicts,
+    tensors); pass it to ``dcp.load(planner=...)``."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as e:
+            info = self.metadata.storage_data.get(read_item.storage_index) if self.metadata is not None else None
+            where = getattr(info, "relative_path", "?")
+            raise UnsafeCheckpointError(
+                f"{where}: refused to load the non-tensor entry {read_item.dest_index.fqn!r}: it is not plain data "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); nothing of it was executed") from e
+        checked = io.BytesIO()
+        torch.save(obj, checked)  # plain data only: what the default planner then unpickles is ours
+        checked.seek(0)
+        super().load_bytes(read_item, checked)
 
 
 def _training_state(model: nn.Module, optim: Optional[torch.optim.Optimizer]) -> Dict[str, Any]:
@@ -72,6 +160,18 @@ def _from_rank0(message: str) -> str:
     if buffer.numel():
         dist.broadcast(buffer, src=0)
     return bytes(buffer.tolist()).decode()
+
+
+def _agree_or_raise(error: str, api: str) -> None:
+    """Raise on every rank if any rank has an error (the lowest such rank's message)."""
+    if _distributed():
+        failed = torch.tensor([1 if error else 0], dtype=torch.int64)
+        everyone = [torch.zeros_like(failed) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, failed)
+        first = next((r for r, f in enumerate(everyone) if int(f.item())), None)
+        if first is not None and first != 0:
+            raise RuntimeError(f"{api}: rank {first} refused the checkpoint" + (f": {error}" if error else ""))
+    _raise_from_rank0(error if _rank() == 0 else "", api)
 
 
 def _raise_from_rank0(error: str, api: str) -> None:
@@ -193,8 +293,20 @@ def load_checkpoint(path: str, model: nn.Module, optim: Optional[torch.optim.Opt
     """
     path = os.path.abspath(os.fspath(path))
     _raise_from_rank0(_verify(path) if _rank() == 0 else "", "load_checkpoint")
+    error = ""
+    try:  # everything that is not a tensor is checked first: a refusal then changes nothing
+        SafeFileSystemReader(path).read_metadata()
+        if optim is not None:
+            groups = {"optim": {"param_groups": param_groups_by_fqn(model, optim)}}
+            dcp.load(groups, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(allow_partial_load=True),
+                     no_dist=True)
+    except (UnsafeCheckpointError, OSError) as e:
+        error = str(e)
+    except dcp.api.CheckpointException as e:
+        error = f"{path}: {e}"
+    _agree_or_raise(error, "load_checkpoint")
     state = _training_state(model, optim)
-    dcp.load(state, checkpoint_id=path)
+    dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
     set_model_state_dict(model, state["model"])
     if optim is not None:
         set_optimizer_state_dict(model, optim, state["optim"])

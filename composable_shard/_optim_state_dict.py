@@ -29,7 +29,7 @@ from . import _collectives
 from ._sharded_tensor import ShardedSlice
 from ._state_dict import Managed, full_values, global_rank, local_slice, managed_params
 
-__all__ = ["get_optimizer_state_dict", "set_optimizer_state_dict"]
+__all__ = ["get_optimizer_state_dict", "set_optimizer_state_dict", "param_groups_by_fqn"]
 
 
 def _check(api: str, module: Any, optim: Any) -> None:
@@ -57,6 +57,22 @@ def _param_names(api: str, module: nn.Module, optim: torch.optim.Optimizer) -> T
                                  f"a parameter of {type(module).__name__}; pass the module the optimizer was built for.")
             fqns.append(names[id(p)])
     return fqns, managed
+
+
+def _groups(optim: torch.optim.Optimizer, fqns: List[str]) -> List[Dict[str, Any]]:
+    groups = []
+    position = 0
+    for group in optim.param_groups:
+        n = len(group["params"])
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": fqns[position:position + n]})
+        position += n
+    return groups
+
+
+def param_groups_by_fqn(module: nn.Module, optim: torch.optim.Optimizer) -> List[Dict[str, Any]]:
+    """``optim``'s ``param_groups`` as in :func:`get_optimizer_state_dict` (parameters by FQN),
+    without creating any optimizer state."""
+    return _groups(optim, _param_names("get_optimizer_state_dict", module, optim)[0])
 
 
 def _is_sliced(value: Any, param: torch.Tensor) -> bool:
@@ -137,12 +153,7 @@ def get_optimizer_state_dict(module: nn.Module, optim: torch.optim.Optimizer, *,
                 if where is not None and _is_sliced(value, p):
                     local = value.detach().reshape(-1)
                     state[fqn][name] = ShardedSlice(local.cpu() if cpu_offload else local, where.param_range[0], where.shape)
-    groups = []
-    position = 0
-    for group in optim.param_groups:
-        n = len(group["params"])
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": fqns[position:position + n]})
-        position += n
+    groups = _groups(optim, fqns)
     if rank0_only and global_rank() != 0:
         return {}
     if cpu_offload:

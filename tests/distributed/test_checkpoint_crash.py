@@ -20,7 +20,9 @@ these tests:
 from __future__ import annotations
 
 import glob
+import hashlib
 import io
+import json
 import os
 import pickle
 import shutil
@@ -31,10 +33,12 @@ from typing import Any, Dict, List, NamedTuple, Tuple
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 
-from composable_shard import fully_shard, latest_checkpoint, load_checkpoint, save_checkpoint
+from composable_shard import (fully_shard, get_model_state_dict, get_optimizer_state_dict, latest_checkpoint,
+                              load_checkpoint, save_checkpoint)
 from tests._harness import RankError, run_distributed
 from tests._models import batch, local_rows, loss_fn, make_model
 
@@ -249,3 +253,91 @@ def test_flipped_data_bit_fails_to_load_naming_it(damaged_loads: _Damaged) -> No
     for rank, outcome in outcomes.items():
         assert outcome.startswith("raised:"), f"rank {rank}: flipped a bit of {where}, yet {outcome}"
         assert f"{DATA_FILE} is damaged" in outcome, f"rank {rank}: {outcome}"
+
+
+# ---------------------------------------------------------------------------- tampered files
+class _Payload:
+    """Unpickling this runs a shell command that creates the file ``sentinel``."""
+
+    def __init__(self, sentinel: str) -> None:
+        self.sentinel = sentinel
+
+    def __reduce__(self) -> Any:
+        return (os.system, (f"touch {self.sentinel}",))
+
+
+def _rewrite_checksums(checkpoint: str) -> None:
+    """What an attacker who can write the directory does too: checksums offer no protection."""
+    sums = {name: hashlib.sha256(Path(checkpoint, name).read_bytes()).hexdigest()
+            for name in sorted(os.listdir(checkpoint)) if name != "checksums.json"}
+    Path(checkpoint, "checksums.json").write_text(json.dumps(sums))
+
+
+def _tamper_metadata(checkpoint: str, sentinel: str) -> None:
+    with open(os.path.join(checkpoint, ".metadata"), "wb") as f:
+        pickle.dump(_Payload(sentinel), f)
+    _rewrite_checksums(checkpoint)
+
+
+def _tamper_entry(checkpoint: str, sentinel: str) -> str:
+    """Point the optimizer's first non-tensor entry at a malicious ``torch.save`` archive
+    appended to its data file; returns that file's name."""
+    with open(os.path.join(checkpoint, ".metadata"), "rb") as f:
+        metadata = pickle.load(f)
+    index = next(i for i, md in metadata.state_dict_metadata.items()
+                 if i.startswith("optim.param_groups") and type(md).__name__ == "BytesStorageMetadata")
+    key = next(k for k in metadata.storage_data if k.fqn == index)
+    info = metadata.storage_data[key]
+    payload = io.BytesIO()
+    torch.save(_Payload(sentinel), payload)
+    path = os.path.join(checkpoint, info.relative_path)
+    offset = os.path.getsize(path)
+    with open(path, "ab") as f:
+        f.write(payload.getvalue())
+    metadata.storage_data[key] = type(info)(info.relative_path, offset, len(payload.getvalue()))
+    with open(os.path.join(checkpoint, ".metadata"), "wb") as f:
+        pickle.dump(metadata, f)
+    _rewrite_checksums(checkpoint)
+    return str(info.relative_path)
+
+
+def _load_tampered(path: str, out: str) -> None:
+    model, optim = _trained(0)
+    try:
+        load_checkpoint(path, model, optim)
+        outcome = "loaded"
+    except RuntimeError as e:
+        outcome = f"raised:{e}"
+    assert not _differences(model, optim, steps=0), "a refused load changed the model or optimizer"
+    Path(f"{out}.rank{dist.get_rank()}").write_text(outcome)
+
+
+@pytest.mark.parametrize("where", ["metadata", "entry"])
+def test_tampered_checkpoint_runs_nothing(published: str, tmp_path: Path, where: str) -> None:
+    """A ``.metadata`` that unpickles to ``os.system(...)``, or an optimizer entry that does
+    (with checksums rewritten to match): load_checkpoint raises on every rank naming the file,
+    the command never runs, model and optimizer stay as they were. Plain ``dcp.load`` runs it."""
+    checkpoint, sentinel = str(tmp_path / "ckpt"), str(tmp_path / "pwned")
+    shutil.copytree(_step_dir(published, 2), checkpoint)
+    if where == "metadata":
+        _tamper_metadata(checkpoint, sentinel)
+        named = os.path.join(checkpoint, ".metadata")
+    else:
+        named = _tamper_entry(checkpoint, sentinel)
+    run_distributed(_load_tampered, WORLD_SIZE, checkpoint, str(tmp_path / "outcome"), timeout=TIMEOUT_S)
+    assert not os.path.exists(sentinel), "loading the checkpoint ran the attacker's command"
+    for rank in range(WORLD_SIZE):
+        outcome = (tmp_path / f"outcome.rank{rank}").read_text()
+        assert outcome.startswith("raised:") and named in outcome and "refused" in outcome, f"rank {rank}: {outcome}"
+    # the positive control: DCP's defaults execute the same file (and may or may not fail after)
+    try:
+        run_distributed(_plain_dcp_load, 1, checkpoint, timeout=TIMEOUT_S)
+    except RankError:
+        pass
+    assert os.path.exists(sentinel), "the tampered file was not dangerous to begin with"
+
+
+def _plain_dcp_load(path: str) -> None:
+    model, optim = _trained(0)
+    dcp.load({"model": get_model_state_dict(model, full=False), "optim": get_optimizer_state_dict(model, optim, full=False)},
+             checkpoint_id=path)

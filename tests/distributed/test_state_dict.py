@@ -24,8 +24,9 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 from composable_shard import (FullStateDictConfig, MixedPrecision, ModuleWrapPolicy, ShardedSlice, ShardingStrategy,
-                              StateDictType, fully_shard, get_model_state_dict, get_optimizer_state_dict, replicate,
-                              set_model_state_dict, set_optimizer_state_dict, state_dict_type, unshard_params)
+                              StateDictType, fully_shard, get_model_state_dict, get_optimizer_state_dict, load_checkpoint,
+                              replicate, save_checkpoint, set_model_state_dict, set_optimizer_state_dict, state_dict_type,
+                              unshard_params)
 from composable_shard._traversal_utils import _get_fsdp_handles
 from tests._harness import run_distributed, run_subtests
 from tests._models import Block, Scale, distributed_training, loss_fn, make_model, reference_training
@@ -237,13 +238,16 @@ def _checkpoint(model: nn.Module, optim: torch.optim.Optimizer) -> Dict[str, Any
     return {"model": get_model_state_dict(model, full=False), "optim": get_optimizer_state_dict(model, optim, full=False)}
 
 
-def _save_run(path: str, layout: str) -> None:
-    """2 steps, a sharded DCP save, 3 more steps; rank 0 records the last 3 losses and the
-    final full model and optimizer state."""
+def _save_run(path: str, layout: str, api: str) -> None:
+    """2 steps, a sharded save (plain DCP, or the library's save_checkpoint), 3 more steps;
+    rank 0 records the last 3 losses and the final full model and optimizer state."""
     model = _build(layout, seed=0)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     _train(model, optim, range(2))
-    dcp.save(_checkpoint(model, optim), checkpoint_id=f"{path}/ckpt")
+    if api == "dcp":
+        dcp.save(_checkpoint(model, optim), checkpoint_id=f"{path}/ckpt")
+    else:
+        save_checkpoint(f"{path}/ckpt", model, optim)
     losses = _train(model, optim, range(2, 5))
     final = {"losses": losses, "model": get_model_state_dict(model, rank0_only=True),
              "optim": get_optimizer_state_dict(model, optim, rank0_only=True)}
@@ -251,15 +255,18 @@ def _save_run(path: str, layout: str) -> None:
         torch.save(final, f"{path}/uninterrupted.pt")
 
 
-def _resume_run(path: str, layout: str) -> None:
+def _resume_run(path: str, layout: str, api: str) -> None:
     """A differently initialised model and a fresh optimizer load the checkpoint, then take
     the same 3 steps: the uninterrupted run's losses, parameters and optimizer state."""
     model = _build(layout, seed=5)
     optim = torch.optim.AdamW(model.parameters(), lr=0.5, weight_decay=0.0)  # hyper-parameters come from the checkpoint
-    state = _checkpoint(model, optim)
-    dcp.load(state, checkpoint_id=f"{path}/ckpt")
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optim, state["optim"])
+    if api == "dcp":
+        state = _checkpoint(model, optim)
+        dcp.load(state, checkpoint_id=f"{path}/ckpt")
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, optim, state["optim"])
+    else:
+        load_checkpoint(f"{path}/ckpt", model, optim)
     assert optim.param_groups[0]["lr"] == 1e-2 and optim.param_groups[0]["weight_decay"] == 0.1
     losses = _train(model, optim, range(2, 5))
     expected = torch.load(f"{path}/uninterrupted.pt")
@@ -274,15 +281,17 @@ def _resume_run(path: str, layout: str) -> None:
 
 
 def test_resume_in_place(tmp_path: Any) -> None:
-    run_distributed(_save_run, 2, str(tmp_path), "FULL_SHARD")
-    run_distributed(_resume_run, 2, str(tmp_path), "FULL_SHARD")
+    """Plain dcp.save / dcp.load with our sharded state dicts."""
+    run_distributed(_save_run, 2, str(tmp_path), "FULL_SHARD", "dcp")
+    run_distributed(_resume_run, 2, str(tmp_path), "FULL_SHARD", "dcp")
 
 
 @pytest.mark.parametrize("world_size,layout", [(4, "HYBRID_SHARD"), (2, "SHARD_GRAD_OP"), (2, "NO_SHARD"), (1, "plain")])
 def test_resume_at_another_world_size_and_strategy(tmp_path: Any, world_size: int, layout: str) -> None:
-    """Saved FULL_SHARD at 4 ranks; resumed at 4 (hybrid 2x2), 2 (ZeRO-2, no-shard) and 1 (plain)."""
-    run_distributed(_save_run, 4, str(tmp_path), "FULL_SHARD")
-    run_distributed(_resume_run, world_size, str(tmp_path), layout)
+    """Saved FULL_SHARD at 4 ranks by save_checkpoint; resumed by load_checkpoint (verified,
+    safe) at 4 (hybrid 2x2), 2 (ZeRO-2, no-shard) and 1 (plain)."""
+    run_distributed(_save_run, 4, str(tmp_path), "FULL_SHARD", "library")
+    run_distributed(_resume_run, world_size, str(tmp_path), layout, "library")
 
 
 # ---------------------------------------------------------------------------- strict loading
