@@ -84,6 +84,7 @@ class _Session:
 
 
 _SESSIONS: Dict[int, _Session] = {}  # id(handle) -> open session
+_DEPTH = 0  # nesting of hooked modules' state_dict() calls; reset by an outermost call (prefix "")
 
 
 def global_rank() -> int:
@@ -95,16 +96,16 @@ def register_state_dict_hooks(state: _FSDPState) -> None:
     """Install the hooks of [Note: State dict hooks] for ``state``'s handle (called once by
     ``fully_shard`` per fully sharded module)."""
     handle, owner = state.handle, state.module
-    if handle is None or owner is None:
+    if owner is None:
         return
     owner.__dict__[_OWNER_KEY] = state
-    for group in handle.groups:
+    _install_hooks(owner)
+    for group in (handle.groups if handle is not None else []):
         fp = group.flat_param
         places = [(info.module, info.param_name, i) for i, info in enumerate(fp._param_infos)]
         places += [(s.module, s.param_name, s.prim_param_index) for s in fp._shared_param_infos]
         for module, name, index in places:
             _registry(module)[name] = Managed(state, group, index)
-    _install_hooks(owner)
 
 
 def _registry(module: nn.Module) -> Dict[str, Managed]:
@@ -191,6 +192,12 @@ def _check_idle(state: _FSDPState, what: str) -> None:
 
 
 def _pre_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    global _DEPTH
+    if not prefix:  # an outermost call: forget what a call that raised may have left
+        _DEPTH = 0
+        _SESSIONS.clear()
+        _SCRATCH.clear()
+    _DEPTH += 1
     state = module.__dict__.get(_OWNER_KEY)
     if state is None or state.handle is None:
         return
@@ -200,6 +207,8 @@ def _pre_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
 
 
 def _post_state_dict(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    global _DEPTH
+    _DEPTH = max(_DEPTH - 1, 0)
     try:
         registry = managed_params(module)
         if registry:
@@ -213,6 +222,9 @@ def _post_state_dict(module: nn.Module, state_dict: Dict[str, Any], prefix: str,
         state = module.__dict__.get(_OWNER_KEY)
         if state is not None and state.handle is not None:
             _SESSIONS.pop(id(state.handle), None)
+        if _DEPTH == 0:  # the outermost hooked module's state_dict() is done
+            _SCRATCH.clear()
+            _SESSIONS.clear()
 
 
 def _save_entry(state_dict: Dict[str, Any], key: str, m: Managed, session: _Session) -> None:
@@ -225,7 +237,8 @@ def _save_entry(state_dict: Dict[str, Any], key: str, m: Managed, session: _Sess
         return
     if config.rank0_only and global_rank() != 0:
         if id(m.group) not in session.gathered:  # take part in the all-gather, keep nothing
-            _gather_flat(m.state, m.group.flat_param.data, m.group.padded_numel, tag=f"state_dict:{m.state.describe()}")
+            _gather_flat(m.state, m.group.flat_param.data, m.group.padded_numel, tag=f"state_dict:{m.state.describe()}",
+                         out=_scratch(m.group.flat_param.data, m.group.padded_numel))
             session.gathered[id(m.group)] = None
         del state_dict[key]
         return
@@ -255,12 +268,28 @@ def _full_value(m: Managed, session: _Session) -> torch.Tensor:
     return value
 
 
-def _gather_flat(state: _FSDPState, shard: torch.Tensor, padded_numel: int, tag: str) -> torch.Tensor:
+_SCRATCH: Dict[Tuple[torch.device, torch.dtype], torch.Tensor] = {}  # rank0_only's discarded gathers
+
+
+def _scratch(like: torch.Tensor, numel: int) -> torch.Tensor:
+    """A reused buffer for all-gathers whose result is dropped (``rank0_only`` on other
+    ranks): one allocation however many handles, even while gloo's worker thread still holds
+    the previous all-gather's output. Freed when no state dict is being taken."""
+    key = (like.device, like.dtype)
+    buffer = _SCRATCH.get(key)
+    if buffer is None or buffer.numel() < numel:
+        _SCRATCH.pop(key, None)
+        buffer = _SCRATCH[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+    return buffer[:numel]
+
+
+def _gather_flat(state: _FSDPState, shard: torch.Tensor, padded_numel: int, tag: str,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The padded full flat tensor whose chunk ``rank`` is ``shard`` on each rank of the shard
-    group (``shard`` itself for a group of one)."""
+    group (``shard`` itself for a group of one), in ``out`` if given."""
     if state.world_size == 1:
         return shard
-    full = torch.empty(padded_numel, dtype=shard.dtype, device=shard.device)
+    full = torch.empty(padded_numel, dtype=shard.dtype, device=shard.device) if out is None else out
     _collectives.all_gather_into(full, shard.contiguous(), state.process_group, tag=tag).wait()
     return full
 

@@ -286,12 +286,19 @@ def test_resume_in_place(tmp_path: Any) -> None:
     run_distributed(_resume_run, 2, str(tmp_path), "FULL_SHARD", "dcp")
 
 
+@pytest.fixture(scope="module")
+def saved_at_4(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One FULL_SHARD run at 4 ranks, saved by save_checkpoint (read-only for the resumes)."""
+    path = str(tmp_path_factory.mktemp("saved_at_4"))
+    run_distributed(_save_run, 4, path, "FULL_SHARD", "library")
+    return path
+
+
 @pytest.mark.parametrize("world_size,layout", [(4, "HYBRID_SHARD"), (2, "SHARD_GRAD_OP"), (2, "NO_SHARD"), (1, "plain")])
-def test_resume_at_another_world_size_and_strategy(tmp_path: Any, world_size: int, layout: str) -> None:
+def test_resume_at_another_world_size_and_strategy(saved_at_4: str, world_size: int, layout: str) -> None:
     """Saved FULL_SHARD at 4 ranks by save_checkpoint; resumed by load_checkpoint (verified,
     safe) at 4 (hybrid 2x2), 2 (ZeRO-2, no-shard) and 1 (plain)."""
-    run_distributed(_save_run, 4, str(tmp_path), "FULL_SHARD", "library")
-    run_distributed(_resume_run, world_size, str(tmp_path), layout, "library")
+    run_distributed(_resume_run, world_size, saved_at_4, layout, "library")
 
 
 # ---------------------------------------------------------------------------- strict loading
@@ -385,9 +392,10 @@ def _peak_bytes(fn: Callable[[], Any], model: nn.Module) -> int:
 def _memory(path: str) -> None:
     """New storages during a sharded save and load stay within the rank's sharded size plus
     one handle's unsharded size (DCP's writer copies the rank's items before writing); a
-    rank0_only full save allocates at most one handle's full size on the other ranks, and the
-    output plus a handle's full size (two, when gloo's worker thread lets go of a finished
-    all-gather's buffer a moment late) on rank 0. Measured (W=2, six Linear(64, 64) handles of
+    rank0_only full save allocates at most one handle's full size on the other ranks (one
+    reused buffer: gloo's worker thread may let go of a finished all-gather's output a moment
+    late; a fresh buffer per handle measured 33280 B once in CI), and the output plus a
+    handle's full size (two, for that reason) on rank 0. Measured (W=2, six Linear(64, 64) handles of
     16640 B, model 99840 B): save 11637 / 49152 B, load 9670 / 2624 B, full rank0_only
     116480-133120 / 16640 B on ranks 0 / 1."""
     torch.manual_seed(0)
