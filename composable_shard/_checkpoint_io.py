@@ -52,6 +52,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
+from . import _collectives
 from ._optim_state_dict import get_optimizer_state_dict, param_groups_by_fqn, set_optimizer_state_dict
 from ._state_dict import get_model_state_dict, set_model_state_dict
 
@@ -155,22 +156,19 @@ def _from_rank0(message: str) -> str:
         return message
     data = torch.tensor(list(message.encode()), dtype=torch.uint8)
     size = torch.tensor([data.numel()], dtype=torch.int64)
-    dist.broadcast(size, src=0)
+    _collectives.broadcast(size, 0, None, tag="checkpoint_message_size")
     buffer = data if _rank() == 0 else torch.empty(int(size.item()), dtype=torch.uint8)
     if buffer.numel():
-        dist.broadcast(buffer, src=0)
+        _collectives.broadcast(buffer, 0, None, tag="checkpoint_message")
     return bytes(buffer.tolist()).decode()
 
 
 def _agree_or_raise(error: str, api: str) -> None:
-    """Raise on every rank if any rank has an error (the lowest such rank's message)."""
+    """Raise on every rank if any rank has an error (rank 0's message, else the first failing rank's number)."""
     if _distributed():
-        failed = torch.tensor([1 if error else 0], dtype=torch.int64)
-        everyone = [torch.zeros_like(failed) for _ in range(dist.get_world_size())]
-        dist.all_gather(everyone, failed)
-        first = next((r for r, f in enumerate(everyone) if int(f.item())), None)
-        if first is not None and first != 0:
-            raise RuntimeError(f"{api}: rank {first} refused the checkpoint" + (f": {error}" if error else ""))
+        failed = [r for r, (flag,) in enumerate(_collectives.exchange([1 if error else 0], None, tag=api)) if flag]
+        if failed and failed[0] != 0:
+            raise RuntimeError(f"{api}: rank {failed[0]} refused the checkpoint" + (f": {error}" if error else ""))
     _raise_from_rank0(error if _rank() == 0 else "", api)
 
 
@@ -231,10 +229,11 @@ def _verify(path: str) -> str:
         return (f"{listing} is missing or unreadable ({type(e).__name__}: {e}); not a checkpoint that "
                 "save_checkpoint published, or a damaged one")
     present = _files(path)
-    for name in sorted(set(expected) - set(present)):
-        return f"{os.path.join(path, name)} is missing (listed in {CHECKSUMS})"
-    for name in sorted(set(present) - set(expected)):
-        return f"{os.path.join(path, name)} is not part of the checkpoint (not listed in {CHECKSUMS})"
+    missing, extra = sorted(set(expected) - set(present)), sorted(set(present) - set(expected))
+    if missing:
+        return f"{os.path.join(path, missing[0])} is missing (listed in {CHECKSUMS})"
+    if extra:
+        return f"{os.path.join(path, extra[0])} is not part of the checkpoint (not listed in {CHECKSUMS})"
     for name in sorted(expected):
         if os.path.basename(name) != name:
             return f"{listing} lists {name!r}, which is not a file of the checkpoint directory"
@@ -321,11 +320,10 @@ def latest_checkpoint(root: str) -> Optional[Tuple[int, str]]:
     """
     found = ""
     if _rank() == 0 and os.path.isdir(root):
-        steps = [int(m.group(1)) for m in map(_STEP_DIR.fullmatch, os.listdir(root)) if m]
+        steps = {int(m.group(1)): name for name in os.listdir(root) if (m := _STEP_DIR.fullmatch(name))}
         if steps:
             step = max(steps)
-            found = f"{step}\n" + next(os.path.join(os.path.abspath(root), name) for name in os.listdir(root)
-                                       if (m := _STEP_DIR.fullmatch(name)) and int(m.group(1)) == step)
+            found = f"{step}\n{os.path.join(os.path.abspath(root), steps[step])}"
     found = _from_rank0(found)
     if not found:
         return None

@@ -35,13 +35,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import _collectives
-from ._common_utils import HandleTrainingState, _FSDPState
+from ._common_utils import _FSDPState
 from ._flat_param import FlatGroup
-from ._runtime_utils import recover_interrupted_backward
 from ._shard_math import param_offsets
 from ._sharded_tensor import ShardedSlice
-from ._torch_compat import is_in_backward
 from ._traversal_utils import _get_fsdp_states
+from ._unshard_params import check_between_steps
 from .api import FullStateDictConfig, ShardedStateDictConfig, StateDictType
 
 __all__ = ["state_dict_type", "get_model_state_dict", "set_model_state_dict", "register_state_dict_hooks",
@@ -177,20 +176,6 @@ def _config(state: _FSDPState) -> Tuple[StateDictType, Any]:
 
 
 # ---------------------------------------------------------------------------- saving
-def _check_idle(state: _FSDPState, what: str) -> None:
-    """State dicts are taken between steps: finish a backward that raised, refuse otherwise."""
-    root = state.root
-    if root is not None:
-        if root.forward_in_progress or (root.final_callback_queued and is_in_backward()):
-            raise RuntimeError(f"{state.describe()}: {what} cannot run during forward or backward; call it between steps.")
-        if root.final_callback_queued:
-            recover_interrupted_backward(root)
-    handle = state.handle
-    if handle is not None and handle.training_state is not HandleTrainingState.IDLE:
-        raise RuntimeError(f"{state.describe()}: {what} cannot run during forward/backward or inside unshard_params "
-                           f"(handle state {handle.training_state.name}); call it between steps.")
-
-
 def _pre_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
     global _DEPTH
     if not prefix:  # an outermost call: forget what a call that raised may have left
@@ -201,7 +186,7 @@ def _pre_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
     state = module.__dict__.get(_OWNER_KEY)
     if state is None or state.handle is None:
         return
-    _check_idle(state, "state_dict()")
+    check_between_steps([state], "state_dict()")
     if _config(state)[0] is StateDictType.FULL_STATE_DICT:
         _SESSIONS[id(state.handle)] = _Session()
 
@@ -212,12 +197,11 @@ def _post_state_dict(module: nn.Module, state_dict: Dict[str, Any], prefix: str,
     try:
         registry = managed_params(module)
         if registry:
+            check_between_steps(list({id(m.state): m.state for m in registry.values()}.values()), "state_dict()")
             once = _Session()  # for handles whose owner's state_dict() is not running
             for name, m in registry.items():
-                key = prefix + name
-                if key in state_dict:
-                    _check_idle(m.state, "state_dict()")
-                    _save_entry(state_dict, key, m, _SESSIONS.get(id(m.state.handle), once))
+                if prefix + name in state_dict:
+                    _save_entry(state_dict, prefix + name, m, _SESSIONS.get(id(m.state.handle), once))
     finally:
         state = module.__dict__.get(_OWNER_KEY)
         if state is not None and state.handle is not None:
@@ -339,11 +323,12 @@ def _full_tensor(value: torch.Tensor) -> torch.Tensor:
 
 def _pre_load_state_dict(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any,
                          strict: bool, missing_keys: List[str], unexpected_keys: List[str], error_msgs: List[str]) -> None:
-    for name, m in managed_params(module).items():
+    registry = managed_params(module)
+    check_between_steps(list({id(m.state): m.state for m in registry.values()}.values()), "load_state_dict()")
+    for name, m in registry.items():
         key = prefix + name
         if key not in state_dict:
             continue
-        _check_idle(m.state, "load_state_dict()")
         try:
             state_dict[key] = local_slice(m, key, state_dict[key])
         except ValueError as e:

@@ -28,7 +28,7 @@ from ._validation import check_bool
 from ._traversal_utils import _get_fsdp_states
 from .contract import _get_module_state
 
-__all__ = ["unshard_params"]
+__all__ = ["unshard_params", "check_between_steps"]
 
 
 @dataclass
@@ -70,7 +70,7 @@ def unshard_params(module: nn.Module, *, recurse: bool = True, writeback: bool =
         raise NotImplementedError("unshard_params(writeback=True, rank0_only=True) is not supported: ranks other "
                                   "than 0 have no full parameters to write back. Use writeback=False with rank0_only.")
     states = _selected_states(module, recurse)
-    _check_idle(states)
+    check_between_steps(states)
     summoned: List[_Summoned] = []
     for s in states:
         s.training_state = TrainingState.SUMMON_FULL_PARAMS
@@ -97,20 +97,21 @@ def _check_arguments(module: nn.Module, **flags: bool) -> None:
         check_bool("unshard_params", name, value)
 
 
-def _check_idle(states: List[_FSDPState]) -> None:
-    """Refuse to run during a forward or backward, or nested; finish off a backward that
-    raised (its end-of-backward step never ran), so any state between steps is accepted."""
+def check_between_steps(states: List[_FSDPState], what: str = "unshard_params/summon_full_params") -> None:
+    """Refuse to run ``what`` during a forward or backward, or nested in ``unshard_params``;
+    finish off a backward that raised (its end-of-backward step never ran), so any state
+    between steps is accepted."""
     roots = {id(s.root): s.root for s in states if s.root is not None}
     for root in roots.values():
         if root.forward_in_progress or (root.final_callback_queued and is_in_backward()):
-            raise RuntimeError(f"{root.describe()}: unshard_params/summon_full_params cannot be used during forward "
+            raise RuntimeError(f"{root.describe()}: {what} cannot be used during forward "
                                "or backward; call it between steps.")
         if root.final_callback_queued:
             recover_interrupted_backward(root)
     for s in states:
         handle_state = s.handle.training_state if s.handle is not None else HandleTrainingState.IDLE
         if s.training_state is TrainingState.SUMMON_FULL_PARAMS or handle_state is not HandleTrainingState.IDLE:
-            raise RuntimeError(f"{s.describe()}: unshard_params/summon_full_params cannot be used during forward/backward "
+            raise RuntimeError(f"{s.describe()}: {what} cannot be used during forward/backward "
                                f"or nested on the same module (handle state {handle_state.name}); call it between steps.")
 
 
