@@ -19,6 +19,14 @@ buffer that all-gathers write into and the module computes on.
 * When the shard group has one rank and no dtype cast is needed, the unsharded buffer *is* the
   shard (no all-gather, nothing freed).
 
+[Note: Views made in backward]
+The pre-backward hook installs the views again, and autograd runs hooks with grad mode off.
+A view made with grad mode off reports ``requires_grad=True`` but is cut from its base:
+operations on it neither save what a weight gradient needs nor route a gradient to the flat
+buffer. Activation checkpointing recomputes the forward on exactly these views, so the views
+are always made with grad mode on: a reentrant recomputation then sends its gradients into
+the flat buffer, and a non-reentrant one saves the same tensors as the original forward.
+
 [Note: Gradients follow the user]
 * After a synced backward each original parameter's ``.grad`` is a view of the group's sharded
   gradient (``None`` for a parameter that requires no grad or got no gradient on any rank).
@@ -201,6 +209,7 @@ class FlatParamHandle:
         self.index: int = -1  # position in the root's handles (set at lazy init; names it across ranks)
         self.before_unsharded_grad: Optional[Callable[[], None]] = None  # set by the runtime, see _SplitBackwardHook
         self.recomputes_in_backward: bool = False  # its forward runs again in backward (activation checkpointing)
+        self.states_before_recompute: List[HandleTrainingState] = []  # pushed per recomputed forward in progress
         self.state: Optional[Any] = None  # the owning _FSDPState (set by fully_shard; for unshard())
         self._build(params, module, module_fqn, param_dtype)
 
@@ -334,9 +343,10 @@ class FlatParamHandle:
         ``group.used`` (a parameter no backward reached keeps ``.grad = None``)."""
         for group in self.groups:
             fp = group.flat_param
-            pieces = torch.split(group.padded_unsharded_flat, group.split_sizes)
-            views = [piece.view(shape) if trainable else piece.detach().view(shape)
-                     for piece, shape, trainable in zip(pieces, fp._shapes, group.requires_grad_mask)]
+            with torch.enable_grad():  # see [Note: Views made in backward]
+                pieces = torch.split(group.padded_unsharded_flat, group.split_sizes)
+                views = [piece.view(shape) if trainable else piece.detach().view(shape)
+                         for piece, shape, trainable in zip(pieces, fp._shapes, group.requires_grad_mask)]
             for view, info in zip(views, fp._param_infos):
                 set_module_tensor(info.module, info.param_name, view)
             for sinfo in fp._shared_param_infos:

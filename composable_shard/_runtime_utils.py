@@ -21,9 +21,23 @@ since (see ``_watch.py``); a forward with no backward to follow frees them at on
   forward pre-hooks:  fully_shard (registered with prepend=True) -> checkpoint -> others
   forward post-hooks: checkpoint (prepend=True) -> others -> fully_shard (appended, always_call)
 So parameters are unsharded before checkpoint starts hiding activations, and checkpoint has
-stopped before fully_shard reshards, in either application order. Recomputation in backward
-calls ``module.forward`` directly: fully_shard's hooks do not run again, and the pre-backward
-hook (on the forward outputs) has already unsharded the parameters and reinstalled views.
+stopped before fully_shard reshards, in either application order. The library's checkpoint
+recomputes by calling ``module.forward`` directly: fully_shard's hooks do not run again, and the
+pre-backward hook (on the forward outputs) has already unsharded the parameters and reinstalled
+views (made with grad mode on, see [Note: Views made in backward] in ``_flat_param.py``).
+
+[Note: Recomputation in backward]  ``torch.utils.checkpoint`` around a module's ``__call__``
+(what older ``transformers`` layers do), or around a parent whose children are fully sharded,
+runs fully_shard's forward hooks again inside the backward. A forward while this root's backward
+runs is such a recomputation: its pre-hook pushes the handle's state (IDLE, BACKWARD_PRE or
+BACKWARD_POST), unshards (gathering again only if the storage was freed) and installs views;
+its post-hook pops the state and keeps the storage, because the recomputed tensors are views of
+it and the handle's backward still needs them. Exec order, prefetch, the root's iteration
+state and the reshard-after-forward are untouched, so post-backward still counts one gradient
+arrival per group: a non-reentrant recomputation's graph is never differentiated (the original
+forward's views carry the gradient), and a reentrant one's is the only graph through the
+handle. The post-hook also runs when ``torch.utils.checkpoint`` stops the recomputation early
+with an exception; it then does the same.
 Both post-hooks run even when the forward raised (``always_call``): fully_shard then puts its
 handle back to IDLE, and the root puts every handle back, so nothing of a failed forward stays.
 
@@ -233,6 +247,11 @@ def _pre_forward(state: _FSDPState, module: nn.Module, args: Tuple[Any, ...], kw
     """Pre: handle IDLE (its storage possibly kept). Post: handle FORWARD, unsharded views in
     place, next handle's all-gather issued when forward prefetch is on."""
     lazy_init(state)
+    if _recomputing(state):
+        return _pre_recompute(state, args, kwargs)
+    if state.training_state is TrainingState.SUMMON_FULL_PARAMS:
+        _check_forward_on_full_params(state)
+        return args, kwargs
     if state.is_root:
         args, kwargs = _root_pre_forward(state, args, kwargs)
     args, kwargs = _cast_inputs(state, args, kwargs)
@@ -313,9 +332,6 @@ def _cast_inputs(state: _FSDPState, args: Tuple[Any, ...], kwargs: Dict[str, Any
 
 def _record_exec_order(state: _FSDPState, handle: FlatParamHandle) -> None:
     root = _root_of(state)
-    if root.final_callback_queued:
-        handle.recomputes_in_backward = True  # a forward during backward is activation recomputation
-        return
     if not root.exec_order_recorded:
         if handle.exec_index is None:
             handle.exec_index = len(root.exec_order)
@@ -339,6 +355,10 @@ def _post_forward(state: _FSDPState, module: nn.Module, args: Tuple[Any, ...], o
     """Pre: handle FORWARD. Post: handle IDLE, resharded unless a backward will need it next
     (SHARD_GRAD_OP, NO_SHARD, the root), pre-backward hooks on the outputs. Also runs when the
     forward raised (``always_call``): then everything of this forward is undone."""
+    if _recomputing(state):
+        return _post_recompute(state, output)
+    if state.training_state is TrainingState.SUMMON_FULL_PARAMS:
+        return output  # a forward inside unshard_params: plain computation, see _check_forward_on_full_params
     if output is None and sys.exc_info()[1] is not None:
         _abort_forward(state)
         return None
@@ -370,9 +390,79 @@ def _post_forward(state: _FSDPState, module: nn.Module, args: Tuple[Any, ...], o
 
 def _record_post_forward_order(state: _FSDPState, handle: FlatParamHandle) -> None:
     root = _root_of(state)
-    if not root.exec_order_recorded and not root.final_callback_queued and handle.post_forward_index is None:
+    if not root.exec_order_recorded and handle.post_forward_index is None:
         handle.post_forward_index = len(root.post_forward_order)
         root.post_forward_order.append(handle)
+
+
+def _check_forward_on_full_params(state: _FSDPState) -> None:
+    """A forward inside ``unshard_params`` (e.g. ``model.generate()``) computes plainly on the
+    full parameters the context exposes, with no hook doing anything, provided no gradient can
+    be asked for (it would land on the full parameters and be dropped on exit) and the whole
+    tree is unsharded (a handle left out would run its runtime without its root's)."""
+    root = _root_of(state)
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{state.describe()}: forward with grad enabled inside unshard_params/summon_full_params: gradients "
+            "would reach the temporary full parameters, not the shards. Run it under torch.no_grad() (generate() "
+            "does), or call forward outside the context.")
+    left_out = [s.describe() for s in root.all_states if s.training_state is not TrainingState.SUMMON_FULL_PARAMS]
+    if left_out:
+        raise RuntimeError(
+            f"{state.describe()}: forward inside unshard_params, but {left_out[:3]} are not unsharded by it; "
+            "use unshard_params(root_module) with recurse=True (the default) around the forward.")
+
+
+# ---------------------------------------------------------------------------- recomputation
+def _recomputing(state: _FSDPState) -> bool:
+    """Is this forward running inside a backward of this root? Then it is activation
+    checkpointing recomputing it (see [Note: Recomputation in backward])."""
+    root = state.root
+    return root is not None and root.final_callback_queued and is_in_backward()
+
+
+@_profiled("cs::pre_recompute")
+def _pre_recompute(state: _FSDPState, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    """Pre: a backward of this root is running. Post: the handle's previous state is pushed,
+    handle FORWARD with unsharded views (gathered again if its storage was freed). Inputs are
+    cast as in the original forward; nothing of the iteration's bookkeeping changes."""
+    args, kwargs = _cast_inputs(state, args, kwargs)
+    handle = state.handle
+    if handle is None:
+        return args, kwargs
+    _collectives.trace("pre_recompute", handle.fqn)
+    handle.recomputes_in_backward = True
+    handle.states_before_recompute.append(handle.training_state)
+    handle.training_state = HandleTrainingState.FORWARD
+    wait_unshard(state, handle)
+    return args, kwargs
+
+
+@_profiled("cs::post_recompute")
+def _post_recompute(state: _FSDPState, output: Any) -> Any:
+    """Pre: :func:`_pre_recompute` ran for this forward (which may have been stopped early by
+    an exception: ``torch.utils.checkpoint`` stops recomputing once it has what it needs).
+    Post: the handle's previous state is back and its unsharded storage kept, since the
+    recomputed tensors are views of it and its backward follows; a handle whose backward had
+    not started gets pre-backward hooks on the outputs (a reentrant checkpoint differentiates
+    the recomputation itself)."""
+    handle = state.handle
+    if handle is None:
+        return output
+    _collectives.trace("post_recompute", handle.fqn)
+    assert_internal(bool(handle.states_before_recompute) and handle.training_state is HandleTrainingState.FORWARD,
+                    f"handle of {handle.fqn!r}: post-forward of a recomputation without its pre-forward")
+    handle.training_state = handle.states_before_recompute.pop()
+    if handle.training_state is HandleTrainingState.IDLE and output is not None and torch.is_grad_enabled():
+        hook = functools.partial(_pre_backward_hook, state, handle)
+        try:
+            tensors = tensors_in(output, f"{state.describe()} (recomputed)")
+        except TypeError:
+            tensors = []  # an output we cannot traverse: its backward unshards when its turn comes
+        for tensor in tensors:
+            if tensor.requires_grad:
+                tensor.register_hook(hook)
+    return output
 
 
 def _abort_forward(state: _FSDPState) -> None:
@@ -484,6 +574,7 @@ def _reset_after_backward(root: _FSDPState) -> None:
             if h.is_unsharded or not h.unsharded_storage_freed():
                 reshard_handle(s, h, free=frees_after_backward(s))
             h.training_state = HandleTrainingState.IDLE
+            h.states_before_recompute.clear()
             h.needs_pre_backward = True
             for g in h.groups:
                 g.grad_ready = False

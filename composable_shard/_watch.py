@@ -34,6 +34,8 @@ from torch.nn.modules.module import (register_module_module_registration_hook,
                                      register_module_parameter_registration_hook)
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from .contract import _get_registry
+
 if TYPE_CHECKING:
     from ._common_utils import _FSDPState
 
@@ -119,15 +121,20 @@ def _on_module(module: nn.Module, name: str, submodule: Any) -> None:
 
 
 def _untracked_params(submodule: nn.Module) -> List[str]:
-    """Parameters of ``submodule``'s subtree held by modules no handle owns."""
+    """Parameters of ``submodule``'s subtree held by modules no handle owns and no
+    ``replicate`` manages (a replicated block moved under a checkpoint wrapper still trains)."""
     found: List[str] = []
     seen: Set[int] = set()
-    for sub_name, sub in submodule.named_modules():
-        if sub in _tracked or id(sub) in seen:
+    stack = [("", submodule)]
+    while stack:
+        sub_name, sub = stack.pop()
+        if id(sub) in seen or "replicate" in (_get_registry(sub) or {}):
             continue
         seen.add(id(sub))
-        found.extend(f"{sub_name}.{n}" if sub_name else n for n, p in sub.named_parameters(recurse=False)
-                     if p is not None)
+        if sub not in _tracked:
+            found.extend(f"{sub_name}.{n}" if sub_name else n for n, p in sub.named_parameters(recurse=False)
+                         if p is not None)
+        stack.extend((f"{sub_name}.{n}" if sub_name else n, c) for n, c in reversed(list(sub.named_children())))
     return found
 
 

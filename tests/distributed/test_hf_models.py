@@ -11,6 +11,7 @@ extra; the README's test command (and CI) install it.
 
 from __future__ import annotations
 
+import functools
 import shutil
 import tempfile
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -21,7 +22,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
-from composable_shard import (ModuleWrapPolicy, ShardingStrategy, fully_shard, get_model_state_dict,
+from composable_shard import (MixedPrecision, ModuleWrapPolicy, ShardingStrategy, checkpoint, fully_shard,
+                              get_model_state_dict,
                               get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict, unshard_params)
 from composable_shard._collectives import record_collectives
 from composable_shard._traversal_utils import _get_fsdp_handles
@@ -38,23 +40,36 @@ def _config(kind: str, layers: int = 2) -> Any:
         return transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=layers, n_head=4,
                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
                                        eos_token_id=0)
-    return transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                                    tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+    if kind == "bert":
+        return transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                       num_attention_heads=4, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
+                                       attention_probs_dropout_prob=0.0)
+    config_cls = transformers.Qwen2Config if kind == "qwen2" else transformers.LlamaConfig
+    return config_cls(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                      tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+
+
+def _model_class(kind: str) -> Any:
+    return {"gpt2": transformers.GPT2LMHeadModel, "llama": transformers.LlamaForCausalLM,
+            "qwen2": transformers.Qwen2ForCausalLM, "bert": transformers.BertForMaskedLM}[kind]
 
 
 def _build(kind: str, layers: int = 2) -> nn.Module:
     torch.manual_seed(0)
-    cls = transformers.GPT2LMHeadModel if kind == "gpt2" else transformers.LlamaForCausalLM
-    return cls(_config(kind, layers))
+    return _model_class(kind)(_config(kind, layers))
 
 
 def _blocks(model: nn.Module) -> nn.ModuleList:
-    return model.transformer.h if hasattr(model, "transformer") else model.model.layers
+    if hasattr(model, "transformer"):
+        return model.transformer.h
+    return model.bert.encoder.layer if hasattr(model, "bert") else model.model.layers
 
 
 def _embedding(model: nn.Module) -> nn.Embedding:
-    return model.transformer.wte if hasattr(model, "transformer") else model.model.embed_tokens
+    if hasattr(model, "transformer"):
+        return model.transformer.wte
+    return model.bert.embeddings.word_embeddings if hasattr(model, "bert") else model.model.embed_tokens
 
 
 def _shard(model: nn.Module, how: str, **kwargs: Any) -> nn.Module:
@@ -294,7 +309,113 @@ def _checkpoint(kind: str) -> None:
         shutil.rmtree(path[0])
 
 
+# ---------------------------------------------------------------------------- activation checkpointing
+_AC_WAYS = ["hf_nonreentrant_before", "hf_nonreentrant_after", "hf_reentrant_before", "hf_reentrant_after", "library"]
+
+
+def _apply_ac(model: nn.Module, way: str, how: str, **shard_kwargs: Any) -> nn.Module:
+    """``gradient_checkpointing_enable()`` (either reentrant setting) before or after sharding,
+    or the library's ``checkpoint`` per block, then sharded ``how``."""
+    if way.startswith("hf"):
+        enable = functools.partial(model.gradient_checkpointing_enable,
+                                   gradient_checkpointing_kwargs={"use_reentrant": "_reentrant" in way})
+        if way.endswith("before"):
+            enable()
+        _shard(model, how, **shard_kwargs)
+        if way.endswith("after"):
+            enable()
+        return model
+    for block in _blocks(model):
+        checkpoint(block)
+    return _shard(model, how, **shard_kwargs)
+
+
+def _count_block_forwards(model: nn.Module) -> List[int]:
+    """Calls of each block's first submodule's forward (inside the checkpointed region)."""
+    counts = [0]
+    first = next(iter(_blocks(model)[0].children()))
+    first.register_forward_pre_hook(lambda *_: counts.__setitem__(0, counts[0] + 1))
+    return counts
+
+
+def _activation_checkpointing(kind: str, way: str) -> None:
+    """fp32: every gradient of every step and the parameters equal local training without
+    checkpointing, and the block's forward did run again in backward."""
+    how = "policy" if _AC_WAYS.index(way) % 2 else "manual"
+    model, reference = _apply_ac(_build(kind), way, how), _build(kind)
+    model_calls, reference_calls = _count_block_forwards(model), _count_block_forwards(reference)
+    _train(model, reference, 3, f"[{kind}/{way}/{how}]")
+    assert model_calls[0] == reference_calls[0] // 2 + 3 * 2, (kind, way, model_calls, reference_calls)
+
+
+def _bf16_against_fsdp2(kind: str, way: str) -> None:
+    """bf16 mixed precision with activation checkpointing: 5 AdamW steps give torch FSDP2's
+    losses and parameters (FSDP2 without checkpointing: recomputation must change nothing)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    rank = dist.get_rank()
+    mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = _apply_ac(_build(kind), way, "policy", mixed_precision=mp)
+    reference = _build(kind)
+    torch_mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in _blocks(reference):
+        torch_fully_shard(block, mp_policy=torch_mp)
+    torch_fully_shard(reference, mp_policy=torch_mp)
+    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference)]
+    for step in range(5):
+        rows = _ids(step)[rank * ROWS:(rank + 1) * ROWS]
+        losses = [m(input_ids=rows, labels=rows).loss for m in (model, reference)]
+        for loss in losses:
+            loss.backward()
+        assert abs(losses[0].item() - losses[1].item()) <= 1e-5, (kind, way, step, [x.item() for x in losses])
+        for optim in optims:
+            optim.step()
+            optim.zero_grad()
+    with unshard_params(model):
+        actual = [p.detach().clone() for p in model.parameters()]
+    expected = [p.full_tensor() for p in reference.parameters()]
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        assert (a - e).abs().max().item() <= 1e-5, (kind, way, i)
+
+
+def _generate_and_export(kind: str) -> None:
+    """generate() on the sharded model (plainly and under unshard_params) gives the plain
+    model's tokens; the full state dict, saved with save_pretrained, loads with
+    from_pretrained into a plain model equal to the sharded one."""
+    model, plain = _shard(_build(kind), "policy"), _build(kind)
+    prompt = _ids(0)[:1, :4]
+    kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    expected = plain.generate(prompt, **kwargs)
+    assert torch.equal(model.generate(prompt, **kwargs), expected), kind
+    with unshard_params(model):
+        assert torch.equal(model.generate(prompt, **kwargs), expected), kind
+        try:
+            model(input_ids=prompt)
+        except RuntimeError as e:
+            assert "torch.no_grad" in str(e), e
+        else:
+            raise AssertionError("a forward with grad inside unshard_params must raise")
+    full = get_model_state_dict(model)
+    path = [tempfile.mkdtemp(prefix="cs_hf_export_") if dist.get_rank() == 0 else ""]
+    dist.broadcast_object_list(path)
+    if dist.get_rank() == 0:
+        plain.save_pretrained(path[0], state_dict=full)
+    dist.barrier()
+    loaded = _model_class(kind).from_pretrained(path[0])
+    with unshard_params(model):
+        for (name, p), (_, q) in zip(model.named_parameters(), loaded.named_parameters()):
+            assert torch.equal(p, q), (kind, name)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path[0])
+
+
 _SCENARIOS: Dict[str, Callable[[], None]] = {
+    "activation_checkpointing": lambda: (
+        run_subtests(_activation_checkpointing, {"kind": ["gpt2", "llama", "qwen2", "bert"], "way": _AC_WAYS}),
+        run_subtests(_bf16_against_fsdp2, {"kind": ["gpt2", "llama"], "way": ["hf_nonreentrant_after", "library"]}),
+        run_subtests(_generate_and_export, {"kind": ["gpt2", "llama"]})),
     "training": lambda: run_subtests(_training, {"kind": ["gpt2", "llama"], "how": ["manual", "policy"],
                                                  "strategy": [ShardingStrategy.FULL_SHARD,
                                                               ShardingStrategy.SHARD_GRAD_OP]}),
