@@ -2,6 +2,7 @@
 
     python benchmarks/run.py --world-size 2 [--blocks 4] [--steps 10] [--warmup 3]
                              [--contenders local,ddp,torch_fsdp1,torch_fsdp2,fully_shard,replicate]
+                             [--checkpoint] [--compile aot_eager|inductor]
                              [--json PATH] [--profile fully_shard,torch_fsdp2]
 
 [Note: Protocol]
@@ -105,10 +106,25 @@ def import_replicate() -> Tuple[Optional[Callable[..., Any]], str]:
     return rep, ""
 
 
-def build_contender(name: str, blocks: int, world_size: int, mesh: Any) -> Contender:
+def _activation_checkpointing(name: str, model: nn.Module) -> None:
+    """``--checkpoint``: every block recomputes its activations in backward. Ours use the
+    library's ``checkpoint``; torch's contenders torch's composable ``checkpoint`` (the same
+    hook-based, non-reentrant design), applied before the data-parallel API."""
+    if name in OURS:
+        from composable_shard import checkpoint
+    else:
+        from torch.distributed._composable import checkpoint  # type: ignore[no-redef]  # torch's, for its contenders
+    for block in model.blocks:
+        checkpoint(block)
+
+
+def build_contender(name: str, blocks: int, world_size: int, mesh: Any, activation_checkpointing: bool = False,
+                    compile_backend: str = "") -> Contender:
     torch.manual_seed(INIT_SEED)
     model = GPT(blocks=blocks)
     module: nn.Module = model
+    if activation_checkpointing:
+        _activation_checkpointing(name, model)
     if name == "local":
         pass
     elif name == "ddp":
@@ -136,6 +152,9 @@ def build_contender(name: str, blocks: int, world_size: int, mesh: Any) -> Conte
         rep(model)
     else:
         raise ValueError(f"unknown contender {name!r}; choose from {ALL_CONTENDERS}")
+    if compile_backend:  # --compile: each block's forward compiled after the API is applied
+        for block in model.blocks:
+            block.compile(backend=compile_backend)
     optim = torch.optim.AdamW(module.parameters(), lr=1e-3)
     return Contender(name, module, model, optim)
 
@@ -249,7 +268,7 @@ def _worker(rank: int, W: int, args: argparse.Namespace, names: List[str]) -> No
         mesh = init_device_mesh("cpu", (W,))
     load_start = list(os.getloadavg())
     t_build = time.perf_counter()
-    cs = [build_contender(n, args.blocks, W, mesh) for n in names]
+    cs = [build_contender(n, args.blocks, W, mesh, args.checkpoint, args.compile) for n in names]
     t_build = time.perf_counter() - t_build
     for c in cs:
         c.info["param_bytes"] = param_bytes(c)
@@ -355,7 +374,9 @@ def report(args: argparse.Namespace, cs: List[Contender], losses: Dict[str, List
            timing: Dict[str, Any]) -> Dict[str, Any]:
     W = args.world_size
     med = {c.name: _median(c.times["step"]) for c in cs}
-    print(f"\nworkload: GPT blocks={args.blocks} width=256 vocab={VOCAB} seq={SEQ} batch={args.batch}/rank, "
+    variant = "".join([", activation checkpointing per block" if args.checkpoint else "",
+                       f", torch.compile per block ({args.compile})" if args.compile else ""])
+    print(f"\nworkload: GPT blocks={args.blocks}{variant} width=256 vocab={VOCAB} seq={SEQ} batch={args.batch}/rank, "
           f"W={W} gloo, {args.warmup} warm-up + {args.steps} timed rounds (contenders alternate), "
           f"torch {torch.__version__}, local on {args.local_on}")
     timing["loadavg_end"] = list(os.getloadavg())
@@ -460,6 +481,7 @@ def report(args: argparse.Namespace, cs: List[Contender], losses: Dict[str, List
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__, "world_size": W,
         "blocks": args.blocks, "batch_per_rank": args.batch, "seq": SEQ, "warmup": args.warmup,
+        "activation_checkpointing": args.checkpoint, "compile": args.compile,
         "steps": args.steps, "local_on": args.local_on, "timing_s": timing, "contenders": rows,
         "ratios": ratios, "loss_mismatch": mismatch, "skipped": args.skipped,
     }
@@ -483,6 +505,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="comma- or space-separated subset of " + ",".join(ALL_CONTENDERS))
     p.add_argument("--local-on", choices=("all", "rank0"), default="all",
                    help="run `local` on every rank at once (default) or on rank 0 only")
+    p.add_argument("--checkpoint", action="store_true",
+                   help="activation checkpointing on every block, for every contender")
+    p.add_argument("--compile", default="", metavar="BACKEND",
+                   help="torch.compile every block after the API is applied (e.g. aot_eager, inductor); "
+                        "torch_fsdp1 is left out (its blocks are wrappers)")
     p.add_argument("--json", default="", help="also write the results to this path")
     p.add_argument("--profile", default="", help="comma-separated contenders to profile after the report")
     p.add_argument("--profile-steps", type=int, default=3)
@@ -503,6 +530,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     if unknown:
         raise SystemExit(f"unknown contenders {unknown}; choose from {ALL_CONTENDERS}")
     args.skipped = {}
+    if args.compile and "torch_fsdp1" in names:
+        print("NOTE: skipping contender 'torch_fsdp1' with --compile (its blocks are FSDP wrappers)")
+        args.skipped["torch_fsdp1"] = "--compile"
+        names.remove("torch_fsdp1")
     if "replicate" in names:
         rep, why = import_replicate()
         if rep is None:

@@ -601,9 +601,14 @@ def recover_interrupted_backward(root: _FSDPState) -> None:
 def register_runtime_hooks(state: _FSDPState, module: nn.Module) -> None:
     """Forward pre-hook first of all pre-hooks, forward post-hook appended (and run even if
     forward raises), one post-accumulate-grad hook per trainable group (see [Note: Hook
-    order]), and the module's parameters tracked for changes (see ``_watch.py``)."""
-    module.register_forward_pre_hook(functools.partial(_pre_forward, state), prepend=True, with_kwargs=True)
-    module.register_forward_hook(functools.partial(_post_forward, state), always_call=True)
+    order]), and the module's parameters tracked for changes (see ``_watch.py``).
+
+    The forward hooks are excluded from ``torch.compile`` (``torch.compiler.disable``): a
+    compiled block (``block.compile()``) runs them eagerly around its compiled forward, so
+    dynamo never guards on the per-step bookkeeping they change, and a block compiles once."""
+    module.register_forward_pre_hook(torch.compiler.disable(functools.partial(_pre_forward, state)), prepend=True,
+                                     with_kwargs=True)
+    module.register_forward_hook(torch.compiler.disable(functools.partial(_post_forward, state)), always_call=True)
     handle = state.handle
     if handle is not None:
         for group in handle.groups:

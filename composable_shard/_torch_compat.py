@@ -13,6 +13,10 @@ versions checked (2.6, 2.11, 2.13).
   present unchanged in 2.6 through 2.13, used by torch's own ``register_multi_grad_hook``) does.
 * ``tensor_version``: the in-place version counter (``Tensor._version``) is the only way to
   notice that a parameter was edited in place; there is no public accessor (2.6 through 2.13).
+* ``is_compiled_module``: activation checkpointing must recompute a ``module.compile()``-d
+  module through its compiled call, since the compiled graph saves other tensors than eager
+  ``forward``. ``nn.Module.compile`` keeps the compiled call in ``module._compiled_call_impl``
+  (None otherwise; unchanged in 2.6 through 2.13); no public accessor says whether it is set.
 * ``make_wrapper_tensor``: the sharded state dict's values report a parameter's global shape
   while holding only this rank's elements (``_sharded_tensor.ShardedSlice``). A tensor whose
   metadata differs from its storage can only be made with ``torch.Tensor._make_wrapper_subclass``
@@ -25,7 +29,8 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["queue_backward_callback", "set_module_tensor", "is_in_backward", "tensor_version", "make_wrapper_tensor"]
+__all__ = ["queue_backward_callback", "set_module_tensor", "is_in_backward", "tensor_version", "make_wrapper_tensor",
+           "is_compiled_module"]
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:
@@ -61,3 +66,8 @@ def tensor_version(tensor: "torch.Tensor") -> int:
 def make_wrapper_tensor(cls: Any, shape: "torch.Size", dtype: "torch.dtype", device: "torch.device") -> Any:
     """A tensor of subclass ``cls`` with the given metadata and no storage of its own."""
     return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=False)
+
+
+def is_compiled_module(module: "torch.nn.Module") -> bool:
+    """True if ``module.compile()`` was called: calling the module runs the compiled graph."""
+    return getattr(module, "_compiled_call_impl", None) is not None

@@ -4,7 +4,8 @@
 pre-hook records the inputs and the RNG state and pushes a
 ``torch.autograd.graph.saved_tensors_hooks`` context whose pack hook stores an integer
 placeholder instead of each tensor autograd wants to save; the forward post-hook pops it.
-In backward, the first unpack of a placeholder re-runs ``module.forward`` on the recorded
+In backward, the first unpack of a placeholder re-runs ``module.forward`` (a compiled module: its
+compiled call, see [Note: Compiled modules]) on the recorded
 inputs (same RNG state, autocast state and grad mode), capturing the tensors it saves in the
 same order; each placeholder then returns its recomputed tensor, which is released once
 autograd has taken it. Only public autograd APIs are used.
@@ -35,6 +36,15 @@ unpacks the first placeholder. Hooks of submodules do run during recomputation. 
 hook that must stay outside ``checkpoint`` follows the same rule (pre prepended, post
 appended).
 
+[Note: Compiled modules]
+After ``module.compile()``, the original forward ran the compiled graph, whose saved tensors
+are not eager ``forward``'s (fewer or more, other shapes). The recomputation must run the same
+graph, so it calls ``module(...)`` (the compiled call) with this module's checkpoint hooks
+paused; the module's other hooks run again, as with torch's composable ``checkpoint``.
+``fully_shard``'s treat that forward as a recomputation (see [Note: Recomputation in backward]
+in ``_runtime_utils.py``) and cast inputs idempotently; a user pre-hook that changes the inputs
+would change them twice. The hooks are excluded from compilation (``torch.compiler.disable``).
+
 Known limits (as in ``torch.utils.checkpoint``): modules that update buffers in forward
 (BatchNorm running stats) update them again when recomputed, and inputs modified in place
 after the forward are recomputed with their new values.
@@ -44,12 +54,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
+from composable_shard._torch_compat import is_compiled_module
 from composable_shard._tree_utils import convert
 from composable_shard.contract import _State, contract
 
@@ -69,6 +80,8 @@ class _CheckpointState(_State):
     def __init__(self) -> None:
         # False: the hooks do nothing and the module saves its activations as usual.
         self.enable_hook: bool = True
+        # True while a frame of this module recomputes: the hooks then let the call through.
+        self.recomputing: bool = False
         # Restore the forward's CPU (and CUDA) RNG state for the recomputation.
         self.preserve_rng_state: bool = True
         # Called once per forward: (context around the forward, context around recomputation).
@@ -89,8 +102,10 @@ class _Frame:
     """One checkpointed forward call of a module, see [Note: Frames]."""
 
     def __init__(
-        self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], recompute_context: ContextManager[Any]
+        self, state: _CheckpointState, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+        recompute_context: ContextManager[Any]
     ) -> None:
+        self.state: _CheckpointState = state  # the module's checkpoint state (paused while recomputing)
         self.module: nn.Module = module  # whose forward is recomputed
         self.args: Tuple[Any, ...] = args  # positional inputs forward received
         self.kwargs: Dict[str, Any] = kwargs  # keyword inputs forward received
@@ -165,7 +180,11 @@ class _Frame:
             stack.enter_context(torch.enable_grad())
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
             stack.enter_context(self.recompute_context)
-            self.module.forward(*args, **kwargs)  # not module(...): see [Note: Hook order]
+            if is_compiled_module(self.module):  # see [Note: Compiled modules]
+                stack.enter_context(_paused(self.state))
+                self.module(*args, **kwargs)
+            else:
+                self.module.forward(*args, **kwargs)  # not module(...): see [Note: Hook order]
         self.check_recomputed(captured)
         return dict(enumerate(captured))
 
@@ -187,14 +206,24 @@ class _Frame:
                 )
 
 
+@contextlib.contextmanager
+def _paused(state: _CheckpointState) -> Iterator[None]:
+    """The module's own checkpoint hooks let its recomputation through."""
+    previous, state.recomputing = state.recomputing, True
+    try:
+        yield
+    finally:
+        state.recomputing = previous
+
+
 def _pre_forward(state: _CheckpointState, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
     """Pre: ``module`` is about to run ``forward``. Post: a frame (or None) is pushed; if a
     frame, tensors saved by ``forward`` become placeholders of it."""
-    if not state.enable_hook or not torch.is_grad_enabled():
-        state.frames.append(None)  # nothing will be saved for backward: just run
+    if not state.enable_hook or state.recomputing or not torch.is_grad_enabled():
+        state.frames.append(None)  # nothing will be saved for backward, or this is the recomputation: just run
         return
     forward_context, recompute_context = state.context_fn()
-    frame = _Frame(module, args, kwargs, recompute_context)
+    frame = _Frame(state, module, args, kwargs, recompute_context)
     frame.enter_forward(forward_context)
     state.frames.append(frame)
     if state.preserve_rng_state:
@@ -264,7 +293,9 @@ def checkpoint(
     state.preserve_rng_state = preserve_rng_state
     state.context_fn = context_fn if context_fn is not None else _default_context_fn
     state.hook_handles = [
-        module.register_forward_pre_hook(functools.partial(_pre_forward, state), with_kwargs=True),
-        module.register_forward_hook(functools.partial(_post_forward, state), prepend=True, always_call=True),
+        module.register_forward_pre_hook(torch.compiler.disable(functools.partial(_pre_forward, state)),
+                                         with_kwargs=True),
+        module.register_forward_hook(torch.compiler.disable(functools.partial(_post_forward, state)), prepend=True,
+                                     always_call=True),
     ]
     return module
