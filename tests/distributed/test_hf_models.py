@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
 from composable_shard import (MixedPrecision, ModuleWrapPolicy, ShardingStrategy, checkpoint, fully_shard,
+                              transformer_auto_wrap_policy,
                               get_model_state_dict,
                               get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict, unshard_params)
 from composable_shard._collectives import record_collectives
@@ -77,6 +78,10 @@ def _shard(model: nn.Module, how: str, **kwargs: Any) -> nn.Module:
         for block in _blocks(model):
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
+    elif how == "transformer_policy":
+        block_cls = type(_blocks(model)[0])
+        fully_shard(model, policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={block_cls}),
+                    **kwargs)
     else:
         fully_shard(model, policy=ModuleWrapPolicy({type(_blocks(model)[0])}), **kwargs)
     return model
@@ -339,13 +344,13 @@ def _count_block_forwards(model: nn.Module) -> List[int]:
 
 
 def _activation_checkpointing(kind: str, way: str) -> None:
-    """fp32: every gradient of every step and the parameters equal local training without
-    checkpointing, and the block's forward did run again in backward."""
-    how = "policy" if _AC_WAYS.index(way) % 2 else "manual"
+    """fp32, 5 steps: every gradient of every step and the final parameters equal local
+    training without checkpointing, and the block's forward did run again in backward."""
+    how = "transformer_policy" if _AC_WAYS.index(way) % 2 else "manual"
     model, reference = _apply_ac(_build(kind), way, how), _build(kind)
     model_calls, reference_calls = _count_block_forwards(model), _count_block_forwards(reference)
-    _train(model, reference, 3, f"[{kind}/{way}/{how}]")
-    assert model_calls[0] == reference_calls[0] // 2 + 3 * 2, (kind, way, model_calls, reference_calls)
+    _train(model, reference, 5, f"[{kind}/{way}/{how}]")
+    assert model_calls[0] == reference_calls[0] // 2 + 5 * 2, (kind, way, model_calls, reference_calls)
 
 
 def _bf16_against_fsdp2(kind: str, way: str) -> None:
@@ -414,7 +419,8 @@ def _generate_and_export(kind: str) -> None:
 _SCENARIOS: Dict[str, Callable[[], None]] = {
     "activation_checkpointing": lambda: (
         run_subtests(_activation_checkpointing, {"kind": ["gpt2", "llama", "qwen2", "bert"], "way": _AC_WAYS}),
-        run_subtests(_bf16_against_fsdp2, {"kind": ["gpt2", "llama"], "way": ["hf_nonreentrant_after", "library"]}),
+        run_subtests(_bf16_against_fsdp2, {"kind": ["gpt2", "llama", "qwen2", "bert"],
+                                           "way": ["hf_nonreentrant_after", "hf_reentrant_before", "library"]}),
         run_subtests(_generate_and_export, {"kind": ["gpt2", "llama"]})),
     "training": lambda: run_subtests(_training, {"kind": ["gpt2", "llama"], "how": ["manual", "policy"],
                                                  "strategy": [ShardingStrategy.FULL_SHARD,
