@@ -449,7 +449,7 @@ def report(args: argparse.Namespace, cs: List[Contender], losses: Dict[str, List
             ag = c.info["collectives"].get("all_gather", {}).get("count", 0)
             rs = c.info["collectives"].get("reduce_scatter", {}).get("count", 0)
             ar = c.info["collectives"].get("all_reduce", {}).get("count", 0)
-            first_step = {"all_gather_object", "exchange"} if args.warmup == 1 else set()
+            first_step = {"all_gather_json", "exchange"} if args.warmup == 1 else set()
             allowed = {"all_gather", "reduce_scatter", "all_reduce"} | first_step
             expect_ok = ag == eag and rs == ers and ar == ear and set(c.info["collectives"]) <= allowed
             line += (f"   [expected {eag} all_gather + {ers} reduce_scatter + {ear} all_reduce (used parameters; "

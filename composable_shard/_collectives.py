@@ -14,7 +14,7 @@ work is a real async handle.
 from __future__ import annotations
 
 import contextlib
-import pickle
+import json
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -34,7 +34,7 @@ __all__ = [
     "all_reduce",
     "broadcast",
     "exchange",
-    "all_gather_object",
+    "all_gather_json",
 ]
 
 # torch 2.13 renamed the single-tensor collectives; older versions only have the old names.
@@ -238,18 +238,21 @@ def exchange(values: List[int], group: Optional[dist.ProcessGroup], *, tag: str 
     return everyone.view(world_size, -1).cpu().tolist()  # type: ignore[no-any-return]  # list of lists of int
 
 
-def all_gather_object(obj: Any, group: Optional[dist.ProcessGroup], *, tag: str = "") -> List[Any]:
-    """Gather a picklable object from every rank of the group (synchronous; init-time and
-    error paths only).
+def all_gather_json(obj: Any, group: Optional[dist.ProcessGroup], *, tag: str = "") -> List[Any]:
+    """Every rank's ``obj`` (plain data: lists, tuples, dicts with string keys, strings,
+    numbers, booleans, None), decoded the same way for every rank including this one (tuples
+    come back as lists). Synchronous; init-time and error paths only.
 
-    Implemented with two tensor all-gathers (lengths, then padded bytes) instead of
-    ``dist.all_gather_object``, which needs numpy: the library depends on torch alone."""
+    JSON, not pickle: what a peer sends is decoded as data and can never run code here
+    (``dist.all_gather_object`` unpickles, and needs numpy). Two tensor all-gathers: lengths,
+    then padded bytes."""
     world_size = _group_size(group)
-    _report("all_gather_object", 0, world_size, tag)
+    _report("all_gather_json", 0, world_size, tag)
+    encoded = json.dumps(obj, allow_nan=False).encode("utf-8")
     if world_size == 1:
-        return [obj]
+        return [json.loads(encoded)]
     device = _object_device(group)
-    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+    payload = torch.frombuffer(bytearray(encoded), dtype=torch.uint8).to(device)
     length = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
     lengths = torch.empty(world_size, dtype=torch.int64, device=device)
     _all_gather_single(lengths, length, group=group)
@@ -259,7 +262,7 @@ def all_gather_object(obj: Any, group: Optional[dist.ProcessGroup], *, tag: str 
     everyone = torch.empty(world_size * longest, dtype=torch.uint8, device=device)
     _all_gather_single(everyone, padded, group=group)
     rows = everyone.view(world_size, longest).cpu()
-    return [pickle.loads(bytes(rows[r, : int(lengths[r])].tolist())) for r in range(world_size)]
+    return [json.loads(bytes(rows[r, : int(lengths[r])].tolist()).decode("utf-8")) for r in range(world_size)]
 
 
 def _object_device(group: Optional[dist.ProcessGroup]) -> torch.device:

@@ -113,10 +113,11 @@ def check_layout_across_ranks(root: "_FSDPState") -> None:
         everyone = _collectives.exchange(words, group, tag="lazy_init_check")
         if all(theirs == words for theirs in everyone):
             continue
-        layouts = _collectives.all_gather_object(mine, group, tag="lazy_init_check")
+        layouts = _collectives.all_gather_json(mine, group, tag="lazy_init_check")
+        decoded_mine = layouts[dist.get_rank(group)]  # decoded as the others' are (tuples as lists)
         for other_rank, theirs in enumerate(layouts):
-            if theirs != mine:
-                raise RuntimeError(_describe_mismatch(root, mine, theirs, other_rank))
+            if theirs != decoded_mine:
+                raise RuntimeError(_describe_mismatch(root, decoded_mine, theirs, other_rank))
 
 
 def _describe_mismatch(root: "_FSDPState", mine: List[Any], theirs: List[Any], other_rank: int) -> str:

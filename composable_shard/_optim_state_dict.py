@@ -169,7 +169,7 @@ def _gather_states(state: Dict[str, Dict[str, Any]], managed: Dict[str, Managed]
     local_kinds = {f: sorted((k, str(v.dtype)) for k, v in state.get(f, {}).items() if _is_sliced(v, p))
                    for f, p in zip(fqns, params) if f in managed}
     world = dist.is_available() and dist.is_initialized()
-    everyone = _collectives.all_gather_object(local_kinds, None, tag="optim_state_kinds") if world else [local_kinds]
+    everyone = _collectives.all_gather_json(local_kinds, None, tag="optim_state_kinds") if world else [local_kinds]
     kinds: Dict[str, Dict[str, str]] = {}
     for per_rank in everyone:
         for f, pairs in per_rank.items():

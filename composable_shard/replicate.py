@@ -310,7 +310,7 @@ def _check_same_on_all_ranks(module: nn.Module, skipped: Set[nn.Module], group: 
     """Ranks must hold the same states, else the init broadcast and the buckets would
     mismatch (or hang); raise the same error on every rank instead."""
     signature = [(n, tuple(t.shape), str(t.dtype), t.requires_grad) for n, t in _module_states(module, skipped)]
-    everyone = _collectives.all_gather_object(signature, group, tag="replicate::check_states")
+    everyone = _collectives.all_gather_json(signature, group, tag="replicate::check_states")
     for rank, other in enumerate(everyone):
         if other != everyone[0]:
             k = next(k for k in range(len(other) + 1) if everyone[0][k : k + 1] != other[k : k + 1])

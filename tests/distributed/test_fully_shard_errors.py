@@ -297,14 +297,27 @@ def _meta_errors() -> None:
     assert not model.inner.w.is_meta
 
 
+def _different_models_on_ranks() -> None:
+    """Rank 1 builds a wider second layer: the first forward raises on every rank, naming the
+    parameter and both shapes, before any all-gather could mismatch (the layouts are compared
+    as JSON sent between ranks: nothing a peer sends is unpickled)."""
+    torch.manual_seed(0)
+    width = 5 if dist.get_rank() == 1 else 4
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, width))
+    fully_shard(model[1])
+    fully_shard(model)
+    _expect(lambda: model(torch.randn(2, 3)), RuntimeError, "built different handles", "'weight'",
+            f"[{width}, 4] here")
+
+
 def _case(name: str) -> None:
-    {"composition": _errors, "fully_shard_arguments": _fully_shard_argument_errors,
+    {"different_models": _different_models_on_ranks, "composition": _errors, "fully_shard_arguments": _fully_shard_argument_errors,
      "other_api_arguments": _other_api_argument_errors, "non_member_group": _non_member_group,
      "meta": _meta_errors}[name]()
 
 
 def _all() -> None:
-    run_subtests(_case, {"name": ["composition", "fully_shard_arguments", "other_api_arguments", "non_member_group",
+    run_subtests(_case, {"name": ["different_models", "composition", "fully_shard_arguments", "other_api_arguments", "non_member_group",
                                   "meta"]})
 
 
