@@ -8,6 +8,7 @@ ratio of the medians. Run: ``python -m benchmarks.bench_replicate [--world-size 
 from __future__ import annotations
 
 import argparse
+import gc
 import copy
 import os
 import socket
@@ -78,6 +79,8 @@ def _rank_main(rank: int, world_size: int, port: int, num_blocks: int) -> None:
     ours_bytes = _bytes_per_step(models["replicate"], optims["replicate"], rank)
     if rank == 0:
         print(f"replicate collective bytes per step per rank: {ours_bytes}")
+    del models, optims
+    gc.collect()  # torch's FSDP2/DDP hold their groups: free them before the groups go ([Note: Process groups held weakly])
     dist.destroy_process_group()
 
 

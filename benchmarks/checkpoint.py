@@ -275,6 +275,7 @@ def worker(rank: int, args: argparse.Namespace, so_path: str, port: int, base: s
     try:
         _worker(rank, args, base, validation)
     finally:
+        gc.collect()  # torch's FSDP2/DDP hold their groups: free them before the groups go ([Note: Process groups held weakly])
         dist.destroy_process_group()
 
 
@@ -388,10 +389,13 @@ def print_ratios(cs: List[Contender], rows: Dict[str, Dict[str, Any]]) -> Dict[s
     for op in OPS:
         paired = statistics.median(a / b for a, b in zip(by_name[OURS].ms[op], by_name[THEIRS].ms[op]))
         ratios[f"{op}_time"] = {"value": ours[f"{op}_ms"]["median"] / theirs[f"{op}_ms"]["median"], "paired": paired}
-        ratios[f"{op}_extra_bytes"] = {"value": ours[f"{op}_extra_bytes"]["max"] / max(theirs[f"{op}_extra_bytes"]["max"], 1)}
-        ratios[f"{op}_alone_bytes"] = {"value": ours[f"{op}_alone_bytes"] / theirs[f"{op}_alone_bytes"]}
+        ratios[f"{op}_extra_bytes"] = {"value": ours[f"{op}_extra_bytes"]["max"] / max(theirs[f"{op}_extra_bytes"]["max"], 1),
+                                       "bytes": ours[f"{op}_extra_bytes"]["max"] - theirs[f"{op}_extra_bytes"]["max"]}
+        ratios[f"{op}_alone_bytes"] = {"value": ours[f"{op}_alone_bytes"] / theirs[f"{op}_alone_bytes"],
+                                       "bytes": ours[f"{op}_alone_bytes"] - theirs[f"{op}_alone_bytes"]}
     for key, r in ratios.items():
         paired = f"   (median of per-round ratios {r['paired']:.3f})" if "paired" in r else ""
+        paired = f"   ({r['bytes']:+,.0f} B)" if "bytes" in r else paired
         print(f"  {key:<20}{r['value']:>7.3f}   {'ok' if r['value'] <= TARGET else 'MISSES TARGET':<14}{paired}")
     return ratios
 

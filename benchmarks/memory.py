@@ -70,6 +70,7 @@ section "Memory", for the method, its validation and the figures.
 from __future__ import annotations
 
 import argparse
+import gc
 import functools
 import json
 import math
@@ -284,6 +285,7 @@ def worker(rank: int, cfg: Dict[str, Any], so_path: str, port: int, outdir: str)
             json.dump(result, f)
     finally:
         if distributed:
+            gc.collect()  # torch's FSDP2/DDP hold their groups: free them before the groups go ([Note: Process groups held weakly])
             dist.destroy_process_group()
 
 

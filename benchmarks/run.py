@@ -34,6 +34,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import cProfile
 import io
 import json
@@ -258,6 +259,7 @@ def worker(rank: int, args: argparse.Namespace, port: int, contenders: List[str]
     try:
         _worker(rank, W, args, contenders)
     finally:
+        gc.collect()  # torch's FSDP2/DDP hold their groups: free them before the groups go ([Note: Process groups held weakly])
         dist.destroy_process_group()
 
 

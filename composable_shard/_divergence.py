@@ -90,7 +90,7 @@ def _agree(root: "_FSDPState", group: Optional[dist.ProcessGroup], mine: List[in
 
 def _describe(root: "_FSDPState", values: List[int]) -> str:
     kind, index, group_index, flag = values
-    name = repr(root.all_handles[index].fqn or "<root>") if 0 <= index < len(root.all_handles) else "?"
+    name = repr(root._all_handles[index].fqn or "<root>") if 0 <= index < len(root._all_handles) else "?"
     if kind == GATHER:
         return f"all-gather of the parameters of {name}"
     if kind == REDUCE:
@@ -106,7 +106,7 @@ def check_layout_across_ranks(root: "_FSDPState") -> None:
     """Ranks that built different handles would issue mismatched collectives; compare a digest
     of every handle's names, shapes and dtypes, and on a difference describe the first one."""
     mine = [(h.fqn, [(tuple(g.flat_param._fqns), [tuple(s) for s in g.flat_param._shapes], str(g.flat_param.dtype))
-                     for g in h.groups]) for h in root.all_handles]
+                     for g in h.groups]) for h in root._all_handles]
     digest = hashlib.sha256(repr(mine).encode()).digest()
     words = [int.from_bytes(digest[i:i + 8], "little", signed=True) for i in range(0, 32, 8)]
     for group in {id(g): g for g in (root.process_group, root.replicate_group) if g is not None}.values():

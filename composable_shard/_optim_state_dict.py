@@ -152,7 +152,8 @@ def get_optimizer_state_dict(module: nn.Module, optim: torch.optim.Optimizer, *,
             for name, value in state.get(fqn, {}).items():
                 if where is not None and _is_sliced(value, p):
                     local = value.detach().reshape(-1)
-                    state[fqn][name] = ShardedSlice(local.cpu() if cpu_offload else local, where.param_range[0], where.shape)
+                    state[fqn][name] = ShardedSlice(local.cpu() if cpu_offload else local, where.param_range[0], where.shape,
+                                                    where.state.world_size)
     groups = _groups(optim, fqns)
     if rank0_only and global_rank() != 0:
         return {}

@@ -181,7 +181,7 @@ def attach_reduced_grads(root: _FSDPState) -> None:
     all-reduce per process-group pair (a parameter unused everywhere keeps ``.grad = None``, as
     in local training; one used on another rank gets the averaged gradient)."""
     batches: Dict[Tuple[int, int], List[Tuple[_FSDPState, FlatParamHandle, FlatGroup]]] = OrderedDict()
-    for handle in root.all_handles:
+    for handle in root._all_handles:
         state = root.handle_states[id(handle)]
         for group in handle.groups:
             if group.reduced:

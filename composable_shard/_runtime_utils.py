@@ -154,9 +154,9 @@ def lazy_init(state: _FSDPState) -> None:
         s.fqn = names.get(id(s.module), s.fqn)  # FQNs relative to the root, for messages and tags
         if s.handle is not None:
             s.handle.fqn = s.fqn
-    state.all_states = states
-    state.all_handles = [s.handle for s in states if s.handle is not None]
-    for index, handle in enumerate(state.all_handles):
+    state._all_fsdp_states = states
+    state._all_handles = [s.handle for s in states if s.handle is not None]
+    for index, handle in enumerate(state._all_handles):
         handle.index = index
     for s in states:
         if s.handle is not None and s.module is not None:
@@ -273,14 +273,14 @@ def _root_pre_forward(root: _FSDPState, args: Tuple[Any, ...], kwargs: Dict[str,
     """Start of an iteration: finish off an interrupted backward, refuse a changed model,
     follow what the user changed since the last step, reset per-iteration state, move inputs
     to the compute device."""
-    for s in root.all_states:
+    for s in root._all_fsdp_states:
         if s.training_state is TrainingState.SUMMON_FULL_PARAMS:
             raise RuntimeError(f"{s.describe()}: forward called inside summon_full_params/unshard_params; "
                                "exit the context first.")
     if root.final_callback_queued and not is_in_backward():
         recover_interrupted_backward(root)
     if root.seen_changes_epoch != _watch.changes_epoch():
-        _watch.raise_on_model_change(root.all_states)
+        _watch.raise_on_model_change(root._all_fsdp_states)
         root.seen_changes_epoch = _watch.changes_epoch()
     _follow_user_changes(root)
     root.forward_in_progress = True
@@ -289,10 +289,10 @@ def _root_pre_forward(root: _FSDPState, args: Tuple[Any, ...], kwargs: Dict[str,
     if not root.exec_order_recorded:
         root.exec_order.clear()
         root.post_forward_order.clear()
-        for h in root.all_handles:
+        for h in root._all_handles:
             h.exec_index = None
             h.post_forward_index = None
-    for s in root.all_states:
+    for s in root._all_fsdp_states:
         s.training_state = TrainingState.FORWARD_BACKWARD
     if root.compute_device.type != "cpu":
         args, kwargs = convert(args, _to_device(root)), convert(kwargs, _to_device(root))
@@ -307,7 +307,7 @@ def _to_device(state: _FSDPState) -> Callable[[torch.Tensor], torch.Tensor]:
 def _follow_user_changes(root: _FSDPState) -> None:
     """``requires_grad`` flipped on original parameters (freeze/unfreeze) is honoured from this
     forward on."""
-    for handle in root.all_handles:
+    for handle in root._all_handles:
         for group in handle.refresh_requires_grad():
             _register_post_backward(root.handle_states[id(handle)], handle, group)
 
@@ -406,7 +406,7 @@ def _check_forward_on_full_params(state: _FSDPState) -> None:
             f"{state.describe()}: forward with grad enabled inside unshard_params/summon_full_params: gradients "
             "would reach the temporary full parameters, not the shards. Run it under torch.no_grad() (generate() "
             "does), or call forward outside the context.")
-    left_out = [s.describe() for s in root.all_states if s.training_state is not TrainingState.SUMMON_FULL_PARAMS]
+    left_out = [s.describe() for s in root._all_fsdp_states if s.training_state is not TrainingState.SUMMON_FULL_PARAMS]
     if left_out:
         raise RuntimeError(
             f"{state.describe()}: forward inside unshard_params, but {left_out[:3]} are not unsharded by it; "
@@ -474,7 +474,7 @@ def _abort_forward(state: _FSDPState) -> None:
     if not state.is_root:
         return
     log.debug("forward raised: resharding every handle of %s", state.describe())
-    for s in state.all_states:
+    for s in state._all_fsdp_states:
         h = s.handle
         if h is not None and h.training_state in (HandleTrainingState.IDLE, HandleTrainingState.FORWARD):
             reshard_handle(s, h, free=True)
@@ -484,7 +484,7 @@ def _abort_forward(state: _FSDPState) -> None:
 
 
 def _end_iteration(root: _FSDPState) -> None:
-    for s in root.all_states:
+    for s in root._all_fsdp_states:
         s.training_state = TrainingState.IDLE
 
 
@@ -558,7 +558,7 @@ def _finalize_backward(root: _FSDPState) -> None:
 def _reduce_leftover_unsynced(root: _FSDPState) -> None:
     """A handle that got gradients in unsynced backwards but none in this synced one still
     has them to reduce (in handle order, the same on every rank)."""
-    for handle in root.all_handles:
+    for handle in root._all_handles:
         state = root.handle_states[id(handle)]
         if not state.sync_gradients:
             continue
@@ -568,7 +568,7 @@ def _reduce_leftover_unsynced(root: _FSDPState) -> None:
 
 
 def _reset_after_backward(root: _FSDPState) -> None:
-    for s in root.all_states:
+    for s in root._all_fsdp_states:
         h = s.handle
         if h is not None:
             if h.is_unsharded or not h.unsharded_storage_freed():
@@ -590,7 +590,7 @@ def recover_interrupted_backward(root: _FSDPState) -> None:
     if root.debug_checks:
         _divergence.agree_on_failed_backward(root)
     discard_reductions(root)
-    for handle in root.all_handles:
+    for handle in root._all_handles:
         handle.discard_backward()
         state = root.handle_states[id(handle)]
         reshard_handle(state, handle, free=True)

@@ -11,8 +11,27 @@ owns no full-size storage, and implements DCP's extension hooks:
   this rank holds. A contiguous range of a row-major tensor is a partial row, whole rows and a
   partial row, each partial row recursively the same in the lower dimensions: for a matrix, at
   most three boxes.
-* ``__get_tensor_shard__``: the box's elements as a view of the slice, so ``dcp.save`` reads
-  and ``dcp.load`` writes the rank's storage directly (for a parameter, the flat shard).
+* ``__get_tensor_shard__``: the box's elements, sharing memory with the slice, so ``dcp.save``
+  reads and ``dcp.load`` writes the rank's storage directly (for a parameter, the flat shard).
+
+[Note: Boxes DCP handles without copies]
+  Two properties of DCP's file storage decide what a save and a load allocate:
+
+  * ``FileSystemWriter`` copies every tensor whose storage is larger than the tensor (a view
+    would otherwise save its whole base) and keeps each written tensor until the rank's file is
+    finished. A plain view of the flat shard would be copied: a rank's whole sharded state,
+    alive at once. ``__get_tensor_shard__`` therefore returns the box over a storage of exactly
+    its bytes that shares the slice's memory (``UntypedStorage`` slicing keeps the base alive):
+    nothing is copied on the CPU. (On an accelerator DCP copies each item to the host anyway.)
+  * A load reads each saved chunk that overlaps a request whole, into fresh host buffers.
+    With the flat layout one rank may hold a whole large parameter (the first rank all of an
+    embedding), so its chunk, and the loader's buffers, would be ``world_size`` times the ones
+    of a row-sharded layout. ``ShardedSlice(..., world_size=W)`` cuts the range at the row
+    boundaries of an even row split among ``W`` ranks (``ceil(rows / W)`` rows per part, the
+    split of ``torch.chunk`` and FSDP2), so no box is larger than such a part. Tensors of at
+    most ``UNCUT_NUMEL`` elements (1 MiB in float32) are not cut: their read buffers do not
+    matter, and every box is one more entry in the plans DCP gathers on the coordinator (a
+    pickled byte tensor: more entries, a larger peak there).
 
 DCP matches boxes by global offsets, so a checkpoint loads at any world size or strategy, and
 into any model whose state dict describes the same global tensors (a plain model, torch's
@@ -29,9 +48,54 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from ._torch_compat import make_wrapper_tensor
 
-__all__ = ["ShardedSlice", "boxes_of_range"]
+__all__ = ["ShardedSlice", "boxes_of_range", "split_boxes", "part_numel"]
 
 Box = Tuple[Tuple[int, ...], Tuple[int, ...], int]  # (global offsets, sizes, start in the flattened tensor)
+
+
+UNCUT_NUMEL = 1 << 18
+
+
+def part_numel(shape: Sequence[int], world_size: int) -> int:
+    """Elements per part of an even row split of a row-major tensor of ``shape`` among
+    ``world_size`` ranks (``ceil(rows / world_size)`` whole rows; a scalar is one part)."""
+    shape = tuple(int(d) for d in shape)
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    numel = 1
+    for d in shape:
+        numel *= d
+    if not shape or numel == 0:
+        return max(numel, 1)
+    row = numel // shape[0]
+    return -(-shape[0] // world_size) * row
+
+
+def split_boxes(shape: Sequence[int], start: int, end: int, world_size: int) -> List[Box]:
+    """:func:`boxes_of_range` of ``[start, end)`` cut first at the boundaries of an even row
+    split among ``world_size`` ranks, so no box holds more than one part's rows (see
+    [Note: Boxes DCP handles without copies])."""
+    boxes_of_range(shape, start, end)  # checks the range
+    part = part_numel(shape, world_size)
+    boxes: List[Box] = []
+    lo = start
+    while lo < end:
+        hi = min(end, (lo // part + 1) * part)
+        boxes += boxes_of_range(shape, lo, hi)
+        lo = hi
+    return boxes
+
+
+def _same_memory_exact_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` over a storage of exactly its bytes that shares ``t``'s memory and keeps its base
+    storage alive (a copy if ``t`` is not contiguous)."""
+    if not t.is_contiguous():
+        return t.contiguous()
+    if t.untyped_storage().nbytes() == t.nbytes:
+        return t
+    first = t.storage_offset() * t.element_size()
+    storage = t.untyped_storage()[first:first + t.nbytes]
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, t.shape, t.stride())
 
 
 def boxes_of_range(shape: Sequence[int], start: int, end: int) -> List[Box]:
@@ -72,26 +136,31 @@ def boxes_of_range(shape: Sequence[int], start: int, end: int) -> List[Box]:
 class ShardedSlice(torch.Tensor):
     """A tensor of the global ``shape`` of which this rank holds the flattened elements
     ``[start, start + local.numel())`` in ``local`` (1-D). Saved and loaded by DCP without
-    communication; other tensor operations raise.
+    communication; other tensor operations raise. ``world_size``: the boxes of a tensor of more
+    than ``UNCUT_NUMEL`` elements are cut at the boundaries of an even row split among that
+    many ranks (see [Note: Boxes DCP handles without copies]); 1 cuts nothing.
 
     Attributes: ``local`` (the 1-D slice, a view of the rank's storage), ``start``,
-    ``boxes`` (see :func:`boxes_of_range`)."""
+    ``world_size``, ``boxes`` (see :func:`split_boxes`)."""
 
     local: torch.Tensor
     start: int
+    world_size: int
     boxes: List[Box]
 
     @staticmethod
-    def __new__(cls, local: torch.Tensor, start: int, shape: Sequence[int]) -> "ShardedSlice":
+    def __new__(cls, local: torch.Tensor, start: int, shape: Sequence[int], world_size: int = 1) -> "ShardedSlice":
         if local.dim() != 1:
             raise ValueError(f"ShardedSlice: local must be 1-D, got shape {tuple(local.shape)}")
         out = make_wrapper_tensor(cls, torch.Size(shape), local.dtype, local.device)
         out.local = local
         out.start = int(start)
-        out.boxes = boxes_of_range(shape, out.start, out.start + local.numel())
+        out.world_size = int(world_size)
+        cut = out.world_size if torch.Size(shape).numel() > UNCUT_NUMEL else 1
+        out.boxes = split_boxes(shape, out.start, out.start + local.numel(), cut)
         return out  # type: ignore[no-any-return]  # make_wrapper_tensor returns cls
 
-    def __init__(self, local: torch.Tensor, start: int, shape: Sequence[int]) -> None:
+    def __init__(self, local: torch.Tensor, start: int, shape: Sequence[int], world_size: int = 1) -> None:
         super().__init__()
 
     def __repr__(self) -> str:  # type: ignore[override]  # no tensor data to print
@@ -113,7 +182,7 @@ class ShardedSlice(torch.Tensor):
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]  # torch's stub is narrower
         if func is torch.ops.aten.detach.default:
             (self,) = args
-            return ShardedSlice(self.local, self.start, self.shape)
+            return ShardedSlice(self.local, self.start, self.shape, self.world_size)
         raise RuntimeError(  # not TypeError: operators turn that into NotImplemented and a vaguer message
             f"{func} on a ShardedSlice: it holds only this rank's elements of a sharded tensor (from a "
             "SHARDED_STATE_DICT). Save/load it with torch.distributed.checkpoint, or use a full state dict "
@@ -136,5 +205,6 @@ class ShardedSlice(torch.Tensor):
                 numel = 1
                 for d in sizes:
                     numel *= d
-                return self.local[flat - self.start:flat - self.start + numel].view(sizes)
+                box = self.local[flat - self.start:flat - self.start + numel].view(sizes)
+                return _same_memory_exact_storage(box)
         raise ValueError(f"{index.fqn}: this rank holds no box at offsets {index.offset}")

@@ -217,7 +217,7 @@ def _save_entry(state_dict: Dict[str, Any], key: str, m: Managed, session: _Sess
         local = m.local.detach()
         if config.offload_to_cpu and local.device.type != "cpu":
             local = local.cpu()
-        state_dict[key] = ShardedSlice(local, m.param_range[0], m.shape)
+        state_dict[key] = ShardedSlice(local, m.param_range[0], m.shape, m.state.world_size)
         return
     if config.rank0_only and global_rank() != 0:
         if id(m.group) not in session.gathered:  # take part in the all-gather, keep nothing

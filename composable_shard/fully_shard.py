@@ -52,8 +52,8 @@ class FSDPModule(_NoCopyMixin):
         state = self._fsdp_state()
         if not recurse:
             return [state]
-        if state.is_root and state.all_states:
-            return state.all_states
+        if state.is_root and state._all_fsdp_states:
+            return state._all_fsdp_states
         return _get_fsdp_states(self)  # type: ignore[arg-type]  # self is an nn.Module
 
     def unshard(self) -> None:

@@ -46,6 +46,7 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from . import _collectives
+from ._common_utils import WeakGroup
 from ._validation import check_device_id, check_mixed_precision, check_modules, check_process_group, check_real
 from ._subclass import _NoCopyMixin, make_subclass
 from ._torch_compat import queue_backward_callback
@@ -102,9 +103,11 @@ class _BackwardPass:
 class _ReplicateState(_State):
     """Everything ``replicate`` keeps for one module; attached by ``@contract``."""
 
+    process_group = WeakGroup()
+
     def __init__(self) -> None:
         super().__init__()
-        self.process_group: Optional[dist.ProcessGroup] = None  # gradients averaged over it (None: default)
+        self.process_group = None  # gradients averaged over it (None: default), held weakly (see WeakGroup)
         self.world_size: int = 1  # ranks in process_group
         self.device: torch.device = torch.device("cpu")  # device of the managed parameters
         self.params: List[nn.Parameter] = []  # managed parameters, registration order
@@ -122,6 +125,9 @@ class _ReplicateState(_State):
         self.used_since_sync: List[bool] = []  # per parameter: got a gradient since the last sync
         self.backward: Optional[_BackwardPass] = None  # the backward in progress, None when idle
         self.hook_handles: List[RemovableHandle] = []  # post-accumulate-grad hooks
+
+    def describe(self) -> str:
+        return f"replicate (of the module with parameters {', '.join(self.param_names[:3])}{', ...' if len(self.param_names) > 3 else ''})"
 
 
 class ReplicateModule(_NoCopyMixin):

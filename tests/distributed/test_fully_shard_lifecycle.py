@@ -447,6 +447,51 @@ def test_model_changes_after_fully_shard_raise_at_next_forward() -> None:
     run_distributed(_all_world_sizes_entry, 2, "changes", timeout=120)
 
 
+# ---------------------------------------------------------------------------- process groups
+def _groups_released_when_destroyed() -> None:
+    """After ``dist.destroy_process_group(group)`` the library holds no reference to the group,
+    so torch really destroys it (and joins gloo's worker threads) then, not at interpreter exit,
+    where a worker thread still freeing a finished collective's tensors aborts the process (see
+    [Note: Process groups held weakly]); a model used after that raises, naming the module."""
+    import gc
+    import weakref
+
+    from composable_shard import get_model_state_dict, replicate
+
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    everyone = dist.new_group(list(range(world_size)))
+    half = world_size // 2  # HYBRID: (shard, replicate) groups, every rank creating every group
+    shard_groups = [dist.new_group(list(range(s * half, (s + 1) * half))) for s in range(2)]
+    replicate_groups = [dist.new_group([r, r + half]) for r in range(half)]
+    shard, across = shard_groups[rank // half], replicate_groups[rank % half]
+    model = make_model()
+    fully_shard(model.blocks[0], process_group=everyone)
+    fully_shard(model.blocks[1], process_group=(shard, across), strategy=ShardingStrategy.HYBRID_SHARD)
+    replicate(model.scale, process_group=everyone)
+    fully_shard(model, process_group=everyone)
+    _local_step(model, 0)
+    get_model_state_dict(model, full=False)
+    get_model_state_dict(model)
+    refs = {"everyone": weakref.ref(everyone), "shard": weakref.ref(shard), "replicate": weakref.ref(across)}
+    dist.barrier()
+    for group in [everyone, *shard_groups, *replicate_groups]:  # (other ranks' groups: a no-op)
+        dist.destroy_process_group(group)
+    del everyone, shard_groups, replicate_groups, shard, across, group
+    gc.collect()
+    alive = [name for name, ref in refs.items() if ref() is not None]
+    assert not alive, f"groups {alive} still referenced after dist.destroy_process_group"
+    try:
+        model(batch(1, world_size)[0])
+    except RuntimeError as e:
+        assert "fully_shard(<root>): its process_group was destroyed" in str(e), e
+    else:
+        raise AssertionError("a forward on destroyed groups did not raise")
+
+
+def test_destroyed_process_groups_are_released() -> None:
+    run_distributed(_groups_released_when_destroyed, 4)
+
+
 # ---------------------------------------------------------------------------- entry
 _GRIDS: Dict[str, Callable[[], None]] = {
     "failed_backward": lambda: run_subtests(_failed_backward, {"strategy": _STRATEGIES}),

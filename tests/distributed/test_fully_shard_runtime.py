@@ -41,6 +41,11 @@ def _storage() -> None:
     handles = _get_fsdp_handles(model)
     local_backward(model, 0)  # lazy init names handles by their FQN under the root
     assert [h.fqn for h in handles] == ["", "blocks.0", "blocks.1", "scale"], [h.fqn for h in handles]
+    root = fully_shard.state(model)  # the root's cache, under API.md's names ("Root")
+    cached_states, cached_handles = root._all_fsdp_states, root._all_handles
+    assert [s.fqn for s in cached_states] == ["", "blocks.0", "blocks.1", "scale"]
+    assert [h.fqn for h in cached_handles] == ["", "blocks.0", "blocks.1", "scale"]
+    assert all(s is fully_shard.state(m) for s, m in zip(cached_states, [model, *model.blocks, model.scale]))
     model.zero_grad()
     for h in handles:
         numels = [fp._unpadded_unsharded_size.numel() for fp in h.flat_params]
@@ -53,6 +58,7 @@ def _storage() -> None:
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     local_backward(model, 0)
     optim.step()
+    assert root._all_fsdp_states is cached_states and root._all_handles is cached_handles, "rebuilt after lazy init"
     for h in handles:
         assert h.unsharded_storage_freed(), f"{h.fqn}: unsharded storage alive after a FULL_SHARD step"
         for g in h.groups:

@@ -17,8 +17,8 @@ import torch.nn as nn
 
 from composable_shard import ModuleWrapPolicy, ShardingStrategy, fully_shard, unshard_params
 from tests._harness import run_distributed, run_subtests
-from tests._models import (Block, Scale, assert_losses_close, assert_params_close, distributed_training,
-                           local_backward, make_model, reference_grads, reference_training)
+from tests._models import (Block, Scale, assert_losses_close, assert_params_close, batch, distributed_training,
+                           local_backward, local_rows, loss_fn, make_model, reference_grads, reference_training)
 
 STEPS = 5
 
@@ -108,6 +108,43 @@ def _hybrid_with_group_pair() -> None:
     assert_params_close(_full_params(model), list(reference.named_parameters()), what="[hybrid pair]")
 
 
+def _custom_policy_override_subtest(root: ShardingStrategy, override: ShardingStrategy) -> None:
+    """A CustomPolicy returning ``{"strategy": override}`` for blocks.0 gives that block's
+    handle the override and the rest the call's strategy: the same model, step by step, as
+    annotating by hand (losses and parameters bit for bit), and local training's numbers."""
+    from composable_shard import CustomPolicy
+
+    reference = make_model()
+    expected_losses = reference_training(reference, STEPS, dist.get_world_size())
+    by_policy, by_hand = make_model(), make_model()
+    special = by_policy.blocks[0]
+    fully_shard(by_policy, strategy=root, policy=CustomPolicy(
+        lambda m: {"strategy": override} if m is special else isinstance(m, (Block, Scale))))
+    fully_shard(by_hand.blocks[0], strategy=override)
+    fully_shard(by_hand.blocks[1], strategy=root)
+    fully_shard(by_hand.scale, strategy=root)
+    fully_shard(by_hand, strategy=root)
+    assert [fully_shard.state(m).strategy for m in (by_policy.blocks[0], by_policy.blocks[1], by_policy)] == \
+        [override, root, root]
+    what = f"[{root.name} root, {override.name} blocks.0]"
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (by_policy, by_hand)]
+    for step in range(STEPS):
+        inputs, targets = batch(step, world_size)
+        losses = []
+        for model, optim in zip((by_policy, by_hand), optims):
+            loss = loss_fn(model(local_rows(inputs, rank)), local_rows(targets, rank))
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            dist.all_reduce(loss := loss.detach().clone())
+            losses.append(loss.item() / world_size)
+        assert losses[0] == losses[1], f"{what} step {step}: loss {losses[0]} by policy, {losses[1]} by hand"
+        assert abs(losses[0] - expected_losses[step]) <= 1e-5, f"{what} step {step}: {losses[0]} vs local {expected_losses[step]}"
+        assert_params_close(_full_params(by_policy), _full_params(by_hand), atol=0.0, what=f"{what} step {step}")
+    assert_params_close(_full_params(by_policy), list(reference.named_parameters()), what=f"{what} vs local")
+
+
 def _parity(strategies: List[ShardingStrategy]) -> None:
     run_subtests(_parity_subtest, {"strategy": strategies, "annotation": ["manual", "policy"],
                                    "forward_prefetch": [False, True]})
@@ -115,6 +152,11 @@ def _parity(strategies: List[ShardingStrategy]) -> None:
         run_subtests(_torch_fsdp1_subtest, {"strategy": strategies})
     if dist.get_world_size() == 4:
         _hybrid_with_group_pair()
+    if dist.get_world_size() > 1:
+        run_subtests(_custom_policy_override_subtest, {"root": [ShardingStrategy.FULL_SHARD], "override": [
+            ShardingStrategy.NO_SHARD, ShardingStrategy.SHARD_GRAD_OP]})
+        run_subtests(_custom_policy_override_subtest, {"root": [ShardingStrategy.NO_SHARD],
+                                                       "override": [ShardingStrategy.FULL_SHARD]})
 
 
 _ALL = [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD,
