@@ -35,6 +35,16 @@ the flat buffer, and a non-reentrant one saves the same tensors as the original 
   ``set_to_none=False`` the zeroed views keep it and the next backward accumulates into it.
 * The next backward adds to whatever ``.grad`` holds, per parameter, as autograd does: ``None``
   starts from zero, our view accumulates in place, a tensor the user assigned is added to.
+* Between unsynced backwards (``set_requires_gradient_sync(False)``) each original parameter
+  that got a gradient has as ``.grad`` this rank's full-shape local gradient sum: a view of
+  the kept unreduced gradient (``group.unreduced_grad``), as torch's FSDP with
+  ``use_orig_params=True`` gives. Its shape (and, under mixed precision, dtype) differs from
+  the sharded parameter's, so it is installed through ``.data`` (autograd's ``.grad`` setter
+  checks both). What ``.grad`` held before is kept aside (``grads_before_views``). The next
+  backward of the group first folds the views back (:meth:`FlatParamHandle.take_unsharded_grad`):
+  a view the user left in place (possibly scaled in place) stays in the sum, ``None`` drops
+  that parameter's sum (``zero_grad()``), another tensor replaces it; then ``.grad`` is what
+  it was before the views, so the synced path above adds it.
 
 This file registers no hooks and issues no collectives: ``unshard()`` delegates to the
 runtime (``_runtime_utils.py``).
@@ -117,6 +127,8 @@ class FlatGroup:
     used: List[bool] = field(default_factory=list)  # per orig param: got a gradient since the last sync
     had_grad: List[bool] = field(default_factory=list)  # per orig param: .grad was set before accumulating
     reduced: bool = False  # a reduced gradient was accumulated and awaits attaching to .grad
+    unsynced_views: List[Optional[torch.Tensor]] = field(default_factory=list)  # per orig param: .grad showing unreduced_grad
+    grads_before_views: List[Optional[torch.Tensor]] = field(default_factory=list)  # per orig param: .grad before that
 
     @property
     def sharded_grad(self) -> Optional[torch.Tensor]:
@@ -134,6 +146,18 @@ class FlatGroup:
     @property
     def padded_numel(self) -> int:
         return int(self.flat_param._padded_unsharded_size.numel())
+
+
+def _set_grad_of_any_shape(p: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
+    """Make ``grad`` (any shape and dtype) ``p.grad`` and return the tensor ``p.grad`` now is.
+    Autograd's setter wants ``p``'s shape, dtype and device, so a placeholder that has them
+    (no storage of its own) is set first and ``grad`` put in through ``.data``."""
+    if grad.shape == p.shape and grad.dtype == p.dtype and grad.device == p.device:
+        p.grad = grad
+    else:
+        p.grad = torch.empty((), dtype=p.dtype, device=p.device).expand(p.shape)
+        p.grad.data = grad
+    return p.grad  # type: ignore[return-value]  # set above
 
 
 def _alloc_storage(tensor: torch.Tensor) -> None:
@@ -276,6 +300,8 @@ class FlatParamHandle:
         group.requires_grad_mask = tuple(p.requires_grad for p in orig_params)
         group.used = [False] * len(orig_params)
         group.had_grad = [False] * len(orig_params)
+        group.unsynced_views = [None] * len(orig_params)
+        group.grads_before_views = [None] * len(orig_params)
         self._point_params_at_shard(group)
         return group
 
@@ -404,17 +430,51 @@ class FlatParamHandle:
     # ------------------------------------------------------------------ gradients
     def take_unsharded_grad(self, group: FlatGroup) -> Optional[torch.Tensor]:
         """Detach the padded unsharded gradient from the leaf (so the next backward starts a
-        fresh one) and return it, added to any gradient kept from unsynced backwards."""
+        fresh one) and return it, added to any gradient kept from unsynced backwards (with
+        the ``.grad`` views of those folded back first)."""
         grad = group.padded_unsharded_flat.grad
         group.padded_unsharded_flat.grad = None
         kept, group.unreduced_grad = group.unreduced_grad, None
         if kept is not None:
+            self._fold_unsynced_views(group, kept)
             grad = kept if grad is None else kept.add_(grad)
         return grad
 
     def keep_unreduced(self, group: FlatGroup, grad: torch.Tensor) -> None:
-        """Keep an unsynced backward's unsharded gradient for the next synced one."""
+        """Keep an unsynced backward's unsharded gradient for the next synced one, and show
+        each parameter that got a gradient since the last sync its full-shape part of it as
+        ``.grad`` (see [Note: Gradients follow the user])."""
         group.unreduced_grad = grad
+        fp = group.flat_param
+        pieces = torch.split(grad, group.split_sizes)
+        for i, (p, piece, shape) in enumerate(zip(group.orig_params, pieces, fp._shapes)):
+            if not (group.requires_grad_mask[i] and group.used[i]):
+                continue
+            group.grads_before_views[i] = p.grad
+            group.unsynced_views[i] = _set_grad_of_any_shape(p, piece.view(shape))
+
+    def _fold_unsynced_views(self, group: FlatGroup, kept: Optional[torch.Tensor]) -> None:
+        """Take the unsynced ``.grad`` views back: what the user did to them goes into ``kept``
+        (the sum they show; ``None``: it is being dropped), and each ``.grad`` is what it was
+        before the views."""
+        if not any(v is not None for v in group.unsynced_views):
+            return
+        pieces = torch.split(kept, group.split_sizes) if kept is not None else None
+        for i, (p, shape) in enumerate(zip(group.orig_params, group.flat_param._shapes)):
+            shown = group.unsynced_views[i]
+            if shown is None:
+                continue
+            current, before = p.grad, group.grads_before_views[i]
+            if current is not shown:  # the user set it to None or to a tensor of their own
+                before = None
+                if pieces is not None:
+                    if current is None:
+                        pieces[i].zero_()
+                    else:
+                        pieces[i].view(shape).copy_(current)
+            p.grad = before
+        group.unsynced_views = [None] * len(group.orig_params)
+        group.grads_before_views = [None] * len(group.orig_params)
 
     def accumulate_sharded_grad(self, group: FlatGroup, reduced: torch.Tensor) -> None:
         """Make ``reduced`` (this rank's averaged shard, any dtype) the group's gradient, plus
@@ -454,6 +514,7 @@ class FlatParamHandle:
         it, which the failed one may have added to): nothing of it reaches ``.grad``."""
         for group in self.groups:
             group.padded_unsharded_flat.grad = None
+            self._fold_unsynced_views(group, None)
             group.unreduced_grad = None
             group.grad_ready = False
             group.reduced = False

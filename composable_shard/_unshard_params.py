@@ -71,6 +71,8 @@ def unshard_params(module: nn.Module, *, recurse: bool = True, writeback: bool =
                                   "than 0 have no full parameters to write back. Use writeback=False with rank0_only.")
     states = _selected_states(module, recurse)
     check_between_steps(states)
+    if with_grads:
+        _check_no_unsynced_views(states)
     summoned: List[_Summoned] = []
     for s in states:
         s.training_state = TrainingState.SUMMON_FULL_PARAMS
@@ -88,6 +90,17 @@ def unshard_params(module: nn.Module, *, recurse: bool = True, writeback: bool =
             s.training_state = TrainingState.IDLE
             if s.handle is not None:
                 s.handle.training_state = HandleTrainingState.IDLE
+
+
+def _check_no_unsynced_views(states: List[_FSDPState]) -> None:
+    """``with_grads=True`` shows the reduced full gradient; between unsynced backwards there is
+    none yet, and ``.grad`` already is this rank's full-shape local sum."""
+    for s in states:
+        if s.handle is not None and any(v is not None for g in s.handle.groups for v in g.unsynced_views):
+            raise RuntimeError(f"unshard_params(with_grads=True) on {s.describe()} between backwards without gradient "
+                               "sync: no gradient has been reduced yet, and each parameter's .grad already is this "
+                               "rank's full-shape accumulated local gradient; read it directly, or run the synced "
+                               "backward first.")
 
 
 def _check_arguments(module: nn.Module, **flags: bool) -> None:

@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from composable_shard import BackwardPrefetch, fully_shard, unshard_params
+from composable_shard import BackwardPrefetch, ShardingStrategy, fully_shard, unshard_params
 from composable_shard._collectives import record_collectives
 from composable_shard._traversal_utils import _get_fsdp_handles
 from tests._harness import run_distributed, run_subtests
-from tests._models import (assert_params_close, batch, local_backward, loss_fn, make_model)
+from tests._models import (assert_params_close, batch, local_backward, local_rows, loss_fn, make_model)
 
 
 def _annotate(model: nn.Module, **kwargs: object) -> None:
@@ -314,6 +314,78 @@ def _no_sync_accumulation() -> None:
     with unshard_params(model, with_grads=True):
         grads = [(n, p.grad.clone()) for n, p in model.named_parameters() if p.grad is not None]
     assert_params_close(grads, expected, what="no_sync accumulation")
+
+
+def _unsynced_grads_visible(strategy: ShardingStrategy, user_action: str) -> None:
+    """Between unsynced backwards each parameter's .grad is this rank's full-shape local
+    gradient sum (a view of the kept unreduced gradient, as torch FSDP with use_orig_params
+    gives), equal to a local model's after the same micro-batches on this rank's rows; a
+    frozen parameter keeps None. What the user does to those views counts, as it would locally:
+    scaled in place, or zero_grad() mid-accumulation. The synced backward then gives sharded
+    views again, equal to the local sum over all ranks' rows."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    local, everyone = make_model(), make_model()
+    model = make_model()
+    _annotate(model, strategy=strategy, **_hybrid_mesh(strategy))
+    model.set_requires_gradient_sync(False)
+    for step in range(3):
+        inputs, targets = batch(step, world_size)
+        loss_fn(model(local_rows(inputs, rank)), local_rows(targets, rank)).backward()
+        loss_fn(local(local_rows(inputs, rank)), local_rows(targets, rank)).backward()
+        for r in range(world_size):  # what the synced reduction must give: every rank's rows, averaged
+            (loss_fn(everyone(local_rows(inputs, r)), local_rows(targets, r)) / world_size).backward()
+        for (name, p), (_, q) in zip(model.named_parameters(), local.named_parameters()):
+            assert (p.grad is None) == (q.grad is None), f"[{strategy.name}] step {step} {name}: grad {p.grad is None}"
+            if q.grad is not None:
+                assert p.grad.shape == q.shape, f"[{strategy.name}] {name}: .grad shape {tuple(p.grad.shape)}"
+                torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=0, msg=f"[{strategy.name}] step {step} {name}")
+        if step == 0 and user_action == "none":
+            with pytest.raises(RuntimeError, match="already is this rank's full-shape accumulated local gradient"):
+                with unshard_params(model, with_grads=True):
+                    pass
+        if step == 1 and user_action == "scale":
+            for m in (model, local):
+                for p in m.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(0.5)
+            for r_p in everyone.parameters():  # each rank scaled its own part of the sum
+                if r_p.grad is not None:
+                    r_p.grad.mul_(0.5)
+        if step == 1 and user_action == "zero_grad":
+            for m in (model, local, everyone):
+                m.zero_grad()
+    model.set_requires_gradient_sync(True)
+    inputs, targets = batch(3, world_size)
+    loss_fn(model(local_rows(inputs, rank)), local_rows(targets, rank)).backward()
+    for r in range(world_size):
+        (loss_fn(everyone(local_rows(inputs, r)), local_rows(targets, r)) / world_size).backward()
+    for p in model.parameters():
+        assert p.grad is None or p.grad.shape == p.shape, "synced .grad is not the sharded view"
+    with unshard_params(model, with_grads=True):
+        grads = [(n, p.grad.clone()) for n, p in model.named_parameters() if p.grad is not None]
+    expected = [(n, p.grad) for n, p in everyone.named_parameters() if p.grad is not None]
+    assert_params_close(grads, expected, what=f"[{strategy.name}/{user_action}] synced after unsynced")
+
+
+def _hybrid_mesh(strategy: ShardingStrategy) -> dict:
+    if strategy is not ShardingStrategy.HYBRID_SHARD:
+        return {}
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world_size = dist.get_world_size()
+    return {"mesh": init_device_mesh("cpu", (world_size // 2, 2))}
+
+
+def _unsynced_grid() -> None:
+    strategies = [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD]
+    if dist.get_world_size() == 4:
+        strategies.append(ShardingStrategy.HYBRID_SHARD)
+    run_subtests(_unsynced_grads_visible, {"strategy": strategies, "user_action": ["none", "scale", "zero_grad"]})
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_unsynced_grads_are_full_local_sums(world_size: int) -> None:
+    run_distributed(_unsynced_grid, world_size, timeout=240)
 
 
 def _accumulated_reference(model: nn.Module, world_size: int, steps: int = 4) -> List[Tuple[str, torch.Tensor]]:
