@@ -21,7 +21,7 @@ from ._unshard_params import unshard_params
 from ._state_dict import get_model_state_dict, set_model_state_dict, state_dict_type
 from ._optim_state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from ._sharded_tensor import ShardedSlice
-from ._checkpoint_io import latest_checkpoint, load_checkpoint, save_checkpoint
+from ._checkpoint_io import export_safetensors, latest_checkpoint, load_checkpoint, save_checkpoint
 from .wrap import (
     CustomPolicy,
     ModuleWrapPolicy,
@@ -41,5 +41,5 @@ __all__ = [
     "transformer_auto_wrap_policy", "size_based_auto_wrap_policy", "enable_wrap", "wrap",
     "unshard_params", "state_dict_type", "clip_grad_norm_",
     "get_model_state_dict", "set_model_state_dict", "get_optimizer_state_dict", "set_optimizer_state_dict",
-    "ShardedSlice", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
+    "ShardedSlice", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "export_safetensors",
 ]

@@ -56,8 +56,8 @@ from . import _collectives
 from ._optim_state_dict import get_optimizer_state_dict, param_groups_by_fqn, set_optimizer_state_dict
 from ._state_dict import get_model_state_dict, set_model_state_dict
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "SafeFileSystemReader", "SafeLoadPlanner",
-           "UnsafeCheckpointError"]
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "export_safetensors", "SafeFileSystemReader",
+           "SafeLoadPlanner", "UnsafeCheckpointError"]
 
 CHECKSUMS = "checksums.json"
 _STEP_DIR = re.compile(r"step_(\d+)")
@@ -329,3 +329,67 @@ def latest_checkpoint(root: str) -> Optional[Tuple[int, str]]:
         return None
     step_text, path = found.split("\n", 1)
     return int(step_text), path
+
+
+def export_safetensors(path: str, model: nn.Module) -> None:
+    """Write ``model``'s full state dict (original FQNs, full tensors, buffers in their
+    original dtype) as Hugging Face safetensors to the new directory ``path``, through DCP's
+    Hugging Face storage (``torch.distributed.checkpoint.hf_storage``): a weights file that
+    loads with no unpickling at all, into a plain model (``safetensors.torch.load_file``) or,
+    for a ``transformers`` model, with ``from_pretrained(path)`` (its ``config.json`` is
+    written too). Collective: every rank calls it; rank 0 gathers one handle at a time to the
+    CPU and writes; ``path`` is published like :func:`save_checkpoint` (complete or absent).
+    Needs the ``safetensors`` package.
+
+    Tied parameters (one tensor under several names) are written under each name, as separate
+    copies: safetensors refuses tensors that share memory. Non-tensor entries (a module's
+    ``_extra_state``) are not written.
+
+    Example::
+
+        export_safetensors("export/final", model)
+    """
+    path = os.path.abspath(os.fspath(path))
+    api = "export_safetensors"
+    error, tmp = "", ""
+    if _rank() == 0:
+        tmp = f"{path}.tmp-{secrets.token_hex(6)}"
+        if os.path.exists(path):
+            error = f"{path} already exists; export to a new directory."
+        else:
+            try:
+                import safetensors  # noqa: F401  # DCP's Hugging Face storage writes through it
+            except ImportError:
+                error = "needs the safetensors package (pip install safetensors; transformers installs it)."
+    _raise_from_rank0(error, api)
+    state = get_model_state_dict(model, rank0_only=True, cpu_offload=True)  # collective
+    if _rank() == 0:
+        error = _write_safetensors(tmp, model, state)
+        if not error:
+            error = _publish(tmp, path)
+    _raise_from_rank0(error, api)
+
+
+def _write_safetensors(directory: str, model: nn.Module, state: Dict[str, Any]) -> str:
+    """Rank 0: the tensors of ``state`` (aliases copied apart) into ``directory``, and a
+    ``transformers`` config if the model has one. Returns an error message or ''."""
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
+
+    tensors: Dict[str, torch.Tensor] = {}
+    seen: set = set()  # storage addresses already written
+    for name, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        value = value.detach()
+        storage = value.untyped_storage()
+        shared = storage.data_ptr() in seen or storage.nbytes() != value.nbytes or not value.is_contiguous()
+        tensors[name] = value.clone() if shared else value  # a tensor of its own: safetensors refuses aliases
+        seen.add(tensors[name].untyped_storage().data_ptr())
+    try:
+        dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(directory), no_dist=True)
+        config = getattr(model, "config", None)
+        if config is not None and hasattr(config, "save_pretrained"):
+            config.save_pretrained(directory)
+    except Exception as e:  # reported on every rank by the caller
+        return f"writing {directory} failed: {type(e).__name__}: {e}"
+    return ""

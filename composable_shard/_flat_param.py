@@ -64,7 +64,7 @@ from ._common_utils import HandleTrainingState, _set_fsdp_flattened
 from . import _watch
 from ._torch_compat import set_module_tensor, tensor_version
 
-__all__ = ["FlatParameter", "FlatParamHandle", "ParamInfo", "SharedParamInfo", "FlatGroup"]
+__all__ = ["FlatParameter", "FlatParamHandle", "ParamInfo", "SharedParamInfo", "FlatGroup", "set_grad_of_any_shape"]
 
 
 class ParamInfo(NamedTuple):
@@ -127,6 +127,7 @@ class FlatGroup:
     used: List[bool] = field(default_factory=list)  # per orig param: got a gradient since the last sync
     had_grad: List[bool] = field(default_factory=list)  # per orig param: .grad was set before accumulating
     reduced: bool = False  # a reduced gradient was accumulated and awaits attaching to .grad
+    full_precision: bool = False  # a group of modules kept in full precision: no param/reduce cast
     unsynced_views: List[Optional[torch.Tensor]] = field(default_factory=list)  # per orig param: .grad showing unreduced_grad
     grads_before_views: List[Optional[torch.Tensor]] = field(default_factory=list)  # per orig param: .grad before that
 
@@ -148,7 +149,7 @@ class FlatGroup:
         return int(self.flat_param._padded_unsharded_size.numel())
 
 
-def _set_grad_of_any_shape(p: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
+def set_grad_of_any_shape(p: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
     """Make ``grad`` (any shape and dtype) ``p.grad`` and return the tensor ``p.grad`` now is.
     Autograd's setter wants ``p``'s shape, dtype and device, so a placeholder that has them
     (no storage of its own) is set first and ``grad`` put in through ``.data``."""
@@ -218,6 +219,7 @@ class FlatParamHandle:
         world_size: int,
         compute_device: torch.device,
         param_dtype: Optional[torch.dtype] = None,
+        full_precision_classes: Tuple[type, ...] = (),
     ) -> None:
         self.module: nn.Module = module  # the fully sharded module that owns this handle
         self.fqn: str = module_fqn  # its FQN (for messages)
@@ -235,20 +237,25 @@ class FlatParamHandle:
         self.recomputes_in_backward: bool = False  # its forward runs again in backward (activation checkpointing)
         self.states_before_recompute: List[HandleTrainingState] = []  # pushed per recomputed forward in progress
         self.state: Optional[Any] = None  # the owning _FSDPState (set by fully_shard; for unshard())
-        self._build(params, module, module_fqn, param_dtype)
+        self.keep_low_precision_grads: bool = False  # .grad in the compute dtype (see _mixed_precision.py)
+        self._build(params, module, module_fqn, param_dtype, tuple(full_precision_classes))
 
     # ------------------------------------------------------------------ construction
     def _build(self, params: Sequence[nn.Parameter], module: nn.Module, module_fqn: str,
-               param_dtype: Optional[torch.dtype]) -> None:
+               param_dtype: Optional[torch.dtype], full_precision_classes: Tuple[type, ...]) -> None:
+        """Group ``params`` by ``(dtype, requires_grad, kept in full precision)``; the last is
+        True for parameters of a module of ``full_precision_classes`` under a ``param_dtype``
+        (see [Note: Modules kept in full precision] in ``_mixed_precision.py``)."""
         wanted = {id(p) for p in params}
-        by_group: Dict[Tuple[torch.dtype, bool], List[Tuple[nn.Parameter, ParamInfo]]] = {}
-        shared: Dict[Tuple[torch.dtype, bool], List[Tuple[SharedParamInfo, nn.Parameter]]] = {}
-        first_index: Dict[int, Tuple[Tuple[torch.dtype, bool], int]] = {}
+        by_group: Dict[Tuple[torch.dtype, bool, bool], List[Tuple[nn.Parameter, ParamInfo]]] = {}
+        shared: Dict[Tuple[torch.dtype, bool, bool], List[Tuple[SharedParamInfo, nn.Parameter]]] = {}
+        first_index: Dict[int, Tuple[Tuple[torch.dtype, bool, bool], int]] = {}
         for sub_name, sub in module.named_modules(remove_duplicate=False):
+            full_precision = param_dtype is not None and isinstance(sub, full_precision_classes)
             for name, p in sub.named_parameters(recurse=False, remove_duplicate=False):
                 if p is None or id(p) not in wanted:
                     continue
-                key = (p.dtype, p.requires_grad)
+                key = (p.dtype, p.requires_grad, full_precision)
                 if id(p) in first_index:
                     gkey, index = first_index[id(p)]
                     shared.setdefault(gkey, []).append((SharedParamInfo(name, sub, sub_name, index), p))
@@ -261,10 +268,12 @@ class FlatParamHandle:
             built.index = len(self.groups)
             self.groups.append(built)
 
-    def _build_group(self, key: Tuple[torch.dtype, bool], members: List[Tuple[nn.Parameter, ParamInfo]],
+    def _build_group(self, key: Tuple[torch.dtype, bool, bool], members: List[Tuple[nn.Parameter, ParamInfo]],
                      shared: List[Tuple[SharedParamInfo, nn.Parameter]], module_fqn: str,
                      param_dtype: Optional[torch.dtype]) -> FlatGroup:
-        dtype, requires_grad = key
+        dtype, requires_grad, full_precision = key
+        if full_precision:
+            param_dtype = None
         prefix = ""  # _fqns are relative to the owning module (API.md); module_fqn only names the handle
         numels = [p.numel() for p, _ in members]
         total = sum(numels)
@@ -298,6 +307,7 @@ class FlatParamHandle:
         group = FlatGroup(flat_param, orig_params, compute_dtype, unsharded, aliases,
                           numels + ([padded - total] if padded > total else []))
         group.requires_grad_mask = tuple(p.requires_grad for p in orig_params)
+        group.full_precision = full_precision
         group.used = [False] * len(orig_params)
         group.had_grad = [False] * len(orig_params)
         group.unsynced_views = [None] * len(orig_params)
@@ -451,7 +461,7 @@ class FlatParamHandle:
             if not (group.requires_grad_mask[i] and group.used[i]):
                 continue
             group.grads_before_views[i] = p.grad
-            group.unsynced_views[i] = _set_grad_of_any_shape(p, piece.view(shape))
+            group.unsynced_views[i] = set_grad_of_any_shape(p, piece.view(shape))
 
     def _fold_unsynced_views(self, group: FlatGroup, kept: Optional[torch.Tensor]) -> None:
         """Take the unsynced ``.grad`` views back: what the user did to them goes into ``kept``
@@ -482,7 +492,7 @@ class FlatParamHandle:
         whose ``.grad`` the user set to None starts from zero, one holding our view or a tensor
         of the user's adds to it. Attached to ``.grad`` by :meth:`attach_grads`."""
         fp = group.flat_param
-        reduced = reduced.to(dtype=fp.dtype, device=fp.device)
+        reduced = reduced.to(dtype=group.compute_dtype if self.keep_low_precision_grads else fp.dtype, device=fp.device)
         grads = [p.grad for p in group.orig_params]
         group.had_grad = [g is not None for g in grads]
         old = group.sharded_grad
@@ -503,7 +513,10 @@ class FlatParamHandle:
         sharded_grad = group.reduced_grad
         for i, (p, s) in enumerate(zip(group.orig_params, group.flat_param._shard_slices)):
             keep = sharded_grad is not None and group.requires_grad_mask[i] and (group.had_grad[i] or used[i])
-            p.grad = sharded_grad[s.shard_start:s.shard_start + s.numel] if keep else None  # type: ignore[index]  # checked
+            if keep:
+                set_grad_of_any_shape(p, sharded_grad[s.shard_start:s.shard_start + s.numel])  # type: ignore[index]  # checked
+            else:
+                p.grad = None
         group.sharded_grad_ref = weakref.ref(sharded_grad) if sharded_grad is not None else None
         group.reduced_grad = None  # from here on the views own it
         group.reduced = False

@@ -23,22 +23,35 @@ flattens and hands each fully sharded module to the caller to register hooks.
 [Note: Meta materialization]
   Without ``param_init_fn``, every managed module with meta tensors of its own gets them
   replaced by empty tensors on the compute device (tied parameters stay tied) and then runs its
-  ``reset_parameters()`` once, in ``.modules()`` order; whatever of the module was already
-  materialized (a parameter tied to an earlier module, a tensor that was not on meta) keeps its
-  values. A module with meta tensors and no ``reset_parameters`` is refused before anything
-  changes. With ``param_init_fn``, it is called once per fully sharded module that still has
-  meta tensors, children before parents (the order handles are built), before any parameter is
-  collected; parameters it registers (``setattr(sub, name, nn.Parameter(...))``) are the ones
-  the handles flatten. Meta tensors left afterwards raise; the model then has no fully_shard
-  state, hook or class change (the user's function may have materialized some tensors).
+  ``reset_parameters()`` once, in ``.modules()`` order. With ``param_init_fn``, it is called
+  once per fully sharded module that still has meta tensors, children before parents (the
+  order handles are built), before any parameter is collected; parameters it registers
+  (``setattr(sub, name, nn.Parameter(...))``) in place of meta ones are the ones the handles
+  flatten. A module with meta tensors and no ``reset_parameters`` is refused before anything
+  changes; meta tensors left after ``param_init_fn`` raise, and the model then has no
+  fully_shard state, hook or class change (the user's function may have materialized some).
+  Either init often reaches the whole subtree (a Hugging Face style ``reset_parameters``, or
+  ``to_empty`` then re-initializing every submodule), and with hand annotation the children
+  are already sharded when their parent's init runs: their parameters are 1-D views into flat
+  shards, which the init would re-draw, zero, cut loose (``to_empty`` swaps ``.data``) or
+  replace. So every init call runs inside :func:`_init_keeping_initialized`: each tensor of
+  the subtree (ignored ones aside) that is not on meta and was not just materialized for this
+  call (tied to an earlier module, never on meta, or a sharded child's) is put back
+  afterwards, also on error: same object under each of its names, same ``.data``, same value;
+  a sharded child's replaced parameter put back is no model change for the watch. No init
+  changes a tensor twice (it may still raise on a sharded child's 1-D view, e.g. a 2-D
+  ``kaiming_uniform_``). Only those tensors are copied: in the single-call ``.modules()``
+  order a parent's descendants are still on meta when it is reset, so there are few; a
+  ``param_init_fn`` reaching the whole subtree copies the children materialized before it.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, Union
+from typing import AbstractSet, Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -47,6 +60,7 @@ import torch.nn as nn
 from . import _collectives
 from ._common_utils import _FSDPState, _is_fsdp_flattened
 from ._flat_param import FlatParamHandle
+from ._mixed_precision import full_precision_classes
 from ._traversal_utils import _composable, _get_fsdp_states
 from .api import CPUOffload, MixedPrecision, ShardingStrategy
 from .contract import _get_module_state, _get_registry
@@ -205,6 +219,7 @@ def _select_targets(plan: Plan, policy: Any, config: Dict[str, Any]) -> List[_Ta
                 raise ValueError(f"fully_shard: the policy returned unknown overrides {sorted(unknown)} for "
                                  f"{type(m).__name__}; allowed: {list(_CONFIG_KEYS)}")
             chosen[m] = {**config, **kw}
+        _keep_full_precision_modules(plan, chosen, config)
     targets: List[_Target] = []
     for fqn, m in _managed_modules(plan.root, plan.ignored_modules, post_order=True):
         if m is not plan.root and m in chosen:
@@ -212,6 +227,24 @@ def _select_targets(plan: Plan, policy: Any, config: Dict[str, Any]) -> List[_Ta
             targets.append(_Target(m, fqn, chosen[m]))
     targets.append(_Target(plan.root, "", dict(config)))
     return targets
+
+
+def _keep_full_precision_modules(plan: Plan, chosen: Dict[nn.Module, Dict[str, Any]], config: Dict[str, Any]) -> None:
+    """Under a policy, each module of a class its mixed precision keeps in full precision
+    (``MixedPrecision._module_classes_to_ignore``) and with parameters of its own gets a handle
+    without mixed precision, as torch's FSDP does (see [Note: Modules kept in full precision]
+    in ``_mixed_precision.py``). The mixed precision in force is the nearest chosen ancestor's."""
+    def visit(m: nn.Module, inherited: Dict[str, Any]) -> None:
+        inherited = chosen.get(m, inherited)
+        classes = full_precision_classes(inherited.get("mixed_precision"))
+        if m is not plan.root and classes and isinstance(m, classes) and any(True for _ in m.parameters()):
+            chosen[m] = {**inherited, "mixed_precision": None}
+            return
+        for child in m.children():
+            if child not in plan.ignored_modules:
+                visit(child, inherited)
+
+    visit(plan.root, config)
 
 
 # ---------------------------------------------------------------------------- parameter ownership
@@ -401,7 +434,7 @@ def _materialize(plan: Plan) -> bool:
         for target in plan.targets:
             if any(True for _, m in _managed_modules(target.module, plan.ignored_modules)
                    for _ in _direct_meta(m, plan.ignored_params)):
-                init_fn(target.module)
+                _init_keeping_initialized(functools.partial(init_fn, target.module), target.module, plan)
     _raise_if_meta_left(plan)
     return True
 
@@ -418,18 +451,104 @@ def _reset_meta_modules(plan: Plan) -> None:
                 fresh.add(id(replaced[id(t)]))
             setattr(module, name, replaced[id(t)])
         if fresh:
-            _reset_keeping_materialized(module, fresh)
+            reset: Callable[[], None] = getattr(module, "reset_parameters")  # presence checked at plan time
+            _init_keeping_initialized(reset, module, plan, just_materialized=fresh)
 
 
-def _reset_keeping_materialized(module: nn.Module, just_materialized: Set[int]) -> None:
-    """``module.reset_parameters()``, restoring its tensors that were not just materialized for
-    it (tied to an earlier module, or never on meta), so no init runs twice over a tensor."""
-    tensors = list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))
+@dataclass(eq=False)
+class _Kept:
+    """A tensor an init call must leave as it was (see [Note: Meta materialization])."""
+
+    tensor: torch.Tensor  # the registered parameter or buffer object
+    data: torch.Tensor  # its ``.data`` before the call (a sharded parameter's: a view of its flat shard)
+    value: torch.Tensor  # a copy of its value before the call
+    names: List[Tuple[nn.Module, str]]  # every (owner module, attribute name) it is registered under
+
+
+_Registrations = Tuple[List[Tuple[str, int]], List[Tuple[str, int]]]  # a module's (parameter, child) ids by name
+
+
+@dataclass
+class _Snapshot:
+    """What :func:`_init_keeping_initialized` puts back after an init call."""
+
+    kept: List[_Kept] = field(default_factory=list)  # the subtree's initialized tensors, one per object
+    changes: List[Tuple[_FSDPState, Optional[str]]] = field(default_factory=list)  # earlier calls' states in the
+    # subtree, each with the model change the watch had recorded for it
+    registrations: Dict[int, _Registrations] = field(default_factory=dict)  # id(module) -> its registrations, for
+    # every module under those states
+
+
+def _init_keeping_initialized(init: Callable[[], None], module: nn.Module, plan: Plan,
+                              just_materialized: AbstractSet[int] = frozenset()) -> None:
+    """Run ``init()`` (``module.reset_parameters()`` or ``param_init_fn(module)``) so that it
+    changes only the tensors of ``module``'s subtree that are on meta or whose ids are in
+    ``just_materialized``. Every other parameter and buffer of the subtree (ignored modules
+    and parameters aside; children sharded by earlier calls included) is put back afterwards,
+    also when ``init`` raises: the same object under each of its names (``init`` may have
+    registered new ones), its original ``.data`` (``to_empty`` swaps it, which would cut a
+    sharded parameter loose from its flat shard) and its value (in-place inits)."""
+    snapshot = _snapshot(module, plan, just_materialized)
+    try:
+        init()
+    finally:
+        _put_back(snapshot)
+
+
+def _snapshot(module: nn.Module, plan: Plan, just_materialized: AbstractSet[int]) -> _Snapshot:
+    """Only the kept tensors are copied (in the single-call ``.modules()`` order a parent's
+    descendants are still on meta when it is reset, so there are few)."""
+    kept: Dict[int, _Kept] = {}
+    snapshot = _Snapshot()
+    for sub in module.modules():
+        state = _get_module_state(sub, _FSDPState)
+        if state is not None and state.module is sub:  # fully sharded by an earlier call
+            snapshot.changes.append((state, state.model_change))
+            snapshot.registrations.update((id(m), _registrations(m)) for m in sub.modules())
+        if sub in plan.ignored_modules:
+            continue
+        tensors: List[Tuple[str, torch.Tensor]] = [
+            (n, p) for n, p in sub.named_parameters(recurse=False, remove_duplicate=False) if p not in plan.ignored_params]
+        tensors += list(sub.named_buffers(recurse=False, remove_duplicate=False))
+        for name, t in tensors:
+            if t.is_meta or id(t) in just_materialized:
+                continue
+            if id(t) not in kept:
+                kept[id(t)] = _Kept(t, t.data, t.detach().clone(), [])
+            kept[id(t)].names.append((sub, name))
+    snapshot.kept = list(kept.values())
+    return snapshot
+
+
+def _put_back(snapshot: _Snapshot) -> None:
+    """Restore what :func:`_snapshot` recorded. A sharded child's parameter that ``init``
+    replaced is registered again, which the watch (torch's registration hooks) had already
+    recorded as a model change: that record is dropped when every registration under the
+    child is as before; any other change (a parameter or module added) is still raised."""
     with torch.no_grad():
-        kept = [(t, t.detach().clone()) for _, t in tensors if id(t) not in just_materialized]
-        module.reset_parameters()  # type: ignore[operator]  # presence checked at plan time
-        for t, value in kept:
-            t.copy_(value)
+        for k in snapshot.kept:
+            for owner, name in k.names:
+                if getattr(owner, name, None) is not k.tensor:
+                    setattr(owner, name, k.tensor)
+            if not _same_view(k.tensor.data, k.data):
+                k.tensor.data = k.data
+            k.tensor.copy_(k.value)
+    for state, change in snapshot.changes:
+        if state.model_change != change and state.module is not None and all(
+                _registrations(m) == snapshot.registrations.get(id(m)) for m in state.module.modules()):
+            state.model_change = change
+
+
+def _registrations(module: nn.Module) -> _Registrations:
+    return ([(n, id(p)) for n, p in module.named_parameters(recurse=False, remove_duplicate=False)],
+            [(n, id(c)) for n, c in module.named_children()])
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True if ``a`` and ``b`` view the same elements of the same storage."""
+    return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.device == b.device
+            and a.dtype == b.dtype and a.storage_offset() == b.storage_offset()
+            and a.shape == b.shape and a.stride() == b.stride())
 
 
 def _raise_if_meta_left(plan: Plan) -> None:
@@ -528,7 +647,8 @@ def apply_plan(plan: Plan, root_state: _FSDPState, groups: Dict[ShardingStrategy
             mp: Optional[MixedPrecision] = target.config["mixed_precision"]
             state.handle = FlatParamHandle(target.params, target.module, target.fqn, rank=target_groups.rank,
                                            world_size=target_groups.world_size, compute_device=plan.compute_device,
-                                           param_dtype=mp.param_dtype if mp is not None else None)
+                                           param_dtype=mp.param_dtype if mp is not None else None,
+                                           full_precision_classes=full_precision_classes(mp))
             state.handle.state = state
         finish_target(target.module, state)
         _FULLY_SHARDED_MODULES.add(target.module)

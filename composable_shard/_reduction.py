@@ -132,7 +132,8 @@ class Reduction:
 
 def _reduce_dtype(state: _FSDPState, group: FlatGroup) -> torch.dtype:
     mp = state.mixed_precision
-    if mp is not None and mp.effective_reduce_dtype is not None and group.compute_dtype.is_floating_point:
+    if (mp is not None and mp.effective_reduce_dtype is not None and group.compute_dtype.is_floating_point
+            and not group.full_precision):
         return mp.effective_reduce_dtype
     return group.compute_dtype
 

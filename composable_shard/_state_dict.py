@@ -44,9 +44,10 @@ from ._unshard_params import check_between_steps
 from .api import FullStateDictConfig, ShardedStateDictConfig, StateDictType
 
 __all__ = ["state_dict_type", "get_model_state_dict", "set_model_state_dict", "register_state_dict_hooks",
-           "check_model_state_dict", "managed_params", "Managed", "full_values", "global_rank"]
+           "check_model_state_dict", "managed_params", "Managed", "full_values", "global_rank", "register_buffer_dtypes"]
 
 _REGISTRY_KEY = "_composable_shard_state_dict"  # in a registration module's __dict__: {param name: Managed}
+_BUFFER_DTYPES_KEY = "_composable_shard_buffer_dtypes"  # in a module's __dict__: {buffer name: dtype before buffer_dtype}
 _OWNER_KEY = "_composable_shard_state_dict_owner"  # in an owner's __dict__: its _FSDPState
 
 
@@ -124,6 +125,13 @@ def _install_hooks(module: nn.Module) -> None:
     module.register_load_state_dict_pre_hook(_pre_load_state_dict)
 
 
+def register_buffer_dtypes(module: nn.Module, original: Dict[str, torch.dtype]) -> None:
+    """Buffers of ``module`` cast by ``MixedPrecision(buffer_dtype=...)``: ``state_dict()``
+    returns them in these original dtypes (see [Note: Buffer dtype] in ``_mixed_precision.py``)."""
+    module.__dict__.setdefault(_BUFFER_DTYPES_KEY, {}).update(original)
+    _install_hooks(module)
+
+
 def managed_params(module: nn.Module) -> Dict[str, Managed]:
     """``module``'s own registered parameters that a handle owns, by name."""
     return module.__dict__.get(_REGISTRY_KEY, {})  # type: ignore[no-any-return]
@@ -195,6 +203,10 @@ def _post_state_dict(module: nn.Module, state_dict: Dict[str, Any], prefix: str,
     global _DEPTH
     _DEPTH = max(_DEPTH - 1, 0)
     try:
+        for name, dtype in module.__dict__.get(_BUFFER_DTYPES_KEY, {}).items():
+            value = state_dict.get(prefix + name)
+            if isinstance(value, torch.Tensor) and value.dtype != dtype:
+                state_dict[prefix + name] = value.detach().to(dtype)
         registry = managed_params(module)
         if registry:
             check_between_steps(list({id(m.state): m.state for m in registry.values()}.values()), "state_dict()")
@@ -348,12 +360,13 @@ def _expected_entries(module: nn.Module) -> Dict[str, _Expected]:
     for path, m in module.named_modules(remove_duplicate=False):
         prefix = path + "." if path else ""
         registry = managed_params(m)
+        cast = m.__dict__.get(_BUFFER_DTYPES_KEY, {})  # state dicts hold these in their original dtype
         for name, p in m._parameters.items():
             if p is not None:
                 entries[prefix + name] = _Expected(registry[name].shape if name in registry else p.shape, p.dtype)
         for name, b in m._buffers.items():
             if b is not None and name not in m._non_persistent_buffers_set:
-                entries[prefix + name] = _Expected(b.shape, b.dtype)
+                entries[prefix + name] = _Expected(b.shape, cast.get(name, b.dtype))
         if type(m).get_extra_state is not nn.Module.get_extra_state:
             entries[prefix + "_extra_state"] = _Expected(None, None)
     return entries

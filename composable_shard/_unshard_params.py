@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from . import _collectives
 from ._common_utils import HandleTrainingState, TrainingState, _FSDPState
-from ._flat_param import FlatGroup, FlatParamHandle
+from ._flat_param import FlatGroup, FlatParamHandle, set_grad_of_any_shape
 from ._runtime_utils import recover_interrupted_backward
 from ._torch_compat import is_in_backward
 from ._validation import check_bool
@@ -206,4 +206,7 @@ def _restore(item: _Summoned, writeback: bool) -> None:
         p.grad = None
     handle._point_params_at_shard(group)
     for p, grad in zip(group.orig_params, item.saved_grads):
-        p.grad = grad
+        if grad is None:
+            p.grad = None
+        else:
+            set_grad_of_any_shape(p, grad)  # a low-precision or placeholder-held gradient as it was

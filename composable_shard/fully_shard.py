@@ -23,6 +23,7 @@ import torch.nn as nn
 from . import _collectives
 from ._common_utils import FSDP_API_NAME, _FSDPState
 from ._init_utils import apply_plan, plan_fully_shard, resolve_groups
+from ._mixed_precision import apply_mixed_precision
 from ._validation import check_bool, check_fully_shard_arguments, check_real
 from ._runtime_utils import register_runtime_hooks, reshard_handle, wait_unshard
 from ._state_dict import check_model_state_dict, register_state_dict_hooks
@@ -167,26 +168,18 @@ def fully_shard(
                   backward_prefetch=backward_prefetch, limit_all_gathers=limit_all_gathers)
     kwargs = check_fully_shard_arguments(module, kwargs)
     plan = plan_fully_shard(module, kwargs)
-    for target in plan.targets:  # a policy may override mixed_precision/cpu_offload per module
-        _reject_unbuilt(target.config["mixed_precision"], target.config["cpu_offload"], device_id)
+    for target in plan.targets:  # a policy may override cpu_offload per module
+        _reject_unbuilt(target.config["cpu_offload"], plan.compute_device)
     groups = {s: resolve_groups(s, process_group, mesh) for s in plan.strategies}
     apply_plan(plan, fully_shard.state(module), groups, _FSDPState, _finish_target)  # type: ignore[arg-type]  # state set by contract
     return module
 
 
-def _reject_unbuilt(mixed_precision: Optional[MixedPrecision], cpu_offload: Optional[CPUOffload],
-                    device_id: Union[int, torch.device, None]) -> None:
+def _reject_unbuilt(cpu_offload: Optional[CPUOffload], compute_device: torch.device) -> None:
     """Options API.md names whose runtime is not built yet raise instead of being ignored."""
-    if mixed_precision is not None and mixed_precision.keep_low_precision_grads:
-        raise NotImplementedError("fully_shard: MixedPrecision(keep_low_precision_grads=True) is not supported yet; "
-                                  "gradients are returned in the parameters' dtype.")
-    if mixed_precision is not None and mixed_precision.buffer_dtype is not None:
-        raise NotImplementedError("fully_shard: MixedPrecision(buffer_dtype=...) is not supported yet; cast the "
-                                  "buffers yourself (module.to(dtype) on the buffer's module) or leave it None.")
-    on_accelerator = device_id is not None and not (isinstance(device_id, torch.device) and device_id.type == "cpu")
-    if cpu_offload is not None and cpu_offload.offload_params and (on_accelerator or torch.cuda.is_available()):
-        raise NotImplementedError("fully_shard: CPUOffload(offload_params=True) with an accelerator is not supported "
-                                  "yet; on CPU-only runs shards already live on the CPU.")
+    if cpu_offload is not None and cpu_offload.offload_params and compute_device.type != "cpu":
+        raise NotImplementedError(f"fully_shard: CPUOffload(offload_params=True) with the compute device {compute_device} "
+                                  "is not supported yet; with a CPU compute device shards already live on the CPU.")
 
 
 def _finish_target(module: nn.Module, state: _FSDPState) -> None:
@@ -197,6 +190,7 @@ def _finish_target(module: nn.Module, state: _FSDPState) -> None:
     make_subclass(module, "FSDP", FSDPModule)
     register_runtime_hooks(state, module)
     register_state_dict_hooks(state)
+    apply_mixed_precision(state, module)
 
 
 def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -137,10 +137,6 @@ def _errors() -> None:
     _expect(lambda: fully_shard(model, strategy="FULL_SHARD"), TypeError, "ShardingStrategy")
     _expect(lambda: fully_shard(model, strategy=ShardingStrategy.HYBRID_SHARD), ValueError, "hybrid")
     _expect(lambda: fully_shard(model, ignored_states=[model.weight, model]), ValueError, "ignored_states")
-    _expect(lambda: fully_shard(model, mixed_precision=MixedPrecision(buffer_dtype=torch.bfloat16)),
-            NotImplementedError, "buffer_dtype")
-    _expect(lambda: fully_shard(model, mixed_precision=MixedPrecision(keep_low_precision_grads=True)),
-            NotImplementedError, "keep_low_precision_grads")
     _assert_unchanged(before, model)
     fully_shard(model)  # and a correct call still works afterwards
     model(torch.randn(2, 4)).sum().backward()

@@ -145,6 +145,20 @@ def _custom_policy_override_subtest(root: ShardingStrategy, override: ShardingSt
     assert_params_close(_full_params(by_policy), list(reference.named_parameters()), what=f"{what} vs local")
 
 
+def _cpu_offload_subtest() -> None:
+    """CPUOffload(offload_params=True) with a CPU compute device is accepted and trains like
+    local training (shards, gradients and optimizer state all live on the CPU)."""
+    from composable_shard import CPUOffload
+
+    reference = make_model()
+    expected_losses = reference_training(reference, STEPS, dist.get_world_size())
+    model = make_model()
+    _apply(model, "policy", ShardingStrategy.FULL_SHARD, cpu_offload=CPUOffload(offload_params=True))
+    assert fully_shard.state(model).cpu_offload.offload_params
+    assert_losses_close(distributed_training(model, STEPS), expected_losses, what="[cpu_offload]")
+    assert_params_close(_full_params(model), list(reference.named_parameters()), what="[cpu_offload]")
+
+
 def _parity(strategies: List[ShardingStrategy]) -> None:
     run_subtests(_parity_subtest, {"strategy": strategies, "annotation": ["manual", "policy"],
                                    "forward_prefetch": [False, True]})
@@ -157,6 +171,7 @@ def _parity(strategies: List[ShardingStrategy]) -> None:
             ShardingStrategy.NO_SHARD, ShardingStrategy.SHARD_GRAD_OP]})
         run_subtests(_custom_policy_override_subtest, {"root": [ShardingStrategy.NO_SHARD],
                                                        "override": [ShardingStrategy.FULL_SHARD]})
+        _cpu_offload_subtest()
 
 
 _ALL = [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD,

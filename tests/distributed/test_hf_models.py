@@ -416,6 +416,51 @@ def _generate_and_export(kind: str) -> None:
         shutil.rmtree(path[0])
 
 
+def _safetensors_export(kind: str) -> None:
+    """export_safetensors after a training step: the directory holds only safetensors and
+    JSON (nothing to unpickle); the model class's from_pretrained and a plain model loading
+    safetensors.torch.load_file strictly both get the sharded model's full state dict bit for
+    bit (GPT-2's tied head included)."""
+    import os
+
+    from safetensors.torch import load_file
+
+    from composable_shard import export_safetensors
+
+    model = _shard(_build(kind), "manual")
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _local_loss(model, _ids(0)).backward()
+    optim.step()
+    expected = get_model_state_dict(model)
+    base = [tempfile.mkdtemp(prefix="cs_hf_export_") if dist.get_rank() == 0 else ""]
+    dist.broadcast_object_list(base)
+    path = os.path.join(base[0], "export")
+    export_safetensors(path, model)
+    files = sorted(os.listdir(path))
+    assert all(f.endswith((".safetensors", ".json")) for f in files), files
+    assert any(f.endswith(".safetensors") for f in files) and "config.json" in files, files
+    loaded = _model_class(kind).from_pretrained(path)
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, expected[name]) and value.dtype == expected[name].dtype, (kind, name)
+    weights: Dict[str, torch.Tensor] = {}
+    for f in files:
+        if f.endswith(".safetensors"):
+            weights.update(load_file(os.path.join(path, f)))
+    plain = _build(kind)
+    plain.load_state_dict(weights, strict=True)
+    for name, value in plain.state_dict().items():
+        assert torch.equal(value, expected[name]), (kind, name)
+    try:
+        export_safetensors(path, model)
+    except RuntimeError as e:
+        assert "already exists" in str(e), e
+    else:
+        raise AssertionError("exporting into an existing directory must raise")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(base[0])
+
+
 _SCENARIOS: Dict[str, Callable[[], None]] = {
     "activation_checkpointing": lambda: (
         run_subtests(_activation_checkpointing, {"kind": ["gpt2", "llama", "qwen2", "bert"], "way": _AC_WAYS}),
@@ -429,7 +474,8 @@ _SCENARIOS: Dict[str, Callable[[], None]] = {
                           run_subtests(_failed_backward, {"kind": ["gpt2", "llama"]}),
                           _unused_head(), _bounded_memory()),
     "composable": lambda: (_tied_under_policy(), run_subtests(_meta_init, {"kind": ["gpt2", "llama"]})),
-    "checkpoint": lambda: run_subtests(_checkpoint, {"kind": ["gpt2", "llama"]}),
+    "checkpoint": lambda: (run_subtests(_checkpoint, {"kind": ["gpt2", "llama"]}),
+                           run_subtests(_safetensors_export, {"kind": ["gpt2", "llama"]})),
 }
 
 

@@ -1,0 +1,118 @@
+"""The parts of ``MixedPrecision`` beyond casting parameters: modules kept in full precision,
+buffers in ``buffer_dtype``, and gradients kept in ``param_dtype``.
+
+[Note: Modules kept in full precision]
+  Modules of ``MixedPrecision._module_classes_to_ignore`` (``_BatchNorm`` by default) compute
+  in their parameters' own dtype whatever the handle's ``param_dtype``: their parameters form a
+  separate flat group of the handle whose compute dtype is the parameters' dtype (see
+  ``FlatParamHandle``'s ``full_precision_classes``), or, under a policy, a handle of their own
+  without mixed precision (``_init_utils._select_targets``). A forward pre-hook casts their
+  floating inputs up to that dtype and a forward hook casts floating outputs back to the dtype
+  the first floating input had, so the surrounding low-precision computation is unchanged.
+  Their buffers (running statistics) are never cast.
+
+[Note: Buffer dtype]
+  ``buffer_dtype`` casts the floating buffers of the modules a handle owns (not of modules
+  kept in full precision) once, when ``fully_shard`` is applied; they stay in that dtype, as
+  torch's FSDP keeps them. ``state_dict()`` returns each in its original dtype (the dtype is
+  recorded per module, see ``_state_dict.register_buffer_dtypes``); loading copies into the
+  cast buffer.
+
+[Note: Low-precision gradients]
+  ``keep_low_precision_grads=True`` leaves each original parameter's ``.grad`` in the handle's
+  compute dtype (``param_dtype``) after the reduction, instead of casting it to the
+  parameter's dtype: the optimizer then sees low-precision gradients, as with torch's FSDP.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from ._common_utils import _FSDPState
+from ._state_dict import register_buffer_dtypes
+from ._tree_utils import convert
+
+__all__ = ["apply_mixed_precision", "full_precision_classes"]
+
+_HOOKED = "_composable_shard_full_precision_hooks"  # in a module's __dict__: hooks registered
+
+
+def full_precision_classes(state_or_mp: Any) -> Tuple[type, ...]:
+    """The module classes kept in full precision under ``state_or_mp``'s mixed precision (a
+    state or a ``MixedPrecision``); ``()`` when neither parameters nor buffers are cast."""
+    mp = getattr(state_or_mp, "mixed_precision", state_or_mp)
+    if mp is None or (mp.param_dtype is None and mp.buffer_dtype is None):
+        return ()
+    return tuple(mp._module_classes_to_ignore)
+
+
+def apply_mixed_precision(state: _FSDPState, module: nn.Module) -> None:
+    """Called by ``fully_shard`` once per fully sharded module, after its handle is built."""
+    mp = state.mixed_precision
+    if mp is None:
+        return
+    if state.handle is not None:
+        state.handle.keep_low_precision_grads = bool(mp.keep_low_precision_grads)
+    classes = full_precision_classes(mp)
+    if classes:
+        for m in module.modules():
+            if isinstance(m, classes):
+                _keep_full_precision(m)
+    if mp.buffer_dtype is not None:
+        from ._runtime_utils import _owned_modules  # the runtime owns the ownership rule
+
+        for _, m in _owned_modules(state, module):
+            if not isinstance(m, classes):
+                _cast_buffers(m, mp.buffer_dtype)
+
+
+def _module_dtype(module: nn.Module) -> Optional[torch.dtype]:
+    for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+        if t.is_floating_point():
+            return t.dtype
+    return None
+
+
+def _keep_full_precision(module: nn.Module) -> None:
+    """The cast hooks of [Note: Modules kept in full precision] (once per module)."""
+    if module.__dict__.get(_HOOKED):
+        return
+    module.__dict__[_HOOKED] = True
+    input_dtypes: List[Optional[torch.dtype]] = []  # a stack: a module may be called re-entrantly
+
+    def pre_hook(mod: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+        dtype = _module_dtype(mod)
+        first: List[torch.dtype] = []
+
+        def up(t: torch.Tensor) -> torch.Tensor:
+            if not t.is_floating_point():
+                return t
+            if not first:
+                first.append(t.dtype)
+            return t.to(dtype) if dtype is not None and t.dtype != dtype else t
+
+        args, kwargs = convert(args, up), convert(kwargs, up)
+        input_dtypes.append(first[0] if first else None)
+        return args, kwargs
+
+    def post_hook(mod: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> Any:
+        dtype = input_dtypes.pop() if input_dtypes else None
+        if dtype is None:
+            return output
+        return convert(output, lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t)
+
+    module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    module.register_forward_hook(post_hook, with_kwargs=True)
+
+
+def _cast_buffers(module: nn.Module, dtype: torch.dtype) -> None:
+    original: Dict[str, torch.dtype] = {}
+    for name, buf in list(module._buffers.items()):
+        if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
+            original[name] = buf.dtype
+            module._buffers[name] = buf.to(dtype)
+    if original:
+        register_buffer_dtypes(module, original)
