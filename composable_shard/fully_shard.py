@@ -209,6 +209,12 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     max_norm = _check_clip_arguments(max_norm, norm_type)
     norm_type = float(norm_type)
     states = _get_fsdp_states(module)
+    unsynced = [s.describe() for s in states if s.handle is not None
+                and any(v is not None for g in s.handle.groups for v in g.unsynced_views)]
+    if unsynced:  # checked identically on every rank: sync flags and backwards match across ranks
+        raise RuntimeError(f"clip_grad_norm_ between backwards without gradient sync ({', '.join(unsynced)}): "
+                           ".grad holds each rank's own unreduced gradient, whose norm is not the global one. "
+                           "Clip after the synced backward (set_requires_gradient_sync(True)).")
     sharded = {id(p) for s in states if s.handle is not None for g in s.handle.groups for p in g.orig_params}
     params = [p for p in module.parameters() if p.grad is not None]
     sharded_grads = [p.grad for p in params if id(p) in sharded]

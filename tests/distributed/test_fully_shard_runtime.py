@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from composable_shard import BackwardPrefetch, ShardingStrategy, fully_shard, unshard_params
+from composable_shard import BackwardPrefetch, ShardingStrategy, clip_grad_norm_, fully_shard, unshard_params
 from composable_shard._collectives import record_collectives
 from composable_shard._traversal_utils import _get_fsdp_handles
 from tests._harness import run_distributed, run_subtests
@@ -343,6 +343,8 @@ def _unsynced_grads_visible(strategy: ShardingStrategy, user_action: str) -> Non
             with pytest.raises(RuntimeError, match="already is this rank's full-shape accumulated local gradient"):
                 with unshard_params(model, with_grads=True):
                     pass
+            with pytest.raises(RuntimeError, match="clip_grad_norm_ between backwards without gradient sync"):
+                clip_grad_norm_(model, 1.0)
         if step == 1 and user_action == "scale":
             for m in (model, local):
                 for p in m.parameters():
