@@ -215,6 +215,18 @@ def _publish(tmp: str, path: str) -> str:
     return ""
 
 
+def _claim_new_directory(path: str, api: str, advice: str) -> str:
+    """Collective: raise on every rank if ``path`` exists (rank 0 decides); else return, on
+    every rank, the fresh temporary sibling rank 0 drew, to write into and publish as ``path``."""
+    error, tmp = "", ""
+    if _rank() == 0:
+        tmp = f"{path}.tmp-{secrets.token_hex(6)}"
+        if os.path.exists(path):
+            error = f"{path} already exists; {advice}"
+    _raise_from_rank0(error, api)
+    return _from_rank0(tmp)
+
+
 def _verify(path: str) -> str:
     """Rank 0: every file of ``path`` matches ``checksums.json``. Returns an error or ''."""
     listing = os.path.join(path, CHECKSUMS)
@@ -261,14 +273,8 @@ def save_checkpoint(path: str, model: nn.Module, optim: Optional[torch.optim.Opt
     """
     path = os.path.abspath(os.fspath(path))
     api = "save_checkpoint"
-    error, tmp = "", ""
-    if _rank() == 0:
-        tmp = f"{path}.tmp-{secrets.token_hex(6)}"
-        if os.path.exists(path):
-            error = (f"{path} already exists; a published checkpoint is never written into. Save each "
-                     "checkpoint to a new directory (e.g. one per step).")
-    _raise_from_rank0(error, api)
-    tmp = _from_rank0(tmp)
+    tmp = _claim_new_directory(path, api, "a published checkpoint is never written into. Save each checkpoint to a "
+                                          "new directory (e.g. one per step).")
     dcp.save(_training_state(model, optim), checkpoint_id=tmp)
     _raise_from_rank0(_publish(tmp, path) if _rank() == 0 else "", api)
 
@@ -351,18 +357,16 @@ def export_safetensors(path: str, model: nn.Module) -> None:
     """
     path = os.path.abspath(os.fspath(path))
     api = "export_safetensors"
-    error, tmp = "", ""
+    missing = ""
     if _rank() == 0:
-        tmp = f"{path}.tmp-{secrets.token_hex(6)}"
-        if os.path.exists(path):
-            error = f"{path} already exists; export to a new directory."
-        else:
-            try:
-                import safetensors  # noqa: F401  # DCP's Hugging Face storage writes through it
-            except ImportError:
-                error = "needs the safetensors package (pip install safetensors; transformers installs it)."
-    _raise_from_rank0(error, api)
+        try:
+            import safetensors  # noqa: F401  # DCP's Hugging Face storage writes through it
+        except ImportError:
+            missing = "needs the safetensors package (pip install safetensors; transformers installs it)."
+    _raise_from_rank0(missing, api)
+    tmp = _claim_new_directory(path, api, "export to a new directory.")
     state = get_model_state_dict(model, rank0_only=True, cpu_offload=True)  # collective
+    error = ""
     if _rank() == 0:
         error = _write_safetensors(tmp, model, state)
         if not error:

@@ -75,7 +75,8 @@ def split_boxes(shape: Sequence[int], start: int, end: int, world_size: int) -> 
     """:func:`boxes_of_range` of ``[start, end)`` cut first at the boundaries of an even row
     split among ``world_size`` ranks, so no box holds more than one part's rows (see
     [Note: Boxes DCP handles without copies])."""
-    boxes_of_range(shape, start, end)  # checks the range
+    if start == end:
+        return boxes_of_range(shape, start, end)  # (checks the range; each piece below checks its own)
     part = part_numel(shape, world_size)
     boxes: List[Box] = []
     lo = start

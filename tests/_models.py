@@ -102,6 +102,13 @@ def reference_training(model: nn.Module, steps: int, world_size: int, lr: float 
     return losses
 
 
+def global_mean(loss: torch.Tensor) -> float:
+    """The mean of ``loss`` over all ranks (one all-reduce)."""
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()
+
+
 def distributed_training(model: nn.Module, steps: int, lr: float = 1e-2,
                          before_step: Callable[[int], None] = lambda step: None) -> List[float]:
     """AdamW on each rank's rows; returns the global mean loss of each step."""
@@ -115,9 +122,7 @@ def distributed_training(model: nn.Module, steps: int, lr: float = 1e-2,
         loss.backward()
         optim.step()
         optim.zero_grad()
-        global_loss = loss.detach().clone()
-        dist.all_reduce(global_loss)
-        losses.append(global_loss.item() / world_size)
+        losses.append(global_mean(loss))
     return losses
 
 

@@ -18,7 +18,8 @@ import torch.nn as nn
 from composable_shard import ModuleWrapPolicy, ShardingStrategy, fully_shard, unshard_params
 from tests._harness import run_distributed, run_subtests
 from tests._models import (Block, Scale, assert_losses_close, assert_params_close, batch, distributed_training,
-                           local_backward, local_rows, loss_fn, make_model, reference_grads, reference_training)
+                           global_mean, local_backward, local_rows, loss_fn, make_model, reference_grads,
+                           reference_training)
 
 STEPS = 5
 
@@ -137,8 +138,7 @@ def _custom_policy_override_subtest(root: ShardingStrategy, override: ShardingSt
             loss.backward()
             optim.step()
             optim.zero_grad()
-            dist.all_reduce(loss := loss.detach().clone())
-            losses.append(loss.item() / world_size)
+            losses.append(global_mean(loss))
         assert losses[0] == losses[1], f"{what} step {step}: loss {losses[0]} by policy, {losses[1]} by hand"
         assert abs(losses[0] - expected_losses[step]) <= 1e-5, f"{what} step {step}: {losses[0]} vs local {expected_losses[step]}"
         assert_params_close(_full_params(by_policy), _full_params(by_hand), atol=0.0, what=f"{what} step {step}")

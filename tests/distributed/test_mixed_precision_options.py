@@ -17,6 +17,7 @@ import torch.nn as nn
 from composable_shard import MixedPrecision, ModuleWrapPolicy, fully_shard, unshard_params
 from composable_shard._traversal_utils import _get_fsdp_handles
 from tests._harness import run_distributed, run_subtests
+from tests._models import global_mean
 
 BF16 = torch.bfloat16
 STEPS = 3
@@ -69,9 +70,7 @@ def _train(model: nn.Module, steps: int, rows_per_rank: int = 4) -> List[float]:
         loss.backward()
         optim.step()
         optim.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world_size)
+        losses.append(global_mean(loss))
     return losses
 
 

@@ -29,7 +29,7 @@ from composable_shard import (FullStateDictConfig, MixedPrecision, ModuleWrapPol
                               unshard_params)
 from composable_shard._traversal_utils import _get_fsdp_handles
 from tests._harness import run_distributed, run_subtests
-from tests._models import Block, Scale, distributed_training, loss_fn, make_model, reference_training
+from tests._models import Block, Scale, distributed_training, global_mean, loss_fn, make_model, reference_training
 
 CONFIGS = ["manual", "policy", "submodules", "mixed_strategy", "frozen_block", "replicate_mixed", "bf16"]
 
@@ -246,9 +246,7 @@ def _train(model: nn.Module, optim: torch.optim.Optimizer, steps: range) -> List
         loss.backward()
         optim.step()
         optim.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world_size)
+        losses.append(global_mean(loss))
     return losses
 
 
