@@ -236,7 +236,8 @@ class FlatParamHandle:
         self.before_unsharded_grad: Optional[Callable[[], None]] = None  # set by the runtime, see _SplitBackwardHook
         self.recomputes_in_backward: bool = False  # its forward runs again in backward (activation checkpointing)
         self.states_before_recompute: List[HandleTrainingState] = []  # pushed per recomputed forward in progress
-        self.state: Optional[Any] = None  # the owning _FSDPState (set by fully_shard; for unshard())
+        self.state: Optional[Any] = None  # the owning _FSDPState (set by fully_shard)
+        self.unshard_fn: Optional[Callable[[], None]] = None  # the runtime's unshard of this handle (set with its hooks)
         self.keep_low_precision_grads: bool = False  # .grad in the compute dtype (see _mixed_precision.py)
         self._build(params, module, module_fqn, param_dtype, tuple(full_precision_classes))
 
@@ -404,11 +405,9 @@ class FlatParamHandle:
     def unshard(self) -> None:
         """All-gather every group (through the runtime, which owns collectives and streams)
         and install unsharded views. Pre: owned by a fully sharded module."""
-        from ._runtime_utils import wait_unshard  # the runtime imports this module
-
-        if self.state is None:
+        if self.unshard_fn is None:
             raise RuntimeError(f"{self!r} is not owned by a fully sharded module")
-        wait_unshard(self.state, self)
+        self.unshard_fn()
 
     def reshard(self, free: bool = True) -> None:
         """Original parameters back in the slots; if ``free``, release unsharded storage.

@@ -33,6 +33,7 @@ import torch.nn as nn
 
 from ._common_utils import _FSDPState
 from ._state_dict import register_buffer_dtypes
+from ._traversal_utils import owned_modules
 from ._tree_utils import convert
 
 __all__ = ["apply_mixed_precision", "full_precision_classes"]
@@ -62,9 +63,7 @@ def apply_mixed_precision(state: _FSDPState, module: nn.Module) -> None:
             if isinstance(m, classes):
                 _keep_full_precision(m)
     if mp.buffer_dtype is not None:
-        from ._runtime_utils import _owned_modules  # the runtime owns the ownership rule
-
-        for _, m in _owned_modules(state, module):
+        for _, m in owned_modules(state, module):
             if not isinstance(m, classes):
                 _cast_buffers(m, mp.buffer_dtype)
 

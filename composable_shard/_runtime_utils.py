@@ -69,7 +69,7 @@ from ._reduction import (attach_reduced_grads, discard_reductions, finish_reduct
                          release_earlier_reductions)
 from ._streams import Streams
 from ._torch_compat import is_in_backward, queue_backward_callback
-from ._traversal_utils import _composable, _get_fsdp_states
+from ._traversal_utils import _get_fsdp_states, owned_modules
 from ._tree_utils import convert, tensors_in
 from .contract import _get_registry
 from .api import BackwardPrefetch, ShardingStrategy
@@ -161,7 +161,7 @@ def lazy_init(state: _FSDPState) -> None:
     for s in states:
         if s.handle is not None and s.module is not None:
             s.handle.recomputes_in_backward |= any("checkpoint" in (_get_registry(m) or {})
-                                                   for _, m in _owned_modules(s, s.module))
+                                                   for _, m in owned_modules(s, s.module))
     state.handle_states = {id(s.handle): s for s in states if s.handle is not None}
     state.streams = Streams(state.compute_device)
     for s in states:
@@ -615,6 +615,7 @@ def register_runtime_hooks(state: _FSDPState, module: nn.Module) -> None:
             if group.requires_grad:
                 _register_post_backward(state, handle, group)
         handle.before_unsharded_grad = functools.partial(_before_unsharded_grad, state, handle)
+        handle.unshard_fn = functools.partial(wait_unshard, state, handle)
     _track_modules(state, module)
 
 
@@ -647,19 +648,4 @@ def _track_modules(state: _FSDPState, module: nn.Module) -> None:
                 slots.setdefault(id(info.module), {})[info.param_name] = p
             for sinfo in fp._shared_param_infos:
                 slots.setdefault(id(sinfo.module), {})[sinfo.param_name] = group.orig_params[sinfo.prim_param_index]
-    _watch.track(state, _owned_modules(state, module), slots)
-
-
-def _owned_modules(state: _FSDPState, module: nn.Module) -> List[Tuple[str, nn.Module]]:
-    """Modules of ``module``'s subtree that this state's handle (not a nested one, not
-    ``replicate``, not an ignored module) is responsible for."""
-    owned: List[Tuple[str, nn.Module]] = []
-    stack: List[Tuple[str, nn.Module]] = [("", module)]
-    while stack:
-        name, m = stack.pop()
-        if m is not module and (not _composable(m) or m in state.ignored_modules):
-            continue
-        owned.append((name, m))
-        stack.extend((f"{name}.{n}" if name else n, c) for n, c in m.named_children())
-    return owned
-
+    _watch.track(state, owned_modules(state, module), slots)

@@ -18,7 +18,7 @@ from .contract import _get_module_state, _get_registry
 if TYPE_CHECKING:
     from ._flat_param import FlatParamHandle
 
-__all__ = ["_composable", "_get_fsdp_states", "_get_fsdp_states_with_modules", "_get_fsdp_handles"]
+__all__ = ["_composable", "owned_modules", "_get_fsdp_states", "_get_fsdp_states_with_modules", "_get_fsdp_handles"]
 
 # APIs whose subtrees fully_shard leaves alone (their parameters are theirs to manage).
 _NON_COMPOSABLE_APIS = frozenset({"replicate"})
@@ -64,3 +64,18 @@ def _get_fsdp_states(module: nn.Module) -> List[_FSDPState]:
 def _get_fsdp_handles(module: nn.Module) -> List["FlatParamHandle"]:
     """Every handle in the tree of ``module``, DFS order (states without a handle skipped)."""
     return [s.handle for s in _get_fsdp_states(module) if s.handle is not None]
+
+
+def owned_modules(state: _FSDPState, module: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """Modules of ``module``'s subtree that this state's handle (not a nested one, not
+    ``replicate``, not an ignored module) is responsible for."""
+    owned: List[Tuple[str, nn.Module]] = []
+    stack: List[Tuple[str, nn.Module]] = [("", module)]
+    while stack:
+        name, m = stack.pop()
+        if m is not module and (not _composable(m) or m in state.ignored_modules):
+            continue
+        owned.append((name, m))
+        stack.extend((f"{name}.{n}" if name else n, c) for n, c in m.named_children())
+    return owned
+
