@@ -46,6 +46,25 @@ the flat buffer, and a non-reentrant one saves the same tensors as the original 
   that parameter's sum (``zero_grad()``), another tensor replaces it; then ``.grad`` is what
   it was before the views, so the synced path above adds it.
 
+[Note: CPU offload]  ``CPUOffload(offload_params=True)``: each shard (``flat_param``) lives on the
+CPU, pinned when the compute device is a GPU, so the original parameters, their ``.grad`` views
+and the optimizer's state are CPU tensors and the optimizer steps on the CPU.
+* Unshard: the shard is copied to the compute device (``non_blocking`` from pinned memory, on
+  the compute stream, which the all-gather stream then waits for) and gathered from there;
+  the copy lives until the gather is waited. The unsharded buffer never aliases the shard.
+* Reduce: the averaged gradient shard (on the compute device) is copied into a new host
+  buffer without waiting (``landing_grad``, an event recorded after the copy); the end of
+  backward waits for that event (a CPU sync, needed anyway before a CPU optimizer reads the
+  gradient) and only then accumulates it into ``.grad`` as above. Every earlier copy from a
+  pinned shard was queued on the same stream before that event, so by the time the optimizer
+  writes the shards no copy still reads them.
+* Collectives outside the step (``unshard_params``, full state dicts) copy the shard to the
+  compute device first: NCCL takes device tensors only.
+On a CPU compute device the copies are CPU to CPU and the events absent, but the same path runs
+(host buffer, accumulation at the end of backward), which is what the CPU tests check.
+``device_id`` moves buffers to the device but leaves offloaded parameters on the CPU, so the
+whole model never has to fit on the device.
+
 This file registers no hooks and issues no collectives: ``unshard()`` delegates to the
 runtime (``_runtime_utils.py``).
 """
@@ -62,6 +81,7 @@ import torch.nn as nn
 from . import _shard_math
 from ._common_utils import HandleTrainingState, _set_fsdp_flattened
 from . import _watch
+from ._streams import Streams
 from ._torch_compat import set_module_tensor, tensor_version
 
 __all__ = ["FlatParameter", "FlatParamHandle", "ParamInfo", "SharedParamInfo", "FlatGroup", "set_grad_of_any_shape"]
@@ -130,6 +150,8 @@ class FlatGroup:
     full_precision: bool = False  # a group of modules kept in full precision: no param/reduce cast
     unsynced_views: List[Optional[torch.Tensor]] = field(default_factory=list)  # per orig param: .grad showing unreduced_grad
     grads_before_views: List[Optional[torch.Tensor]] = field(default_factory=list)  # per orig param: .grad before that
+    landing_grad: Optional[torch.Tensor] = None  # offloaded: this backward's gradient shard being copied to the CPU
+    landing_event: Optional[Any] = None  # CUDA: recorded after that copy was issued (None on CPU)
 
     @property
     def sharded_grad(self) -> Optional[torch.Tensor]:
@@ -220,12 +242,15 @@ class FlatParamHandle:
         compute_device: torch.device,
         param_dtype: Optional[torch.dtype] = None,
         full_precision_classes: Tuple[type, ...] = (),
+        offload_params: bool = False,
     ) -> None:
         self.module: nn.Module = module  # the fully sharded module that owns this handle
         self.fqn: str = module_fqn  # its FQN (for messages)
         self.rank: int = rank  # rank in the shard group
         self.world_size: int = world_size  # shard group size
         self.compute_device: torch.device = compute_device  # where the unsharded buffer lives
+        self.offload_params: bool = offload_params  # shards and gradients on the CPU (see [Note: CPU offload])
+        self.shard_device: torch.device = torch.device("cpu") if offload_params else compute_device  # where shards live
         self.training_state: HandleTrainingState = HandleTrainingState.IDLE
         self.groups: List[FlatGroup] = []  # one per (dtype, requires_grad), first-seen order
         self.is_unsharded: bool = False  # True while module slots hold unsharded views
@@ -281,8 +306,8 @@ class FlatParamHandle:
         padded = _shard_math.padded_numel(total, self.world_size)
         start, end = _shard_math.chunk_bounds(total, self.world_size, self.rank)
         with torch.no_grad():
-            flat = torch.cat([p.detach().reshape(-1).to(self.compute_device) for p, _ in members]) if members else torch.empty(0, dtype=dtype)
-            shard = torch.zeros(end - start, dtype=dtype, device=self.compute_device)
+            flat = torch.cat([p.detach().reshape(-1).to(self.shard_device) for p, _ in members]) if members else torch.empty(0, dtype=dtype)
+            shard = torch.zeros(end - start, dtype=dtype, device=self.shard_device, pin_memory=self._pins())
             valid = max(0, min(end, total) - start)
             if valid > 0:
                 shard[:valid].copy_(flat[start:start + valid])
@@ -297,7 +322,7 @@ class FlatParamHandle:
         flat_param._shard_slices = tuple(_shard_math.rank_param_slices(numels, self.world_size, self.rank))
         _set_fsdp_flattened(flat_param)
         compute_dtype = param_dtype if (param_dtype is not None and dtype.is_floating_point) else dtype
-        aliases = self.world_size == 1 and compute_dtype == dtype
+        aliases = self.world_size == 1 and compute_dtype == dtype and self.shard_device == self.compute_device
         if aliases:
             unsharded = flat_param.data  # same storage, own version counter (see [Note: Views])
         else:
@@ -315,6 +340,17 @@ class FlatParamHandle:
         group.grads_before_views = [None] * len(orig_params)
         self._point_params_at_shard(group)
         return group
+
+    def _pins(self) -> bool:
+        """Offloaded shards of an accelerator run live in pinned memory (asynchronous copies)."""
+        return self.offload_params and self.compute_device.type == "cuda"
+
+    def on_compute_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (a shard-sized tensor) where collectives and compute run: itself, or an
+        asynchronous copy on the current stream when shards are offloaded."""
+        if tensor.device == self.compute_device:
+            return tensor
+        return tensor.to(self.compute_device, non_blocking=True)
 
     def _point_params_at_shard(self, group: FlatGroup) -> None:
         """Make each original parameter's data its (1-D) slice of the shard."""
@@ -489,9 +525,31 @@ class FlatParamHandle:
         """Make ``reduced`` (this rank's averaged shard, any dtype) the group's gradient, plus
         whatever the original parameters' ``.grad`` held (as autograd accumulates): a parameter
         whose ``.grad`` the user set to None starts from zero, one holding our view or a tensor
-        of the user's adds to it. Attached to ``.grad`` by :meth:`attach_grads`."""
+        of the user's adds to it. Attached to ``.grad`` by :meth:`attach_grads`. An offloaded
+        group's gradient is copied to the CPU without waiting and added when it has landed
+        (:meth:`land_offloaded_grad`, see [Note: CPU offload])."""
         fp = group.flat_param
-        reduced = reduced.to(dtype=group.compute_dtype if self.keep_low_precision_grads else fp.dtype, device=fp.device)
+        dtype = group.compute_dtype if self.keep_low_precision_grads else fp.dtype
+        if self.offload_params:
+            host = torch.empty(reduced.shape, dtype=dtype, device=fp.device, pin_memory=self._pins())
+            host.copy_(reduced, non_blocking=True)
+            group.landing_grad, group.landing_event = host, Streams.record_current(reduced.device)
+            group.reduced = True
+            return
+        self._accumulate(group, reduced.to(dtype=dtype, device=fp.device))
+
+    def land_offloaded_grad(self, group: FlatGroup) -> None:
+        """Wait (CPU) for an offloaded group's gradient copy and accumulate it; no-op otherwise."""
+        host = group.landing_grad
+        if host is None:
+            return
+        if group.landing_event is not None:
+            group.landing_event.synchronize()
+        group.landing_grad, group.landing_event = None, None
+        self._accumulate(group, host)
+
+    def _accumulate(self, group: FlatGroup, reduced: torch.Tensor) -> None:
+        fp = group.flat_param
         grads = [p.grad for p in group.orig_params]
         group.had_grad = [g is not None for g in grads]
         old = group.sharded_grad
@@ -531,6 +589,7 @@ class FlatParamHandle:
             group.grad_ready = False
             group.reduced = False
             group.reduced_grad = None
+            group.landing_grad, group.landing_event = None, None
             group.used = [False] * len(group.orig_params)
 
     def __repr__(self) -> str:

@@ -636,8 +636,9 @@ def apply_plan(plan: Plan, root_state: _FSDPState, groups: Dict[ShardingStrategy
     if _materialize(plan):
         _assign_params(plan)  # the handles flatten what is registered now
     if plan.device_id is not None:
+        offloaded = {id(p) for t in plan.targets if _offloads(t) for p in t.params}  # never on the device whole
         for _, m in _managed_modules(plan.root, plan.ignored_modules):
-            _move_module_tensors(m, plan.device_id)
+            _move_module_tensors(m, plan.device_id, keep=offloaded)
     _sync_module_states(plan, groups[plan.targets[-1].config["strategy"]])
     for target in plan.targets:
         state = root_state if target.module is plan.root else make_state()
@@ -648,7 +649,8 @@ def apply_plan(plan: Plan, root_state: _FSDPState, groups: Dict[ShardingStrategy
             state.handle = FlatParamHandle(target.params, target.module, target.fqn, rank=target_groups.rank,
                                            world_size=target_groups.world_size, compute_device=plan.compute_device,
                                            param_dtype=mp.param_dtype if mp is not None else None,
-                                           full_precision_classes=full_precision_classes(mp))
+                                           full_precision_classes=full_precision_classes(mp),
+                                           offload_params=bool(state.cpu_offload.offload_params))
             state.handle.state = state
         finish_target(target.module, state)
         _FULLY_SHARDED_MODULES.add(target.module)
@@ -672,9 +674,15 @@ def _fill_state(state: _FSDPState, target: _Target, plan: Plan, groups: _Groups)
     state.reshard_after_backward = cfg["strategy"] is not ShardingStrategy.NO_SHARD
 
 
-def _move_module_tensors(module: nn.Module, device: torch.device) -> None:
+def _offloads(target: _Target) -> bool:
+    offload = target.config["cpu_offload"]
+    return offload is not None and bool(offload.offload_params)
+
+
+def _move_module_tensors(module: nn.Module, device: torch.device, keep: AbstractSet[int] = frozenset()) -> None:
+    """Parameters (except those whose id is in ``keep``) and buffers of ``module`` to ``device``."""
     for p in module.parameters(recurse=False):
-        if p.device != device:
+        if p.device != device and id(p) not in keep:
             p.data = p.data.to(device)
     for name, b in list(module.named_buffers(recurse=False)):
         if b.device != device:
@@ -690,4 +698,9 @@ def _sync_module_states(plan: Plan, groups: _Groups) -> None:
         if group is None:
             continue
         for t in tensors:
-            _collectives.broadcast(t, 0, group, tag="sync_module_states")
+            if t.device != plan.compute_device:  # an offloaded parameter: the backend may take device tensors only
+                on_device = t.to(plan.compute_device)
+                _collectives.broadcast(on_device, 0, group, tag="sync_module_states")
+                t.copy_(on_device)
+            else:
+                _collectives.broadcast(t, 0, group, tag="sync_module_states")

@@ -186,6 +186,7 @@ def attach_reduced_grads(root: _FSDPState) -> None:
         state = root.handle_states[id(handle)]
         for group in handle.groups:
             if group.reduced:
+                handle.land_offloaded_grad(group)
                 key = (id(state.process_group), id(state.replicate_group))
                 batches.setdefault(key, []).append((state, handle, group))
     for members in batches.values():

@@ -234,7 +234,7 @@ def _save_entry(state_dict: Dict[str, Any], key: str, m: Managed, session: _Sess
     if config.rank0_only and global_rank() != 0:
         if id(m.group) not in session.gathered:  # take part in the all-gather, keep nothing
             _gather_flat(m.state, m.group.flat_param.data, m.group.padded_numel, tag=f"state_dict:{m.state.describe()}",
-                         out=_scratch(m.group.flat_param.data, m.group.padded_numel))
+                         out=_scratch(m.group.flat_param.data, m.group.padded_numel, m.state.compute_device))
             session.gathered[id(m.group)] = None
         del state_dict[key]
         return
@@ -267,15 +267,15 @@ def _full_value(m: Managed, session: _Session) -> torch.Tensor:
 _SCRATCH: Dict[Tuple[torch.device, torch.dtype], torch.Tensor] = {}  # rank0_only's discarded gathers
 
 
-def _scratch(like: torch.Tensor, numel: int) -> torch.Tensor:
+def _scratch(like: torch.Tensor, numel: int, device: torch.device) -> torch.Tensor:
     """A reused buffer for all-gathers whose result is dropped (``rank0_only`` on other
     ranks): one allocation however many handles, even while gloo's worker thread still holds
     the previous all-gather's output. Freed when no state dict is being taken."""
-    key = (like.device, like.dtype)
+    key = (device, like.dtype)
     buffer = _SCRATCH.get(key)
     if buffer is None or buffer.numel() < numel:
         _SCRATCH.pop(key, None)
-        buffer = _SCRATCH[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        buffer = _SCRATCH[key] = torch.empty(numel, dtype=like.dtype, device=device)
     return buffer[:numel]
 
 
@@ -285,6 +285,8 @@ def _gather_flat(state: _FSDPState, shard: torch.Tensor, padded_numel: int, tag:
     group (``shard`` itself for a group of one), in ``out`` if given."""
     if state.world_size == 1:
         return shard
+    if shard.device != state.compute_device:  # offloaded shards: collectives run on the compute device
+        shard = shard.to(state.compute_device)
     full = torch.empty(padded_numel, dtype=shard.dtype, device=shard.device) if out is None else out
     _collectives.all_gather_into(full, shard.contiguous(), state.process_group, tag=tag).wait()
     return full

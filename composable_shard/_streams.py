@@ -40,6 +40,15 @@ class Streams:
         return event
 
     @staticmethod
+    def record_current(device: torch.device) -> Optional[Any]:
+        """An event marking what the current stream of ``device`` has queued (None off CUDA)."""
+        if device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        return event
+
+    @staticmethod
     def wait(event: Optional[Any]) -> None:
         """Make the compute stream wait for ``event`` (no CPU sync; no-op on CPU)."""
         if event is not None:

@@ -139,7 +139,7 @@ def _selected_states(module: nn.Module, recurse: bool) -> List[_FSDPState]:
 
 
 def _gather(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup, writeback: bool, with_grads: bool) -> _Summoned:
-    shard = group.flat_param.data
+    shard = handle.on_compute_device(group.flat_param.data)
     padded = group.padded_numel
     if state.world_size == 1:
         full = shard
@@ -157,7 +157,7 @@ def _gather_grad(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup) -
     """The padded full gradient of ``group`` (this rank's ``.grad`` slices, zeros where a
     parameter has none), and per parameter whether some rank has a ``.grad``."""
     shard = group.flat_param.data
-    has = torch.tensor([p.grad is not None for p in group.orig_params], dtype=torch.int32, device=shard.device)
+    has = torch.tensor([p.grad is not None for p in group.orig_params], dtype=torch.int32, device=handle.compute_device)
     if state.world_size > 1:
         _collectives.all_reduce(has, state.process_group, tag="summon_has_grad").wait()
     on_some_rank = [bool(v) for v in has.tolist()]
@@ -169,6 +169,7 @@ def _gather_grad(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup) -
             local[s.shard_start:s.shard_start + s.numel].copy_(p.grad.reshape(-1))
     if state.world_size == 1:
         return local, on_some_rank
+    local = handle.on_compute_device(local)
     full = torch.empty(group.padded_numel, dtype=local.dtype, device=local.device)
     _collectives.all_gather_into(full, local, state.process_group, tag=f"summon_grad:{handle.fqn}").wait()
     return full, on_some_rank

@@ -168,18 +168,9 @@ def fully_shard(
                   backward_prefetch=backward_prefetch, limit_all_gathers=limit_all_gathers)
     kwargs = check_fully_shard_arguments(module, kwargs)
     plan = plan_fully_shard(module, kwargs)
-    for target in plan.targets:  # a policy may override cpu_offload per module
-        _reject_unbuilt(target.config["cpu_offload"], plan.compute_device)
     groups = {s: resolve_groups(s, process_group, mesh) for s in plan.strategies}
     apply_plan(plan, fully_shard.state(module), groups, _FSDPState, _finish_target)  # type: ignore[arg-type]  # state set by contract
     return module
-
-
-def _reject_unbuilt(cpu_offload: Optional[CPUOffload], compute_device: torch.device) -> None:
-    """Options API.md names whose runtime is not built yet raise instead of being ignored."""
-    if cpu_offload is not None and cpu_offload.offload_params and compute_device.type != "cpu":
-        raise NotImplementedError(f"fully_shard: CPUOffload(offload_params=True) with the compute device {compute_device} "
-                                  "is not supported yet; with a CPU compute device shards already live on the CPU.")
 
 
 def _finish_target(module: nn.Module, state: _FSDPState) -> None:
