@@ -63,7 +63,7 @@ import torch
 import torch.nn as nn
 
 from . import _collectives, _divergence, _watch
-from ._common_utils import HandleTrainingState, TrainingState, _FSDPState
+from ._common_utils import HandleTrainingState, TrainingState, WeakHook, _FSDPState
 from ._flat_param import FlatGroup, FlatParamHandle
 from ._reduction import (attach_reduced_grads, discard_reductions, finish_reductions, issue_reduction,
                          release_earlier_reductions)
@@ -630,7 +630,7 @@ def _before_unsharded_grad(state: _FSDPState, handle: FlatParamHandle) -> None:
 def _register_post_backward(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup) -> None:
     if group.post_backward_hook is None:
         group.post_backward_hook = group.padded_unsharded_flat.register_post_accumulate_grad_hook(
-            functools.partial(_post_backward_hook, state, handle, group))
+            WeakHook(_post_backward_hook, state, handle, group))  # see [Note: Hooks on tensors hold weakly]
 
 
 def _post_backward_hook(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup, _: torch.Tensor) -> None:

@@ -46,7 +46,7 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from . import _collectives
-from ._common_utils import WeakGroup
+from ._common_utils import WeakGroup, WeakHook
 from ._validation import check_device_id, check_mixed_precision, check_modules, check_process_group, check_real
 from ._subclass import _NoCopyMixin, make_subclass
 from ._torch_compat import queue_backward_callback
@@ -363,7 +363,9 @@ def _init_state(
     state.used_since_sync = [False] * len(params)
     _install_buckets(state, _build_buckets(state, list(reversed(range(len(params))))))
     state.hook_handles = [
-        p.register_post_accumulate_grad_hook(functools.partial(_on_grad_ready, state, i)) for i, p in enumerate(params)
+        # see [Note: Hooks on tensors hold weakly]
+        p.register_post_accumulate_grad_hook(WeakHook(functools.partial(_on_grad_ready, param_index=i), state))
+        for i, p in enumerate(params)
     ]
 
 
@@ -412,7 +414,7 @@ def _install_buckets(state: _ReplicateState, buckets: List[_Bucket]) -> None:
 # ---------------------------------------------------------------- runtime: backward
 
 
-def _on_grad_ready(state: _ReplicateState, param_index: int, param: nn.Parameter) -> None:
+def _on_grad_ready(state: _ReplicateState, param: nn.Parameter, *, param_index: int) -> None:
     """Post-accumulate-grad hook of ``state.params[param_index]``.
 
     Pre: ``param.grad`` holds the gradient accumulated in this backward.
