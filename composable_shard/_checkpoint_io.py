@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from . import _collectives
 from ._optim_state_dict import get_optimizer_state_dict, param_groups_by_fqn, set_optimizer_state_dict
 from ._state_dict import get_model_state_dict, set_model_state_dict
+from ._torch_compat import object_collectives_without_numpy
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "export_safetensors", "SafeFileSystemReader",
            "SafeLoadPlanner", "UnsafeCheckpointError"]
@@ -275,7 +276,8 @@ def save_checkpoint(path: str, model: nn.Module, optim: Optional[torch.optim.Opt
     api = "save_checkpoint"
     tmp = _claim_new_directory(path, api, "a published checkpoint is never written into. Save each checkpoint to a "
                                           "new directory (e.g. one per step).")
-    dcp.save(_training_state(model, optim), checkpoint_id=tmp)
+    with object_collectives_without_numpy():
+        dcp.save(_training_state(model, optim), checkpoint_id=tmp)
     _raise_from_rank0(_publish(tmp, path) if _rank() == 0 else "", api)
 
 
@@ -311,7 +313,8 @@ def load_checkpoint(path: str, model: nn.Module, optim: Optional[torch.optim.Opt
         error = f"{path}: {e}"
     _agree_or_raise(error, "load_checkpoint")
     state = _training_state(model, optim)
-    dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
+    with object_collectives_without_numpy():
+        dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
     set_model_state_dict(model, state["model"])
     if optim is not None:
         set_optimizer_state_dict(model, optim, state["optim"])

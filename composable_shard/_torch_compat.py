@@ -21,16 +21,29 @@ versions checked (2.6, 2.11, 2.13).
   while holding only this rank's elements (``_sharded_tensor.ShardedSlice``). A tensor whose
   metadata differs from its storage can only be made with ``torch.Tensor._make_wrapper_subclass``
   (what ``DTensor`` is built on; same signature in 2.6 through 2.13).
+* ``object_collectives_without_numpy``: ``torch.distributed.checkpoint`` exchanges its plans and
+  metadata with ``gather_object``/``broadcast_object_list``/``all_gather_object``, which decode
+  what arrives with ``distributed_c10d._tensor_to_object`` through ``Tensor.numpy()``. The
+  library needs torch alone (API.md), and without numpy every ``save_checkpoint`` and
+  ``load_checkpoint`` failed (one rank crashed, the other waited). While DCP runs and numpy
+  cannot be imported, that private function is replaced by one that reads the bytes with
+  ``Tensor.tolist()``. Its signature ``(tensor, tensor_size, group)`` and the module-level
+  ``_unpickler`` it uses are unchanged in 2.6 through 2.13; the object collectives look it up in
+  the module's globals at each call, so the swap takes effect. With numpy present nothing is
+  replaced.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+import io
+from typing import Any, Callable, Iterator
 
 import torch
+import torch.distributed.distributed_c10d as _c10d
 
 __all__ = ["queue_backward_callback", "set_module_tensor", "is_in_backward", "tensor_version", "make_wrapper_tensor",
-           "is_compiled_module"]
+           "is_compiled_module", "object_collectives_without_numpy"]
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:
@@ -71,3 +84,30 @@ def make_wrapper_tensor(cls: Any, shape: "torch.Size", dtype: "torch.dtype", dev
 def is_compiled_module(module: "torch.nn.Module") -> bool:
     """True if ``module.compile()`` was called: calling the module runs the compiled graph."""
     return getattr(module, "_compiled_call_impl", None) is not None
+
+
+def _numpy_importable() -> bool:
+    try:
+        import numpy  # noqa: F401  # only asks whether it can be imported
+    except ImportError:
+        return False
+    return True
+
+
+def _tensor_to_object_from_bytes(tensor: "torch.Tensor", tensor_size: Any, group: Any) -> Any:
+    data = bytes(tensor.cpu()[: int(tensor_size)].tolist())
+    return _c10d._unpickler(io.BytesIO(data)).load()  # type: ignore[attr-defined]  # private, see module docstring
+
+
+@contextlib.contextmanager
+def object_collectives_without_numpy() -> Iterator[None]:
+    """While active, torch's object collectives decode without numpy if numpy is missing."""
+    if _numpy_importable():
+        yield
+        return
+    original = _c10d._tensor_to_object  # type: ignore[attr-defined]  # private, see module docstring
+    _c10d._tensor_to_object = _tensor_to_object_from_bytes  # type: ignore[attr-defined]  # same signature
+    try:
+        yield
+    finally:
+        _c10d._tensor_to_object = original  # type: ignore[attr-defined]  # restored
