@@ -2,7 +2,11 @@
 
 ``fully_shard`` (ZeRO-3 with flat parameters), ``replicate`` (DDP) and ``checkpoint``
 (activation recomputation) apply to modules in place and mix freely on different submodules.
+``describe(model)`` shows what they do (or would do) to a model, per rank; so does
+``python -m composable_shard describe MODULE:FACTORY --world W``.
 """
+
+from importlib import metadata as _metadata
 
 from .api import (
     BackwardPrefetch,
@@ -22,6 +26,7 @@ from ._state_dict import get_model_state_dict, set_model_state_dict, state_dict_
 from ._optim_state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from ._sharded_tensor import ShardedSlice
 from ._checkpoint_io import export_safetensors, latest_checkpoint, load_checkpoint, save_checkpoint
+from ._describe import describe
 from .wrap import (
     CustomPolicy,
     ModuleWrapPolicy,
@@ -42,4 +47,11 @@ __all__ = [
     "unshard_params", "state_dict_type", "clip_grad_norm_",
     "get_model_state_dict", "set_model_state_dict", "get_optimizer_state_dict", "set_optimizer_state_dict",
     "ShardedSlice", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "export_safetensors",
+    "describe",
 ]
+
+try:
+    __version__: str = _metadata.version("composable_shard")
+    """The installed distribution's version (``pyproject.toml``)."""
+except _metadata.PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0.1.0"

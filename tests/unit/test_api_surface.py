@@ -25,6 +25,7 @@ EXPECTED_EXPORTS = {
     "unshard_params", "state_dict_type", "clip_grad_norm_",
     "get_model_state_dict", "set_model_state_dict", "get_optimizer_state_dict", "set_optimizer_state_dict",
     "ShardedSlice", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "export_safetensors",
+    "describe",
 }
 
 
@@ -34,6 +35,26 @@ def test_exports_exist_and_are_documented() -> None:
     for name in composable_shard.__all__:
         obj = getattr(composable_shard, name)
         assert (obj.__doc__ or "").strip(), f"{name} has no docstring"
+
+
+def test_every_export_has_an_entry_in_docs_api() -> None:
+    """docs/api.md has a section (a ``### `name` `` heading) for every public symbol, and none
+    for a name that is not exported: the reference cannot fall behind the package."""
+    api_md = (PACKAGE.parent / "docs" / "api.md").read_text()
+    documented = set(re.findall(r"^### `(\w+)`", api_md, re.M))
+    exported = set(composable_shard.__all__)
+    assert exported - documented == set(), f"not in docs/api.md: {sorted(exported - documented)}"
+    assert documented - exported == set(), f"docs/api.md documents names not exported: {sorted(documented - exported)}"
+
+
+def test_version_matches_pyproject() -> None:
+    """``composable_shard.__version__`` is the installed version, and the fallback for an
+    uninstalled source tree is pyproject.toml's version."""
+    pyproject = (PACKAGE.parent / "pyproject.toml").read_text()
+    version = re.search(r'^version = "([^"]+)"', pyproject, re.M).group(1)  # type: ignore[union-attr]  # present
+    fallback = re.search(r'^    __version__ = "([^"]+)"', (PACKAGE / "__init__.py").read_text(), re.M)
+    assert fallback is not None and fallback.group(1) == version
+    assert composable_shard.__version__ == version
 
 
 def _documented_args(doc: str) -> list:

@@ -1,0 +1,461 @@
+"""``describe(model)``: what ``fully_shard`` and ``replicate`` do (or would do) to a model, per rank.
+
+Two sources, one arithmetic:
+
+* **Runtime** (the model already carries ``fully_shard``/``replicate`` states): every fully
+  sharded module's handle is read as built (its flat groups' sizes, dtypes, shard group), and
+  every ``replicate`` state's parameters and buckets.
+* **Plan** (a plain model, possibly on the meta device, no process group needed): the fully
+  sharded modules and the parameters each handle would own come from ``fully_shard``'s own
+  planning (``_init_utils._select_targets`` and ``_assign_params``, the code ``fully_shard``
+  runs before it mutates anything); the handle's ``(dtype, requires_grad, kept in full
+  precision)`` grouping is :func:`_plan_groups`, which follows ``FlatParamHandle._build``.
+
+Both become :class:`_HandleInfo` / :class:`_GroupInfo` records, from which :func:`_rows`
+computes the figures with ``_shard_math``. The figures are exact for a steady-state training
+step (forward, backward, ``optim.step()``), counted the way ``_collectives.record_collectives``
+counts (bytes this rank sends into each collective):
+
+[Note: Collectives per step]
+  per flat group of a fully sharded module, shard group of W ranks, replicate group of R:
+  all_gather      input = this rank's chunk in the compute dtype; 2 per step (forward, and again
+                  before backward) under FULL_SHARD/HYBRID_SHARD, 1 under SHARD_GRAD_OP and
+                  _HYBRID_SHARD_ZERO2 (kept from forward to backward), 1 for the root (its
+                  backward follows its forward at once); none when the shard is the unsharded
+                  buffer (W = 1, no cast) or for NO_SHARD (a local cast at most)
+  reduce_scatter  input = the padded unsharded gradient in the reduce dtype, once, if W > 1
+  all_reduce      the reduced shard across replicas, once, if R > 1 (NO_SHARD: the whole gradient)
+  used flags      per root and (shard group, replicate group) pair, one all_reduce of 4 bytes per
+                  original parameter of the groups that require grad, in each of the two groups
+                  that has more than one rank ("which parameters got a gradient anywhere")
+  replicate       one all_reduce per bucket (together the gradients' bytes in the reduce dtype),
+                  plus one of 4 bytes per parameter (used flags); recorded even at one rank
+  The first iteration adds small agreement exchanges (``exchange``, ``all_gather_json``) and
+  ``clip_grad_norm_`` one all_reduce of 4 bytes per shard group: neither is counted here.
+
+Memory per rank: parameters = each group's chunk (``ceil(N/W)`` elements, the padding included)
+in its dtype; gradients = the same chunk for groups that require grad (the compute dtype with
+``keep_low_precision_grads``); AdamW state on rank 0 (padding lies on the last ranks, so rank 0
+holds the most) = ``exp_avg`` and ``exp_avg_sq`` of every element rank 0 holds plus a 4-byte
+``step`` per original parameter. ``replicate`` and unmanaged parameters count in full.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import _init_utils, _shard_math
+from ._common_utils import _FSDPState
+from ._mixed_precision import full_precision_classes
+from .api import BackwardPrefetch, MixedPrecision, ShardingStrategy
+from .contract import _get_module_state
+from .replicate import _ReplicateState
+
+__all__ = ["describe", "ShardingDescription", "ModuleRow"]
+
+_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+_KEPT_FROM_FORWARD_TO_BACKWARD = {ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2}
+_STEP_BYTES = 4  # AdamW's float32 ``step`` tensor per parameter; also one used flag (int32)
+
+
+@dataclass(frozen=True)
+class _GroupInfo:
+    """One flat parameter of a handle: a ``(dtype, requires_grad, full precision)`` group."""
+
+    dtype: torch.dtype  # the original parameters' dtype (the shard's)
+    requires_grad: bool
+    numel: int  # unpadded elements (shared parameters once)
+    num_params: int  # original parameters (shared ones once)
+    compute_dtype: torch.dtype  # of the unsharded buffer and the all-gather
+    reduce_dtype: torch.dtype  # of the gradient reduction
+
+    def label(self) -> str:
+        name = str(self.dtype).replace("torch.", "")
+        if self.compute_dtype != self.dtype:
+            name += f"->{str(self.compute_dtype).replace('torch.', '')}"
+        return name if self.requires_grad else f"{name} (frozen)"
+
+
+@dataclass(frozen=True)
+class _HandleInfo:
+    """A fully sharded module, as built or as planned."""
+
+    fqn: str
+    strategy: ShardingStrategy
+    is_root: bool
+    shard_world: int  # ranks one flat parameter is sharded over
+    replicate_world: int  # replicas of each shard (hybrid, NO_SHARD)
+    gathers_in_group: bool  # False for NO_SHARD: the unsharded buffer is a local cast of the shard
+    keep_low_precision_grads: bool
+    groups: Tuple[_GroupInfo, ...]
+    flag_key: Tuple[Any, ...]  # (root, shard group, replicate group): one used-flags all_reduce per key
+    owned: FrozenSet[int]  # ids of the original parameters its handle flattens
+
+
+@dataclass(frozen=True)
+class ModuleRow:
+    """One line of :class:`ShardingDescription`: a fully sharded or replicated module, or the
+    parameters no data-parallel API manages (``api == "none"``). Byte figures are per rank
+    (AdamW state: rank 0's, the largest); ``collectives`` maps a kind to ``(count, bytes)`` per
+    training step, as ``_collectives.record_collectives`` counts them."""
+
+    fqn: str
+    api: str
+    strategy: str
+    is_root: bool
+    numel: int  # parameter elements this module's handle (or replicate call) manages
+    shard_numel: int  # elements stored per rank (padding included)
+    padding: int  # elements added so that each flat parameter divides by its shard group
+    dtype_groups: Tuple[str, ...]
+    param_bytes: int
+    grad_bytes: int
+    adamw_bytes: int
+    collectives: Dict[str, Tuple[int, int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ShardingDescription:
+    """What :func:`describe` returns: ``rows`` in DFS (``named_modules``) order, totals as
+    properties, and ``str()`` a table. ``planned`` is True when computed from a plan (a model
+    nothing was applied to) rather than from the runtime's handles."""
+
+    world_size: int
+    planned: bool
+    rows: Tuple[ModuleRow, ...]
+    flag_collectives: Tuple[int, int]  # (count, bytes) of fully_shard's used-flags all_reduces per step
+
+    @property
+    def param_bytes(self) -> int:
+        """Parameter bytes held per rank."""
+        return sum(r.param_bytes for r in self.rows)
+
+    @property
+    def grad_bytes(self) -> int:
+        """Gradient bytes held per rank after backward."""
+        return sum(r.grad_bytes for r in self.rows)
+
+    @property
+    def adamw_bytes(self) -> int:
+        """AdamW state bytes on rank 0 (``exp_avg``, ``exp_avg_sq``, ``step``)."""
+        return sum(r.adamw_bytes for r in self.rows)
+
+    def collective_count(self, kind: Optional[str] = None) -> int:
+        """Collectives of ``kind`` (all kinds if None) this rank issues per training step."""
+        return sum(c for k, (c, _) in self._by_kind().items() if kind is None or k == kind)
+
+    def collective_bytes(self, kind: Optional[str] = None) -> int:
+        """Bytes this rank sends into collectives of ``kind`` (all if None) per training step."""
+        return sum(b for k, (_, b) in self._by_kind().items() if kind is None or k == kind)
+
+    def _by_kind(self) -> Dict[str, Tuple[int, int]]:
+        out = {kind: (0, 0) for kind in _KINDS}
+        for row in self.rows:
+            for kind, (count, nbytes) in row.collectives.items():
+                out[kind] = (out[kind][0] + count, out[kind][1] + nbytes)
+        out["all_reduce"] = (out["all_reduce"][0] + self.flag_collectives[0],
+                             out["all_reduce"][1] + self.flag_collectives[1])
+        return out
+
+    def __str__(self) -> str:
+        return _render(self)
+
+
+def describe(model: nn.Module, *, world_size: Optional[int] = None, policy: Any = None,
+             strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
+             mixed_precision: Optional[MixedPrecision] = None,
+             ignored_modules: Optional[Iterable[nn.Module]] = None) -> ShardingDescription:
+    """Per-rank memory and per-step communication of ``model`` under ``fully_shard``/``replicate``.
+
+    On a model that carries ``fully_shard`` or ``replicate`` already, the handles and buckets
+    are read as built (the planning arguments must then be left out). On a plain model (meta
+    device is fine, no process group needed) it plans ``fully_shard(model, policy=policy,
+    strategy=strategy, mixed_precision=mixed_precision, ignored_modules=ignored_modules)`` at
+    ``world_size`` ranks with ``fully_shard``'s own planning code. ``print()`` the result for a
+    table in DFS order (FQN, parameters, elements per rank, padding, dtype groups, strategy)
+    with totals: parameter, gradient and AdamW bytes per rank, collectives per training step.
+
+    Example::
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        print(describe(model))                 # after sharding: the runtime's handles
+        with torch.device("meta"):
+            plain = GPT()
+        d = describe(plain, world_size=8, policy=ModuleWrapPolicy({Block}))   # before: a plan
+        d.param_bytes, d.collective_bytes("all_gather")
+
+    Args:
+        model: a sharded model, or a plain one to plan for.
+        world_size: ranks to plan for (default: the current process group's size).
+        policy: the ``policy`` argument of the planned ``fully_shard`` call.
+        strategy: FULL_SHARD, SHARD_GRAD_OP or NO_SHARD (hybrid needs real groups).
+        mixed_precision: the planned call's :class:`MixedPrecision`.
+        ignored_modules: the planned call's ``ignored_modules``.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: planning arguments given for a sharded model; no ``world_size`` and no
+            process group; a hybrid strategy to plan; anything ``fully_shard`` itself refuses.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"describe: model must be an nn.Module, got {type(model).__name__}")
+    if _is_managed(model):
+        if world_size is not None or policy is not None or mixed_precision is not None or ignored_modules is not None \
+                or strategy is not ShardingStrategy.FULL_SHARD:
+            raise ValueError("describe: the model is already sharded, so its handles are read as built; leave out "
+                             "world_size, policy, strategy, mixed_precision and ignored_modules (they plan a plain "
+                             "model)")
+        handles, replicas = _runtime_handles(model), _runtime_replicas(model)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        return _description(model, world, False, handles, replicas)
+    world = _planned_world_size(world_size)
+    handles = _plan_handles(model, world, policy, strategy, mixed_precision, ignored_modules)
+    return _description(model, world, True, handles, {})
+
+
+# ---------------------------------------------------------------------------- runtime
+def _is_managed(model: nn.Module) -> bool:
+    return any(_get_module_state(m, _FSDPState) is not None or _get_module_state(m, _ReplicateState) is not None
+               for m in model.modules())
+
+
+def _runtime_handles(model: nn.Module) -> Dict[int, _HandleInfo]:
+    """id(fully sharded module) -> its handle as built."""
+    states: List[Tuple[str, nn.Module, _FSDPState]] = []
+    seen: Set[int] = set()
+    for fqn, m in model.named_modules():
+        state = _get_module_state(m, _FSDPState)
+        if state is not None and state.module is m and id(state) not in seen:
+            seen.add(id(state))
+            states.append((fqn, m, state))
+    out: Dict[int, _HandleInfo] = {}
+    for fqn, m, state in states:
+        root = _runtime_root(m, state, [other for _, other, _ in states])
+        replicate_world = dist.get_world_size(state.replicate_group) if state.replicate_group is not None else 1
+        mp = state.mixed_precision
+        groups = tuple(_GroupInfo(g.flat_param.dtype, g.requires_grad, int(g.flat_param._unpadded_unsharded_size.numel()),
+                                  len(g.orig_params), g.compute_dtype, _reduce_dtype(mp, g.compute_dtype, g.full_precision))
+                       for g in (state.handle.groups if state.handle is not None else []))
+        aliases = state.handle is not None and all(g.aliases_shard for g in state.handle.groups)
+        out[id(m)] = _HandleInfo(
+            fqn, state.strategy, root is m, state.world_size, replicate_world,
+            state.process_group is not None and not aliases, bool(mp is not None and mp.keep_low_precision_grads),
+            groups, (id(root), id(state.process_group), id(state.replicate_group)),
+            frozenset(id(p) for g in (state.handle.groups if state.handle is not None else []) for p in g.orig_params))
+    return out
+
+
+def _runtime_root(module: nn.Module, state: _FSDPState, sharded: List[nn.Module]) -> nn.Module:
+    """The root of ``module``'s tree: the outermost fully sharded module containing it (the one
+    whose forward runs first, as lazy init decides; read from the state once decided)."""
+    if state.root is not None and state.root.module is not None:
+        return state.root.module
+    outer = [m for m in sharded if any(sub is module for sub in m.modules())]
+    return next(m for m in outer if not any(o is not m and any(s is m for s in o.modules()) for o in outer))
+
+
+def _runtime_replicas(model: nn.Module) -> Dict[int, _ReplicateState]:
+    out: Dict[int, _ReplicateState] = {}
+    seen: Set[int] = set()
+    for m in model.modules():
+        state = _get_module_state(m, _ReplicateState)
+        if state is not None and id(state) not in seen:
+            seen.add(id(state))
+            out[id(m)] = state
+    return out
+
+
+# ---------------------------------------------------------------------------- plan
+def _planned_world_size(world_size: Optional[int]) -> int:
+    if world_size is None:
+        if not dist.is_initialized():
+            raise ValueError("describe: pass world_size=... to plan a model without a process group")
+        return dist.get_world_size()
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"describe: world_size must be an int >= 1, got {world_size!r}")
+    return world_size
+
+
+def _plan_handles(model: nn.Module, world: int, policy: Any, strategy: ShardingStrategy,
+                  mixed_precision: Optional[MixedPrecision], ignored_modules: Optional[Iterable[nn.Module]]
+                  ) -> Dict[int, _HandleInfo]:
+    """``fully_shard``'s own plan (targets, parameter ownership), without a process group."""
+    if not isinstance(strategy, ShardingStrategy):
+        raise ValueError(f"describe: strategy must be a ShardingStrategy, got {strategy!r}")
+    if strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
+        raise ValueError(f"describe: planning {strategy.name} needs the shard and replicate groups; apply "
+                         "fully_shard and describe the sharded model instead")
+    ignored = _init_utils._expand_ignored_modules(model, list(ignored_modules or []), None)
+    plan = _init_utils.Plan(model, [], _init_utils._ignored_params(ignored, None), ignored, torch.device("cpu"),
+                            None, False, None)
+    config: Dict[str, Any] = {"strategy": strategy, "mixed_precision": mixed_precision, "cpu_offload": None,
+                              "forward_prefetch": False, "backward_prefetch": BackwardPrefetch.BACKWARD_PRE,
+                              "limit_all_gathers": True}
+    plan.targets = _init_utils._select_targets(plan, policy, config)
+    _init_utils._assign_params(plan)
+    out: Dict[int, _HandleInfo] = {}
+    for target in plan.targets:
+        target_strategy: ShardingStrategy = target.config["strategy"]
+        if target_strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
+            raise ValueError(f"describe: the policy asks {target_strategy.name} for {target.fqn!r}; planning hybrid "
+                             "sharding needs real groups")
+        no_shard = target_strategy is ShardingStrategy.NO_SHARD
+        mp: Optional[MixedPrecision] = target.config["mixed_precision"]
+        groups = _plan_groups(target.module, target.params, mp)
+        shard_world = 1 if no_shard else world
+        aliases = shard_world == 1 and all(g.compute_dtype == g.dtype for g in groups)
+        out[id(target.module)] = _HandleInfo(
+            target.fqn, target_strategy, target.module is model, shard_world, world if no_shard else 1,
+            not no_shard and not aliases, bool(mp is not None and mp.keep_low_precision_grads), groups,
+            (id(model), no_shard), frozenset(id(p) for p in target.params))
+    return out
+
+
+def _plan_groups(module: nn.Module, params: List[nn.Parameter], mp: Optional[MixedPrecision]) -> Tuple[_GroupInfo, ...]:
+    """The flat groups ``FlatParamHandle(params, module, ...)`` would build: parameters in
+    ``named_modules`` order, each once, grouped by ``(dtype, requires_grad, kept in full
+    precision)`` in first-seen order (``FlatParamHandle._build``)."""
+    wanted = {id(p) for p in params}
+    param_dtype = mp.param_dtype if mp is not None else None
+    classes = full_precision_classes(mp)
+    seen: Set[int] = set()
+    sizes: Dict[Tuple[torch.dtype, bool, bool], List[int]] = {}
+    for sub in module.modules():
+        full_precision = param_dtype is not None and isinstance(sub, classes)
+        for p in sub.parameters(recurse=False):
+            if id(p) not in wanted or id(p) in seen:
+                continue
+            seen.add(id(p))
+            sizes.setdefault((p.dtype, p.requires_grad, full_precision), []).append(p.numel())
+    out: List[_GroupInfo] = []
+    for (dtype, requires_grad, full_precision), numels in sizes.items():
+        cast = param_dtype is not None and dtype.is_floating_point and not full_precision
+        compute = param_dtype if cast and param_dtype is not None else dtype
+        out.append(_GroupInfo(dtype, requires_grad, sum(numels), len(numels), compute,
+                              _reduce_dtype(mp, compute, full_precision)))
+    return tuple(out)
+
+
+def _reduce_dtype(mp: Optional[MixedPrecision], compute_dtype: torch.dtype, full_precision: bool) -> torch.dtype:
+    """As ``_reduction._reduce_dtype``: the mixed precision's reduce dtype for floating groups."""
+    reduce = mp.effective_reduce_dtype if mp is not None else None
+    if reduce is not None and compute_dtype.is_floating_point and not full_precision:
+        return reduce
+    return compute_dtype
+
+
+# ---------------------------------------------------------------------------- figures
+def _description(model: nn.Module, world: int, planned: bool, handles: Dict[int, _HandleInfo],
+                 replicas: Dict[int, _ReplicateState]) -> ShardingDescription:
+    rows: List[ModuleRow] = []
+    for fqn, m in model.named_modules():
+        if id(m) in handles:
+            rows.append(_handle_row(handles[id(m)]))
+        if id(m) in replicas:
+            rows.append(_replicate_row(fqn, replicas[id(m)]))
+    unmanaged = _unmanaged_params(model, handles, replicas)
+    if unmanaged:
+        rows.append(_full_row("(not managed)", "none", "local", unmanaged, None, 0, {}))
+    flags: Dict[Tuple[Any, ...], int] = {}
+    flag_groups: Dict[Tuple[Any, ...], int] = {}
+    for h in handles.values():
+        flags[h.flag_key] = flags.get(h.flag_key, 0) + sum(g.num_params for g in h.groups if g.requires_grad)
+        flag_groups[h.flag_key] = (h.shard_world > 1) + (h.replicate_world > 1)
+    count = sum(flag_groups[k] for k, n in flags.items() if n)
+    nbytes = sum(flag_groups[k] * n * _STEP_BYTES for k, n in flags.items())
+    return ShardingDescription(world, planned, tuple(rows), (count, nbytes))
+
+
+def _handle_row(h: _HandleInfo) -> ModuleRow:
+    numel = padded = chunk = param_bytes = grad_bytes = adamw = 0
+    collectives = {kind: (0, 0) for kind in _KINDS}
+
+    def add(kind: str, count: int, nbytes: int) -> None:
+        collectives[kind] = (collectives[kind][0] + count, collectives[kind][1] + count * nbytes)
+
+    gathers = 1 if h.is_root or h.strategy in _KEPT_FROM_FORWARD_TO_BACKWARD else 2
+    for g in h.groups:
+        g_padded = _shard_math.padded_numel(g.numel, h.shard_world)
+        g_chunk = _shard_math.chunk_numel(g.numel, h.shard_world)
+        start, end = _shard_math.chunk_bounds(g.numel, h.shard_world, 0)
+        numel, padded, chunk = numel + g.numel, padded + g_padded, chunk + g_chunk
+        param_bytes += g_chunk * _itemsize(g.dtype)
+        if h.gathers_in_group:
+            add("all_gather", gathers, g_chunk * _itemsize(g.compute_dtype))
+        if not g.requires_grad:
+            continue
+        grad_dtype = g.compute_dtype if h.keep_low_precision_grads else g.dtype
+        grad_bytes += g_chunk * _itemsize(grad_dtype)
+        adamw += 2 * (min(end, g.numel) - start) * _itemsize(g.dtype) + _STEP_BYTES * g.num_params
+        if h.shard_world > 1:
+            add("reduce_scatter", 1, g_padded * _itemsize(g.reduce_dtype))
+        if h.replicate_world > 1:
+            add("all_reduce", 1, g_chunk * _itemsize(g.reduce_dtype))
+    return ModuleRow(h.fqn, "fully_shard", h.strategy.name, h.is_root, numel, chunk, padded - numel,
+                     tuple(g.label() for g in h.groups), param_bytes, grad_bytes, adamw,
+                     {k: v for k, v in collectives.items() if v[0]})
+
+
+def _replicate_row(fqn: str, state: _ReplicateState) -> ModuleRow:
+    bucket_bytes = sum(b.nbytes for b in state.buckets)
+    collectives = {"all_reduce": (len(state.buckets) + 1, bucket_bytes + _STEP_BYTES * len(state.params))}
+    return _full_row(fqn, "replicate", "replicate", state.params, state.reduce_dtype, bucket_bytes, collectives)
+
+
+def _full_row(fqn: str, api: str, strategy: str, params: List[nn.Parameter], reduce_dtype: Optional[torch.dtype],
+              bucket_bytes: int, collectives: Dict[str, Tuple[int, int]]) -> ModuleRow:
+    """Parameters every rank holds in full (``replicate``'s, or no API's)."""
+    trained = [p for p in params if p.requires_grad]
+    param_bytes = sum(p.numel() * _itemsize(p.dtype) for p in params)
+    grads_are_buckets = api == "replicate" and all(reduce_dtype in (None, p.dtype) for p in trained)
+    grad_bytes = bucket_bytes + (0 if grads_are_buckets else sum(p.numel() * _itemsize(p.dtype) for p in trained))
+    adamw = sum(2 * p.numel() * _itemsize(p.dtype) + _STEP_BYTES for p in trained)
+    dtypes = tuple(dict.fromkeys(str(p.dtype).replace("torch.", "") for p in params))
+    numel = sum(p.numel() for p in params)
+    return ModuleRow(fqn, api, strategy, False, numel, numel, 0, dtypes, param_bytes, grad_bytes, adamw, collectives)
+
+
+def _unmanaged_params(model: nn.Module, handles: Dict[int, _HandleInfo],
+                      replicas: Dict[int, _ReplicateState]) -> List[nn.Parameter]:
+    """Parameters of ``model`` no handle and no replicate call manages (ignored ones)."""
+    owned = {i for h in handles.values() for i in h.owned}
+    owned.update(id(p) for state in replicas.values() for p in state.params)
+    return [p for p in model.parameters() if id(p) not in owned]
+
+
+def _itemsize(dtype: Optional[torch.dtype]) -> int:
+    if dtype is None:
+        return 0
+    return torch.empty((), dtype=dtype).element_size()
+
+
+# ---------------------------------------------------------------------------- text
+def _render(d: ShardingDescription) -> str:
+    header = ("module", "api", "strategy", "params", "per rank", "padding", "dtype groups")
+    body = [((r.fqn or "<root>") + (" (root)" if r.is_root and r.fqn else ""), r.api, r.strategy, f"{r.numel:,}",
+             f"{r.shard_numel:,}", f"{r.padding:,}", ", ".join(r.dtype_groups) or "-") for r in d.rows]
+    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
+    numeric = {3, 4, 5}
+
+    def line(cells: Tuple[str, ...]) -> str:
+        return "  ".join(c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    source = "planned without a process group" if d.planned else "read from the runtime's handles"
+    out = [f"composable_shard.describe: world size {d.world_size}, {source}", line(header),
+           line(tuple("-" * w for w in widths)), *(line(row) for row in body)]
+    out.append(f"per rank: parameters {_mb(d.param_bytes)}, gradients {_mb(d.grad_bytes)}, "
+               f"AdamW state {_mb(d.adamw_bytes)} (rank 0)")
+    comm = ", ".join(f"{kind} x{d.collective_count(kind)} {_mb(d.collective_bytes(kind))}" for kind in _KINDS
+                     if d.collective_count(kind))
+    out.append(f"collectives per training step (bytes this rank sends): {comm or 'none'}")
+    return "\n".join(out)
+
+
+def _mb(nbytes: int) -> str:
+    return f"{nbytes:,} B ({nbytes / 1e6:.2f} MB)"
