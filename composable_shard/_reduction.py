@@ -2,8 +2,8 @@
 
 [Note: Reductions in flight]  A handle's post-backward issues its reduce-scatter and returns;
 the next handle's backward computes while it runs. Its input, the unsharded gradient, is the
-largest buffer of the step (gloo also copies it while the collective runs), so it is released
-as soon as the next handle no longer overlaps it: when that handle's parameter gradients are
+largest buffer of the step, so it is released as soon as the next handle no longer overlaps
+it: when that handle's parameter gradients are
 all computed, just before they are concatenated into its own unsharded gradient (the pre-hook of
 its split backward), every earlier reduction is waited on (``Work.wait()`` on gloo; on CUDA the
 compute stream waits for the reduction's event, no CPU sync), its input dropped and its shard
