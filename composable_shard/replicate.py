@@ -60,6 +60,7 @@ logger = logging.getLogger("composable_shard")
 
 _BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024  # init broadcast bound, as DDP's
 _MB = 1024 * 1024
+_FIRST_BUCKET_BYTES = 1 * _MB  # the first bucket closes early, so an all-reduce starts soon into backward
 
 
 class _Waitable(Protocol):
@@ -371,8 +372,10 @@ def _init_state(
 
 def _build_buckets(state: _ReplicateState, order: Sequence[int]) -> List[_Bucket]:
     """Fill buckets greedily along ``order`` (parameter indices), one open bucket per
-    (dtype, device); a bucket closes when its flat_grad reaches bucket_cap_bytes. Buckets are
-    ordered by the position of their first parameter in ``order``."""
+    (dtype, device); a bucket closes when its flat_grad reaches bucket_cap_bytes, the first one
+    already at 1 MiB (as torch's DDP does: the gradients that are ready first start
+    communicating at once instead of waiting for a whole bucket). Buckets are ordered by the
+    position of their first parameter in ``order``."""
     open_buckets: Dict[Tuple[torch.dtype, torch.device], Tuple[List[int], int]] = {}
     closed: List[List[int]] = []
     for i in order:
@@ -381,7 +384,7 @@ def _build_buckets(state: _ReplicateState, order: Sequence[int]) -> List[_Bucket
         members, nbytes = open_buckets.pop(key, ([], 0))
         members.append(i)
         nbytes += p.numel() * _element_size(state.reduce_dtype or p.dtype)
-        if nbytes >= state.bucket_cap_bytes:
+        if nbytes >= (state.bucket_cap_bytes if closed else min(state.bucket_cap_bytes, _FIRST_BUCKET_BYTES)):
             closed.append(members)
         else:
             open_buckets[key] = (members, nbytes)
