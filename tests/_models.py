@@ -8,7 +8,7 @@ and a fully sharded module (``Scale``) with a single element (fewer elements tha
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -87,15 +87,32 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def reference_training(model: nn.Module, steps: int, world_size: int, lr: float = 1e-2) -> List[float]:
-    """Single-process AdamW training on the concatenated batch; returns the losses and
-    leaves ``model`` trained."""
-    optim = torch.optim.AdamW(model.parameters(), lr=lr)
+Named = List[Tuple[str, torch.Tensor]]
+
+
+def make_optimizer(kind: str, params: Any, lr: float) -> torch.optim.Optimizer:
+    """``"adamw"`` or ``"sgd"`` (plain: a wrong gradient scale moves the parameters, which
+    Adam's normalisation would hide)."""
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=lr)
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    raise ValueError(f"unknown optimizer {kind!r}")
+
+
+def reference_training(model: nn.Module, steps: int, world_size: int, lr: float = 1e-2, optimizer: str = "adamw",
+                       grads: Optional[List[Named]] = None) -> List[float]:
+    """Single-process training (AdamW unless ``optimizer="sgd"``) on the concatenated batch;
+    returns the losses and leaves ``model`` trained. If ``grads`` is a list, the gradients of
+    each step's backward are appended to it (what :func:`check_grads_each_step` compares with)."""
+    optim = make_optimizer(optimizer, model.parameters(), lr)
     losses = []
     for step in range(steps):
         inputs, targets = batch(step, world_size)
         loss = loss_fn(model(inputs), targets)
         loss.backward()
+        if grads is not None:
+            grads.append([(n, p.grad.detach().clone()) for n, p in model.named_parameters() if p.grad is not None])
         optim.step()
         optim.zero_grad()
         losses.append(loss.item())
@@ -110,16 +127,19 @@ def global_mean(loss: torch.Tensor) -> float:
 
 
 def distributed_training(model: nn.Module, steps: int, lr: float = 1e-2,
-                         before_step: Callable[[int], None] = lambda step: None) -> List[float]:
-    """AdamW on each rank's rows; returns the global mean loss of each step."""
+                         before_step: Callable[[int], None] = lambda step: None, optimizer: str = "adamw",
+                         after_backward: Callable[[int], None] = lambda step: None) -> List[float]:
+    """AdamW (or plain SGD) on each rank's rows; returns the global mean loss of each step.
+    ``after_backward(step)`` runs between each backward and its optimizer step."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    optim = torch.optim.AdamW(model.parameters(), lr=lr)
+    optim = make_optimizer(optimizer, model.parameters(), lr)
     losses = []
     for step in range(steps):
         before_step(step)
         inputs, targets = batch(step, world_size)
         loss = loss_fn(model(local_rows(inputs, rank)), local_rows(targets, rank))
         loss.backward()
+        after_backward(step)
         optim.step()
         optim.zero_grad()
         losses.append(global_mean(loss))
@@ -146,8 +166,52 @@ def clone(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
 
 
+def zip_same(*sequences: Sequence[Any], what: str = "") -> Iterator[Tuple[Any, ...]]:
+    """``zip`` that first checks the lengths agree: a plain ``zip`` stops at the shorter list,
+    so a parameter (or step) lost on one side would pass every check made on the pairs."""
+    lengths = [len(s) for s in sequences]
+    if len(set(lengths)) > 1:
+        raise AssertionError(f"{what} lengths differ: {lengths}")
+    return zip(*sequences)
+
+
+def full_grads(model: nn.Module) -> Named:
+    """Every parameter's full gradient (names in ``named_parameters()`` order; parameters
+    without a gradient on any rank left out), read with ``unshard_params(with_grads=True,
+    writeback=False)``: nothing is written back, so kept unsharded buffers stay as they were."""
+    from composable_shard import unshard_params
+
+    with unshard_params(model, with_grads=True, writeback=False):
+        return [(n, p.grad.detach().clone()) for n, p in model.named_parameters() if p.grad is not None]
+
+
+def check_grads_each_step(model: nn.Module, expected: List[Named], what: str = "",
+                          atol: float = 1e-5) -> Callable[[int], None]:
+    """An ``after_backward`` for :func:`distributed_training`: the full gradients after step
+    ``step``'s backward equal ``expected[step]`` (from :func:`reference_training`)."""
+    def check(step: int) -> None:
+        assert_params_close(full_grads(model), expected[step], atol=atol, what=f"{what} step {step} grads")
+
+    return check
+
+
+def assert_grads_relative(actual: Named, expected: Named, rtol: float, what: str = "") -> None:
+    """Per tensor, ``max |a - e| <= rtol * max |e|``: for low-precision gradients, whose error
+    scales with their size. A gradient off by a factor ``k`` misses by ``|k - 1| * max |e|``,
+    i.e. ``|k - 1| / rtol`` times the tolerance."""
+    if [n for n, _ in actual] != [n for n, _ in expected]:
+        raise AssertionError(f"{what} gradient names differ: {[n for n, _ in actual]} vs {[n for n, _ in expected]}")
+    for (name, a), (_, e) in zip(actual, expected):
+        if a.shape != e.shape:
+            raise AssertionError(f"{what} {name}: grad shape {tuple(a.shape)} != {tuple(e.shape)}")
+        scale = e.detach().float().abs().max().item() if e.numel() else 0.0
+        diff = (a.detach().float() - e.detach().float()).abs().max().item() if a.numel() else 0.0
+        if diff > rtol * scale:
+            raise AssertionError(f"{what} {name}: max abs grad diff {diff} > {rtol} * max |grad| {scale}")
+
+
 def assert_losses_close(actual: List[float], expected: List[float], atol: float = 1e-5, what: str = "") -> None:
-    for step, (a, e) in enumerate(zip(actual, expected)):
+    for step, (a, e) in enumerate(zip_same(actual, expected, what=f"{what} losses")):
         if abs(a - e) > atol:
             raise AssertionError(f"{what} step {step}: loss {a!r} != reference {e!r} (atol {atol})")
 

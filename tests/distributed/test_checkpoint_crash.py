@@ -40,7 +40,7 @@ from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 from composable_shard import (fully_shard, get_model_state_dict, get_optimizer_state_dict, latest_checkpoint,
                               load_checkpoint, save_checkpoint)
 from tests._harness import RankError, run_distributed
-from tests._models import batch, local_rows, loss_fn, make_model
+from tests._models import batch, local_rows, loss_fn, make_model, zip_same
 
 WORLD_SIZE = 2
 TIMEOUT_S = 60.0
@@ -73,8 +73,9 @@ def _trained(steps: int) -> Tuple[nn.Module, torch.optim.Optimizer]:
 def _differences(model: nn.Module, optim: torch.optim.Optimizer, steps: int) -> List[str]:
     """The parameters and optimizer states (this rank's shards) that differ from ``_trained(steps)``."""
     reference, reference_optim = _trained(steps)
-    wrong = [name for (name, p), q in zip(model.named_parameters(), reference.parameters()) if not torch.equal(p, q)]
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+    pairs = list(zip_same(list(model.named_parameters()), list(reference.parameters()), what="parameters"))
+    wrong = [name for (name, p), q in pairs if not torch.equal(p, q)]
+    for (name, p), q in pairs:
         state, expected = optim.state[p], reference_optim.state[q]
         if state.keys() != expected.keys():
             wrong.append(f"optimizer state of {name}: {sorted(state)} vs {sorted(expected)}")

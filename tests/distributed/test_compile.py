@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from composable_shard import checkpoint, fully_shard, unshard_params
 from tests._harness import run_distributed
+from tests._models import zip_same
 
 STEPS = 5
 
@@ -127,9 +128,9 @@ def _compiled(which: str, backend: str, checkpointed: bool = False) -> None:
     for step in range(STEPS):
         assert abs(losses[step] - ref_losses[step]) <= atol, (what, step, losses, ref_losses)
         assert abs(losses[step] - torch_losses[step]) <= atol, (what, step, losses, torch_losses)
-        for i, (g, e) in enumerate(zip(grads[step], ref_grads[step])):
+        for i, (g, e) in enumerate(zip_same(grads[step], ref_grads[step], what=f"{what} step {step} grads")):
             assert (g - e).abs().max().item() <= atol, f"{what} step {step} grad #{i}"
-    for i, (p, e, t) in enumerate(zip(params, ref_params, torch_params)):
+    for i, (p, e, t) in enumerate(zip_same(params, ref_params, torch_params, what=f"{what} params")):
         assert (p - e).abs().max().item() <= 10 * atol, f"{what} param #{i} vs local"
         assert (p - t).abs().max().item() <= 10 * atol, f"{what} param #{i} vs torch FSDP2"
 

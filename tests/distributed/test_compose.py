@@ -19,8 +19,8 @@ from composable_shard import checkpoint, fully_shard, replicate, unshard_params
 from composable_shard._collectives import record_collectives
 from composable_shard._traversal_utils import _get_fsdp_handles
 from tests._harness import run_distributed, run_subtests
-from tests._models import (assert_losses_close, assert_params_close, distributed_training, local_backward, make_model,
-                           reference_grads, reference_training)
+from tests._models import (Named, assert_losses_close, assert_params_close, check_grads_each_step, distributed_training,
+                           make_model, reference_training, zip_same)
 
 STEPS = 4
 
@@ -86,19 +86,17 @@ def _full_named(model: nn.Module) -> List[Tuple[str, torch.Tensor]]:
 
 
 def _compose_subtest(recipe: str) -> None:
+    """AdamW steps (losses, final parameters) with the gradients of every backward compared
+    too: Adam would hide a parameter averaged twice or not at all."""
     world_size = dist.get_world_size()
     reference = make_model()
-    expected_losses = reference_training(reference, STEPS, world_size)
-    expected_grads = reference_grads(reference, STEPS, world_size)
+    expected_grads: List[Named] = []
+    expected_losses = reference_training(reference, STEPS, world_size, grads=expected_grads)
     model = make_model()
     _RECIPES[recipe](model)
-    losses = distributed_training(model, STEPS)
+    losses = distributed_training(model, STEPS, after_backward=check_grads_each_step(model, expected_grads, f"[{recipe}]"))
     assert_losses_close(losses, expected_losses, what=f"[{recipe}]")
     assert_params_close(_full_named(model), list(reference.named_parameters()), what=f"[{recipe}]")
-    local_backward(model, STEPS)
-    with unshard_params(model, with_grads=True):
-        grads = [(n, p.grad.detach().clone()) for n, p in model.named_parameters() if p.grad is not None]
-    assert_params_close(grads, expected_grads, what=f"[{recipe}] grads")
 
 
 def _checkpoint_with_fully_shard(order: str) -> None:
@@ -127,16 +125,16 @@ def _checkpoint_with_fully_shard(order: str) -> None:
         with record_collectives() as rec:
             model(x).pow(2).mean().backward()
         gathers = [r.tag for r in rec.records if r.kind == "all_gather"]
-        for h in _get_fsdp_handles(model):
-            if h.fqn:
-                assert gathers.count(h.fqn) == (2 if dist.get_world_size() > 1 else 0), (order, h.fqn, gathers)
+        assert sorted(h.fqn for h in _get_fsdp_handles(model) if h.fqn) == ["0", "1"]
+        for fqn in ("0", "1"):  # gathered in forward and again in backward, not for the recomputation
+            assert gathers.count(fqn) == (2 if dist.get_world_size() > 1 else 0), (order, fqn, gathers)
     assert [b.forward_calls for b in ckpt] == [2, 2], [b.forward_calls for b in ckpt]
     assert [b.forward_calls for b in plain] == [1, 1]
     with unshard_params(plain, with_grads=True):
         expected = [p.grad.clone() for p in plain.parameters()]
     with unshard_params(ckpt, with_grads=True):
         actual = [p.grad.clone() for p in ckpt.parameters()]
-    for e, a in zip(expected, actual):
+    for e, a in zip_same(expected, actual, what="gradients with and without checkpoint"):
         assert torch.equal(e, a), (e - a).abs().max()
 
 
@@ -174,6 +172,7 @@ def _all() -> None:
 def test_composition_matrix(world_size: int) -> None:
     """(a) checkpoint+fully_shard per layer (both call orders) + root fully_shard, (b) root
     replicate over fully_shard layers, (c) root fully_shard with a replicate submodule, (d) all
-    three: losses, final parameters and gradients equal single-process training; checkpoint
+    three: losses, final parameters and every backward's gradients equal single-process
+    training; checkpoint
     with fully_shard on one module recomputes without re-gathering; error cases raise."""
     run_distributed(_all, world_size, timeout=240)

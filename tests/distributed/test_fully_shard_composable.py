@@ -27,7 +27,7 @@ from composable_shard._common_utils import _FSDPState
 from composable_shard._traversal_utils import _get_fsdp_handles, _get_fsdp_states
 from tests._harness import assert_close_ranks, run_distributed, run_subtests
 from tests._models import (VOCAB, WIDTH, Block, ParityModel, Scale, assert_losses_close, assert_params_close,
-                           batch, local_backward, local_rows, loss_fn)
+                           batch, local_backward, local_rows, loss_fn, zip_same)
 
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
@@ -295,7 +295,7 @@ def _fqn_subtest(path: str) -> None:
             continue
         prefix = owner_names[id(state.module)]
         for group in state.handle.groups:
-            for fqn, p in zip(group.flat_param._fqns, group.orig_params):
+            for fqn, p in zip_same(group.flat_param._fqns, group.orig_params, what="_fqns and original parameters"):
                 full = f"{prefix}.{fqn}" if prefix else fqn
                 assert registered.get(full) is p, (path, prefix, fqn)
                 rebuilt.append(full)

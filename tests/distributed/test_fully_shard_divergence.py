@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from composable_shard import fully_shard, unshard_params
 from tests._harness import run_distributed, run_subtests
+from tests._models import zip_same
 
 
 class _Wide(nn.Module):
@@ -87,9 +88,7 @@ def _order_differs_in_first_iteration(same_shapes: bool) -> None:
     fresh = _routed(same_shapes)
     _step(fresh)
     with unshard_params(model, with_grads=True), unshard_params(fresh, with_grads=True):
-        pairs = list(zip(model.parameters(), fresh.parameters()))
-        assert len(pairs) == len(list(fresh.parameters()))
-        for p, q in pairs:
+        for p, q in zip_same(list(model.parameters()), list(fresh.parameters()), what="parameters"):
             assert p.grad is not None and q.grad is not None and torch.equal(p.grad, q.grad)
 
 

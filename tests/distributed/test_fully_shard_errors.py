@@ -18,6 +18,7 @@ from composable_shard import (CPUOffload, CustomPolicy, MixedPrecision, ModuleWr
 from composable_shard._traversal_utils import _get_fsdp_states
 from composable_shard.contract import _get_registry
 from tests._harness import run_distributed, run_subtests
+from tests._models import zip_same
 
 
 def _snapshot(model: nn.Module) -> List[Tuple[Any, ...]]:
@@ -140,6 +141,8 @@ def _errors() -> None:
     _assert_unchanged(before, model)
     fully_shard(model)  # and a correct call still works afterwards
     model(torch.randn(2, 4)).sum().backward()
+    assert type(model).__name__ == "FSDPLinear" and all(p.grad is not None and p.grad.shape == p.shape
+                                                         for p in model.parameters())
 
 
 def _fully_shard_argument_errors() -> None:
@@ -235,7 +238,7 @@ def _other_api_argument_errors() -> None:
     ]:
         _expect(lambda: clip_grad_norm_(model, *args), exc, *fragments)
         _expect(lambda: model.clip_grad_norm_(*args), exc, *fragments)  # type: ignore[operator]
-    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+    assert all(torch.equal(g, p.grad) for g, p in zip_same(grads, list(model.parameters())))
     _assert_unchanged(before, model)
 
 

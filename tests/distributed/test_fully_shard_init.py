@@ -15,7 +15,7 @@ import torch.nn as nn
 from composable_shard import FSDPModule, ModuleWrapPolicy, fully_shard, unshard_params
 from composable_shard._traversal_utils import _get_fsdp_handles
 from tests._harness import run_distributed, run_subtests
-from tests._models import Block, ParityModel, make_model
+from tests._models import Block, ParityModel, make_model, zip_same
 
 
 def _meta_init(how: str) -> None:
@@ -55,7 +55,7 @@ def _sync_module_states() -> None:
     fully_shard(model, sync_module_states=True)
     assert model.steps.item() == 0.0
     with unshard_params(model):
-        for (name, p), (_, q) in zip(model.named_parameters(), rank0.named_parameters()):
+        for (name, p), (_, q) in zip_same(list(model.named_parameters()), list(rank0.named_parameters())):
             assert torch.equal(p, q), name
 
 

@@ -22,7 +22,7 @@ import torch.nn as nn
 from composable_shard import MixedPrecision, ShardingStrategy, fully_shard, unshard_params
 from tests._harness import assert_close_ranks, run_distributed, run_subtests
 from tests._models import (arm_backward_failure, assert_params_close, batch, expect_backward_failure, local_rows,
-                           loss_fn, make_model)
+                           loss_fn, make_model, zip_same)
 
 _STRATEGIES = [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD,
                ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2]
@@ -129,7 +129,7 @@ def _eval_forward_then_step(strategy: ShardingStrategy, edit: str, mp: bool) -> 
     rank = dist.get_rank()
     losses: Dict[int, List[float]] = {0: [], 1: [], 2: []}
     for step in range(3):
-        for i, ((m, eval_forward), optim) in enumerate(zip(models, optims)):
+        for i, ((m, eval_forward), optim) in enumerate(zip_same(models, optims)):
             loss = _global_step(m, step) if eval_forward is None else _local_step(m, step)
             if eval_forward:
                 inputs, _ = batch(step, dist.get_world_size())
@@ -405,9 +405,9 @@ def _unshard_params_when_idle(situation: str) -> None:
     _assert_grads_equal(model, reference, situation)
     empty = _NoParams()
     fully_shard(empty)
-    empty(torch.ones(2))
+    assert torch.equal(empty(torch.ones(2)), torch.full((2,), 2.0))
     with unshard_params(empty):
-        pass
+        assert fully_shard.state(empty).handle is None and list(empty.parameters()) == []
 
 
 def test_unshard_params_in_every_idle_state() -> None:

@@ -17,9 +17,9 @@ import torch.nn as nn
 
 from composable_shard import ModuleWrapPolicy, ShardingStrategy, fully_shard, unshard_params
 from tests._harness import run_distributed, run_subtests
-from tests._models import (Block, Scale, assert_losses_close, assert_params_close, batch, distributed_training,
-                           global_mean, local_backward, local_rows, loss_fn, make_model, reference_grads,
-                           reference_training)
+from tests._models import (Block, Named, Scale, assert_losses_close, assert_params_close, batch,
+                           check_grads_each_step, distributed_training, full_grads, global_mean, local_rows, loss_fn,
+                           make_model, reference_training, zip_same)
 
 STEPS = 5
 
@@ -53,22 +53,19 @@ def _full_params(model: nn.Module) -> List[Tuple[str, torch.Tensor]]:
 
 
 def _parity_subtest(strategy: ShardingStrategy, annotation: str, forward_prefetch: bool) -> None:
+    """AdamW steps; Adam hides a wrong gradient scale, so the gradients of every backward are
+    compared with local training's too."""
     world_size = dist.get_world_size()
     reference = make_model()
-    expected_losses = reference_training(reference, STEPS, world_size)
+    expected_grads: List[Named] = []
+    expected_losses = reference_training(reference, STEPS, world_size, grads=expected_grads)
     model = make_model()
     _apply(model, annotation, strategy, forward_prefetch=forward_prefetch)
     assert type(model).__name__ == "FSDPParityModel" and isinstance(model.blocks[0], Block)
-    losses = distributed_training(model, STEPS)
-    what = f"[{strategy.name}/{annotation}]"
+    what = f"[{strategy.name}/{annotation}/forward_prefetch={forward_prefetch}]"
+    losses = distributed_training(model, STEPS, after_backward=check_grads_each_step(model, expected_grads, what))
     assert_losses_close(losses, expected_losses, what=what)
     assert_params_close(_full_params(model), list(reference.named_parameters()), what=what)
-    # Adam hides a wrong gradient scale, so compare one more step's gradients directly.
-    expected_grads = reference_grads(reference, STEPS, world_size)
-    local_backward(model, STEPS)
-    with unshard_params(model, with_grads=True):
-        grads = [(n, p.grad.detach().clone()) for n, p in model.named_parameters() if p.grad is not None]
-    assert_params_close(grads, expected_grads, what=f"{what} grads")
     frozen = model.frozen.weight
     assert frozen.grad is None and not frozen.requires_grad
 
@@ -82,13 +79,19 @@ def _torch_fsdp1_subtest(strategy: ShardingStrategy) -> None:
     if strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
         mesh = _groups_kwargs(strategy)["mesh"]
         kwargs["device_mesh"] = mesh
+    # Plain SGD (lr 0.1): a wrong gradient scale moves the parameters, where Adam would hide it;
+    # our gradients are also compared with local training's after every backward.
+    expected_grads: List[Named] = []
+    reference_training(make_model(), STEPS, dist.get_world_size(), lr=0.1, optimizer="sgd", grads=expected_grads)
     torch_model = FSDP(make_model(), auto_wrap_policy=TorchModuleWrapPolicy({Block, Scale}), use_orig_params=True,
                        device_id=torch.device("cpu"), sharding_strategy=TorchStrategy[strategy.name], **kwargs)
-    torch_losses = distributed_training(torch_model, STEPS)
+    torch_losses = distributed_training(torch_model, STEPS, lr=0.1, optimizer="sgd")
     model = make_model()
     _apply(model, "policy", strategy, **({"mesh": kwargs["device_mesh"]} if "device_mesh" in kwargs else {}))
-    losses = distributed_training(model, STEPS)
-    assert_losses_close(losses, torch_losses, what=f"[{strategy.name} vs torch FSDP]")
+    what = f"[{strategy.name} vs torch FSDP]"
+    losses = distributed_training(model, STEPS, lr=0.1, optimizer="sgd",
+                                  after_backward=check_grads_each_step(model, expected_grads, what))
+    assert_losses_close(losses, torch_losses, what=what)
     with FSDP.summon_full_params(torch_model):
         expected = [(n.replace("_fsdp_wrapped_module.", ""), p.detach().clone()) for n, p in torch_model.named_parameters()]
     assert_params_close(_full_params(model), expected, what=f"[{strategy.name} vs torch FSDP]")
@@ -100,12 +103,15 @@ def _hybrid_with_group_pair() -> None:
     shard, _ = dist.new_subgroups_by_enumeration([[0, 1], [2, 3]])
     replicate, _ = dist.new_subgroups_by_enumeration([[0, 2], [1, 3]])
     reference = make_model()
-    expected_losses = reference_training(reference, STEPS, 4)
+    expected_grads: List[Named] = []
+    expected_losses = reference_training(reference, STEPS, 4, lr=0.1, optimizer="sgd", grads=expected_grads)
     model = make_model()
     fully_shard(model, policy=ModuleWrapPolicy({Block, Scale}), strategy=ShardingStrategy.HYBRID_SHARD,
                 process_group=(shard, replicate))
     assert fully_shard.state(model).world_size == 2 and fully_shard.state(model).dp_world_size == 4
-    assert_losses_close(distributed_training(model, STEPS), expected_losses, what="[hybrid pair]")
+    losses = distributed_training(model, STEPS, lr=0.1, optimizer="sgd",
+                                  after_backward=check_grads_each_step(model, expected_grads, "[hybrid pair]"))
+    assert_losses_close(losses, expected_losses, what="[hybrid pair]")
     assert_params_close(_full_params(model), list(reference.named_parameters()), what="[hybrid pair]")
 
 
@@ -116,7 +122,8 @@ def _custom_policy_override_subtest(root: ShardingStrategy, override: ShardingSt
     from composable_shard import CustomPolicy
 
     reference = make_model()
-    expected_losses = reference_training(reference, STEPS, dist.get_world_size())
+    expected_grads: List[Named] = []
+    expected_losses = reference_training(reference, STEPS, dist.get_world_size(), grads=expected_grads)
     by_policy, by_hand = make_model(), make_model()
     special = by_policy.blocks[0]
     fully_shard(by_policy, strategy=root, policy=CustomPolicy(
@@ -133,9 +140,11 @@ def _custom_policy_override_subtest(root: ShardingStrategy, override: ShardingSt
     for step in range(STEPS):
         inputs, targets = batch(step, world_size)
         losses = []
-        for model, optim in zip((by_policy, by_hand), optims):
+        for model, optim in zip_same((by_policy, by_hand), optims):
             loss = loss_fn(model(local_rows(inputs, rank)), local_rows(targets, rank))
             loss.backward()
+            if model is by_policy:  # Adam hides a wrong gradient scale: compare the gradients too
+                assert_params_close(full_grads(model), expected_grads[step], what=f"{what} step {step} grads")
             optim.step()
             optim.zero_grad()
             losses.append(global_mean(loss))
@@ -181,5 +190,7 @@ _ALL = [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStr
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_parity_with_local_and_torch_fsdp(world_size: int) -> None:
     """Every strategy x {manual, policy} x {forward prefetch off/on}: 5 AdamW steps equal local
-    training (losses and final full parameters, atol 1e-5), and equal torch FSDP1."""
+    training (losses, the gradients of every backward and the final full parameters, atol
+    1e-5); 5 plain-SGD steps equal torch FSDP1 (losses, final parameters) with every backward's
+    gradients equal to local training's (a wrong gradient scale fails both)."""
     run_distributed(_parity, world_size, _ALL, timeout=240)

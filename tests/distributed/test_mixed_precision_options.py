@@ -17,10 +17,11 @@ import torch.nn as nn
 from composable_shard import MixedPrecision, ModuleWrapPolicy, fully_shard, unshard_params
 from composable_shard._traversal_utils import _get_fsdp_handles
 from tests._harness import run_distributed, run_subtests
-from tests._models import global_mean
+from tests._models import assert_grads_relative, global_mean, zip_same
 
 BF16 = torch.bfloat16
 STEPS = 3
+RTOL = 0.02  # bf16 gradients vs a local bf16 model (observed < 1%): a 1.5x error misses by 25x
 
 
 class NormBlock(nn.Module):
@@ -113,7 +114,7 @@ def _batchnorm_full_precision(how: str) -> None:
         torch_model = FSDP(_model(), auto_wrap_policy=TorchModuleWrapPolicy({NormBlock}), use_orig_params=True,
                            device_id=torch.device("cpu"), mixed_precision=TorchMixedPrecision(param_dtype=BF16))
         torch_losses = _train(torch_model, STEPS)
-        assert max(abs(a - b) for a, b in zip(losses, torch_losses)) <= 1e-6, (losses, torch_losses)
+        assert max(abs(a - b) for a, b in zip_same(losses, torch_losses)) <= 1e-6, (losses, torch_losses)
         with FSDP.summon_full_params(torch_model):
             expected = {k.replace("_fsdp_wrapped_module.", ""): v.detach().clone()
                         for k, v in torch_model.state_dict().items()}
@@ -148,7 +149,7 @@ def _buffer_dtype() -> None:
         optim.zero_grad()
         expected.append(sum(v.item() for v in per_rank) / world_size)
     losses = _train(model, STEPS)
-    assert max(abs(a - b) for a, b in zip(losses, expected)) <= 1e-5, (losses, expected)
+    assert max(abs(a - b) for a, b in zip_same(losses, expected)) <= 1e-5, (losses, expected)
     state = _full_state(model)
     assert state["0.gain"].dtype == torch.float32 and state["0.norm.running_mean"].dtype == torch.float32
     local_state = local.state_dict()
@@ -180,7 +181,7 @@ def _low_precision_grads() -> None:
                 assert g.dtype == want, (name, g.dtype)
             with unshard_params(model, with_grads=True):
                 full = {n: p.grad.float().clone() for n, p in model.named_parameters()}
-    for (name, low), (_, high) in zip(grads[True], grads[False]):
+    for (name, low), (_, high) in zip_same(grads[True], grads[False], what="parameters"):
         assert high.dtype == torch.float32
         assert torch.equal(low.float(), high), name
     local = _model()
@@ -193,8 +194,11 @@ def _low_precision_grads() -> None:
     (sum(losses) / world_size).backward()
     for hook in h:
         hook.remove()
-    for name, p in local.named_parameters():
-        torch.testing.assert_close(full[name], p.grad.float(), atol=2e-2, rtol=2e-2, msg=name)
+    # Within RTOL of each gradient's largest element (bf16 computed and reduced on other row
+    # splits): a gradient off by 1.5x misses by 0.5 / RTOL times the tolerance.
+    assert sorted(full) == sorted(n for n, _ in local.named_parameters())
+    assert_grads_relative([(n, full[n]) for n, _ in local.named_parameters()],
+                          [(n, p.grad.float()) for n, p in local.named_parameters()], rtol=RTOL, what="[bf16 vs local bf16]")
 
 
 def _grid(world_size: int) -> None:

@@ -12,8 +12,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from composable_shard import fully_shard, unshard_params
+from composable_shard._traversal_utils import _get_fsdp_handles
 from tests._harness import run_distributed, run_subtests
-from tests._models import local_backward, make_model, reference_grads
+from tests._models import local_backward, make_model, reference_grads, zip_same
 
 
 def _sharded_model() -> nn.Module:
@@ -29,16 +30,20 @@ def _shards(model: nn.Module) -> list:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _values(recurse: bool) -> None:
-    """Inside: full shapes and values on every rank; recurse=False only the module's own."""
+def _values(recurse: bool, via: str) -> None:
+    """Inside: full shapes and values on every rank; recurse=False only the module's own (the
+    root's: the tied embedding and the frozen Linear, not the blocks' or scale's). The same
+    through the FSDPModule method summon_full_params."""
     reference = make_model()
     model = _sharded_model()
-    module = model if recurse else model.blocks[0]
+    module = model
     names = [n for n, _ in module.named_parameters()]
-    with unshard_params(module, recurse=recurse):
+    context = unshard_params(module, recurse=recurse) if via == "unshard_params" else \
+        module.summon_full_params(recurse=recurse)  # type: ignore[operator]
+    with context:
         for name, p in model.named_parameters():
             expected = dict(reference.named_parameters())[name]
-            inside = recurse or name.startswith("blocks.0.")
+            inside = recurse or not name.startswith(("blocks.", "scale."))
             if inside:
                 assert p.shape == expected.shape and torch.equal(p, expected), name
             elif dist.get_world_size() > 1 and expected.numel() > 1:
@@ -55,25 +60,33 @@ def _forward_inside_raises() -> None:
             assert "summon_full_params" in str(e) or "unshard_params" in str(e), e
         else:
             raise AssertionError("forward inside unshard_params must raise")
-    model(torch.randint(0, 13, (2, 5)))  # and the model still works afterwards
+    out = model(torch.randint(0, 13, (2, 5)))  # and the model still works afterwards
+    assert out.shape == (2, 5, 13) and torch.isfinite(out).all()
+    out.sum().backward()
+    assert all(h.unsharded_storage_freed() for h in _get_fsdp_handles(model))
 
 
-def _writeback(writeback: bool) -> None:
+def _writeback(writeback: bool, offload_to_cpu: bool) -> None:
+    """Edits of the full parameters reach every rank's shard with writeback=True and none with
+    writeback=False, with and without offload_to_cpu (on a CPU compute device the exposed
+    parameters already are CPU tensors; the accelerator copy path is
+    test_offload_to_cpu_writeback_from_an_accelerator's)."""
     model = _sharded_model()
     before = _shards(model)
-    with unshard_params(model, writeback=writeback):
+    with unshard_params(model, writeback=writeback, offload_to_cpu=offload_to_cpu):
         with torch.no_grad():
             for p in model.parameters():
+                assert p.device.type == "cpu" or not offload_to_cpu
                 p.add_(1.0)
     after = _shards(model)
-    for b, a in zip(before, after):
+    for b, a in zip_same(before, after, what="shards"):
         if writeback:
             assert torch.equal(a, b + 1.0)
         else:
             assert torch.equal(a, b)
     reference = make_model()
     with unshard_params(model):
-        for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        for (name, p), (_, q) in zip_same(list(model.named_parameters()), list(reference.named_parameters())):
             assert torch.equal(p, q + 1.0 if writeback else q), name
 
 
@@ -81,7 +94,7 @@ def _rank0_only() -> None:
     model = _sharded_model()
     reference = make_model()
     with unshard_params(model, rank0_only=True, writeback=False):
-        for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        for (name, p), (_, q) in zip_same(list(model.named_parameters()), list(reference.named_parameters())):
             if dist.get_rank() == 0:
                 assert torch.equal(p, q), name
             elif q.dim() > 1:
@@ -108,14 +121,14 @@ def _offload_and_grads() -> None:
                 assert p.grad is not None and torch.allclose(p.grad, expected[name], atol=1e-6), name
             else:
                 assert p.grad is None, name
-    for g, p in zip(sharded_grads, model.parameters()):  # sharded grads restored on exit
+    for g, p in zip_same(sharded_grads, list(model.parameters())):  # sharded grads restored on exit
         assert (g is None and p.grad is None) or torch.equal(g, p.grad)
 
 
 def _all() -> None:
-    run_subtests(_values, {"recurse": [True, False]})
+    run_subtests(_values, {"recurse": [True, False], "via": ["unshard_params", "summon_full_params"]})
     _forward_inside_raises()
-    run_subtests(_writeback, {"writeback": [True, False]})
+    run_subtests(_writeback, {"writeback": [True, False], "offload_to_cpu": [False, True]})
     _rank0_only()
     _offload_and_grads()
 
@@ -126,3 +139,30 @@ def test_unshard_params_options(world_size: int) -> None:
     every rank's shard and False does not, rank0_only, writeback+rank0_only raises,
     offload_to_cpu, with_grads equal to local gradients and sharded grads restored."""
     run_distributed(_all, world_size, timeout=120)
+
+
+def _offload_writeback_on(device: str) -> None:
+    """On an accelerator, offload_to_cpu exposes CPU copies of the full parameters; with
+    writeback=True the edits made to those copies must reach the shards on the device."""
+    torch.cuda.set_device(dist.get_rank())
+    model = make_model()
+    for block in model.blocks:
+        fully_shard(block, device_id=torch.device(device, dist.get_rank()))
+    fully_shard(model, device_id=torch.device(device, dist.get_rank()))
+    reference = make_model()
+    with unshard_params(model, offload_to_cpu=True, writeback=True):
+        with torch.no_grad():
+            for p in model.parameters():
+                assert p.device.type == "cpu", p.device
+                p.mul_(2.0)
+    with unshard_params(model):
+        for (name, p), (_, q) in zip_same(list(model.named_parameters()), list(reference.named_parameters())):
+            assert p.device.type == device and torch.equal(p.cpu(), 2.0 * q), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="offload_to_cpu copies only from an accelerator (CUDA)")
+def test_offload_to_cpu_writeback_from_an_accelerator() -> None:
+    """unshard_params(offload_to_cpu=True, writeback=True) on CUDA shards (one rank: the exposed
+    CPU copies are the only place the edits land): the edits are written back. On a CPU-only
+    machine there is no copy to write back, so there is nothing to run."""
+    run_distributed(_offload_writeback_on, 1, "cuda", timeout=120)

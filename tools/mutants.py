@@ -1,0 +1,485 @@
+#!/usr/bin/env python
+"""Seeded one-line bugs: does the test suite catch each of them?
+
+Each mutant is one deliberate bug in ``composable_shard/``: an exact substring of a file and
+its replacement (one line changed), plus the tests that should catch it. For every mutant this
+script copies the package and the tests into a fresh temporary directory, applies the mutant
+there (the working tree is never touched), runs the selected tests in that directory with
+``PYTHONPATH`` pointing at the copy, and reports:
+
+  CAUGHT      a selected test failed (the first failing test is shown)
+  SURVIVED    every selected test passed: the suite misses this bug
+  STALE       the original substring is no longer in the file (the code moved): update the
+              mutant; a stale mutant is never counted as caught
+  AMBIGUOUS   the original substring occurs more than once: make it longer
+  NEEDS-CUDA  the mutated code only runs with an accelerator and none is available here
+  ERROR       pytest could not run the selection (usage error, nothing collected, timeout)
+
+Before the mutants, the union of all selections runs once on an unmutated copy (skip with
+``--no-baseline``): a selection that already fails would make every mutant look caught.
+
+Not part of CI. Usage::
+
+    python tools/mutants.py --list                 # mutants, their files and tests
+    python tools/mutants.py                        # all of them, one at a time
+    python tools/mutants.py -j 2                   # two at a time (each runs its own pytest)
+    python tools/mutants.py --only hybrid_shard_keeps_after_forward --only backward_post_prefetches_nothing
+
+Exit status: 0 if every mutant that could run was caught (NEEDS-CUDA ones excepted), 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE = "composable_shard"
+COPIED = (PACKAGE, "tests", "examples")  # directories the selected tests may need
+COPIED_FILES = ("pyproject.toml",)  # pytest's configuration (rootdir, addopts)
+TIMEOUT_S = 900  # per mutant; the harness's own per-test timeouts normally fire first
+
+_RUNTIME = f"{PACKAGE}/_runtime_utils.py"
+_REDUCTION = f"{PACKAGE}/_reduction.py"
+_FLAT = f"{PACKAGE}/_flat_param.py"
+_SHARD_MATH = f"{PACKAGE}/_shard_math.py"
+_UNSHARD = f"{PACKAGE}/_unshard_params.py"
+_STATE_DICT = f"{PACKAGE}/_state_dict.py"
+_CHECKPOINT = f"{PACKAGE}/checkpoint.py"
+_DIVERGENCE = f"{PACKAGE}/_divergence.py"
+_REPLICATE = f"{PACKAGE}/replicate.py"
+_MIXED = f"{PACKAGE}/_mixed_precision.py"
+_INIT = f"{PACKAGE}/_init_utils.py"
+_FULLY_SHARD = f"{PACKAGE}/fully_shard.py"
+_COLLECTIVES = f"{PACKAGE}/_collectives.py"
+
+_STORAGE = "tests/distributed/test_fully_shard_runtime.py::test_storage_per_rank_and_freeing"
+_PREFETCH = "tests/distributed/test_fully_shard_runtime.py::test_prefetch_is_issued_before_compute"
+_METHODS = "tests/distributed/test_fully_shard_runtime.py::test_no_sync_and_manual_unshard"
+_CLIP = "tests/distributed/test_fully_shard_runtime.py::test_clip_grad_norm_over_all_shards"
+_TRAINING = "tests/distributed/test_fully_shard_training.py::test_parity_with_local_and_torch_fsdp"
+_MP = "tests/distributed/test_fully_shard_mixed_precision.py"
+_MP_OPTIONS = "tests/distributed/test_mixed_precision_options.py::test_mixed_precision_options"
+_UNSHARD_TESTS = "tests/distributed/test_unshard_params.py"
+_STATE_DICT_TESTS = "tests/distributed/test_state_dict.py"
+_CHECKPOINT_UNIT = "tests/unit/test_checkpoint.py"
+_DIVERGENCE_TESTS = "tests/distributed/test_fully_shard_divergence.py"
+_REPLICATE_TESTS = "tests/distributed/test_replicate.py"
+_INIT_TESTS = "tests/distributed/test_fully_shard_init.py::test_init_options"
+_COMPOSE = "tests/distributed/test_compose.py::test_composition_matrix"
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    name: str
+    what: str  # the bug, in words
+    file: str  # relative to the repository root
+    original: str  # exact substring of the file (must occur once)
+    replacement: str  # what it becomes: one line changed
+    tests: Tuple[str, ...]  # pytest selection, most likely to fail first
+    requires: Optional[str] = None  # "cuda": the mutated line only runs with an accelerator
+
+
+def _m(name: str, what: str, file: str, original: str, replacement: str, *tests: str,
+       requires: Optional[str] = None) -> Mutant:
+    return Mutant(name, what, file, original, replacement, tuple(tests), requires)
+
+
+MUTANTS: List[Mutant] = [
+    # ---------------------------------------------------------------- reshard timing per strategy
+    _m("hybrid_shard_keeps_after_forward",
+       "HYBRID_SHARD keeps unsharded parameters from forward to backward (silently ZeRO-2)",
+       _RUNTIME, "_FREES_AFTER_FORWARD = {ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD}",
+       "_FREES_AFTER_FORWARD = {ShardingStrategy.FULL_SHARD}", f"{_STORAGE}[2]"),
+    _m("shard_grad_op_frees_after_forward", "SHARD_GRAD_OP frees after forward (silently ZeRO-3)",
+       _RUNTIME, "_FREES_AFTER_FORWARD = {ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD}",
+       "_FREES_AFTER_FORWARD = {ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD, ShardingStrategy.SHARD_GRAD_OP}",
+       f"{_STORAGE}[2]"),
+    _m("root_frees_after_forward", "the root reshards after its forward (an extra all-gather per step)",
+       _RUNTIME, "return state.strategy in _FREES_AFTER_FORWARD and not state.is_root",
+       "return state.strategy in _FREES_AFTER_FORWARD", f"{_STORAGE}[2]"),
+    _m("never_reshards_after_backward", "no handle frees its unsharded parameters after backward",
+       _RUNTIME, "    return state.reshard_after_backward\n", "    return False\n", f"{_STORAGE}[2]"),
+    _m("set_reshard_after_backward_ignored", "set_reshard_after_backward(False) has no effect",
+       _RUNTIME, "    return state.reshard_after_backward\n", "    return True\n", f"{_METHODS}[2]"),
+    _m("kept_buffer_never_stale", "a kept unsharded buffer is reused after an optimizer step",
+       _RUNTIME, "    if handle.is_stale():", "    if False:", f"{_METHODS}[2]"),
+    # ---------------------------------------------------------------- prefetch
+    _m("backward_post_prefetches_nothing", "BackwardPrefetch.BACKWARD_POST prefetches nothing",
+       _RUNTIME, "if state.backward_prefetch is BackwardPrefetch.BACKWARD_POST:", "if False:", _PREFETCH),
+    _m("backward_prefetch_wrong_target", "backward prefetch gathers the handle after, not before, in forward order",
+       _RUNTIME, "_prefetch(root, root.post_forward_order, handle.post_forward_index - 1)",
+       "_prefetch(root, root.post_forward_order, handle.post_forward_index + 1)", _PREFETCH),
+    _m("forward_prefetch_wrong_target", "forward prefetch gathers two handles ahead",
+       _RUNTIME, "_prefetch(root, root.exec_order, handle.exec_index + 1)",
+       "_prefetch(root, root.exec_order, handle.exec_index + 2)", _PREFETCH),
+    _m("forward_prefetch_full_shard_only", "forward_prefetch only honoured under FULL_SHARD",
+       _RUNTIME, "if state.forward_prefetch and _root_of(state).exec_order_recorded:",
+       "if state.forward_prefetch and state.strategy is ShardingStrategy.FULL_SHARD and _root_of(state).exec_order_recorded:",
+       _PREFETCH),
+    # ---------------------------------------------------------------- gradient averaging per strategy
+    _m("average_over_shard_group_only", "fp32 gradients divided by the shard group size, not the data-parallel world",
+       _REDUCTION, "output.div_(self.state.dp_world_size)", "output.div_(self.state.world_size)", f"{_TRAINING}[2]"),
+    _m("low_precision_not_averaged", "low-precision gradients summed, not averaged",
+       _REDUCTION, "grad.div_(state.dp_world_size)  # pre-divide", "grad.div_(1)  # pre-divide", _MP),
+    _m("replicas_not_reduced", "no all-reduce across replicas (NO_SHARD, hybrid): ranks drift apart",
+       _REDUCTION, "if group is not None and dist.get_world_size(group) > 1:", "if False:", f"{_STORAGE}[2]", f"{_TRAINING}[2]"),
+    _m("dp_world_size_is_shard_size", "the data-parallel world (gradient divisor) counts the shard group only",
+       _INIT, "return _Groups(shard, replicate, rank, world, world * replicas)",
+       "return _Groups(shard, replicate, rank, world, world)", f"{_TRAINING}[2]"),
+    _m("hybrid_groups_swapped", "a hybrid mesh shards along its replicate dimension",
+       _INIT, "return mesh.get_group(1), mesh.get_group(0)", "return mesh.get_group(0), mesh.get_group(1)",
+       f"{_STORAGE}[4]"),
+    _m("gloo_reduce_scatter_drops_own_part", "gloo's point-to-point reduce-scatter keeps only the peer's part",
+       _COLLECTIVES, "then=lambda: output.add_(mine))", "then=lambda: output.copy_(mine))", f"{_STORAGE}[2]",
+       f"{_TRAINING}[2]"),
+    # ---------------------------------------------------------------- reduce dtype, mixed precision
+    _m("reduce_dtype_ignored", "gradients reduced in param_dtype even when reduce_dtype is set",
+       _REDUCTION, "        return mp.effective_reduce_dtype\n", "        return group.compute_dtype\n", _MP),
+    _m("full_precision_output_not_cast_back", "BatchNorm's fp32 output reaches the bf16 layers after it",
+       _MIXED, "return convert(output, lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t)",
+       "return output", _MP_OPTIONS),
+    _m("buffer_dtype_ignored", "MixedPrecision(buffer_dtype=...) leaves buffers in their dtype",
+       _MIXED, "module._buffers[name] = buf.to(dtype)", "module._buffers[name] = buf", _MP_OPTIONS),
+    _m("keep_low_precision_grads_ignored", "keep_low_precision_grads=True still casts .grad to fp32",
+       _FLAT, "dtype = group.compute_dtype if self.keep_low_precision_grads else fp.dtype",
+       "dtype = fp.dtype", _MP_OPTIONS),
+    _m("cast_forward_inputs_ignored", "MixedPrecision(cast_forward_inputs=True) casts nothing",
+       _RUNTIME, "if not (mp.cast_root_forward_inputs or (mp.cast_forward_inputs and state.handle is not None)):",
+       "if not mp.cast_root_forward_inputs:", f"{_MP}::test_cast_root_forward_inputs_applies_to_every_fully_shard_unit"),
+    # ---------------------------------------------------------------- padding and chunk arithmetic
+    _m("padding_rounds_down", "the flat parameter is padded down, not up, to a multiple of W",
+       _SHARD_MATH, "return -(-numel // world_size) * world_size", "return (numel // world_size) * world_size",
+       "tests/unit/test_shard_math.py"),
+    _m("chunk_bounds_overlap", "rank r's chunk runs one element into rank r+1's",
+       _SHARD_MATH, "return rank * chunk, (rank + 1) * chunk", "return rank * chunk, (rank + 1) * chunk + 1",
+       "tests/unit/test_shard_math.py"),
+    _m("slice_offset_in_shard", "a parameter's offset inside the shard measured from the flat start",
+       _SHARD_MATH, "slices.append(ParamSlice(index, lo - offset, hi - offset, lo - start))",
+       "slices.append(ParamSlice(index, lo - offset, hi - offset, lo - offset))", "tests/unit/test_shard_math.py"),
+    # ---------------------------------------------------------------- gradient accumulation, no_sync
+    _m("no_sync_not_recursive", "set_requires_gradient_sync(False) only reaches the root",
+       _FULLY_SHARD, "for s in self._states(recurse):\n            s.sync_gradients",
+       "for s in self._states(False):\n            s.sync_gradients", f"{_METHODS}[2]"),
+    _m("unsynced_grads_dropped", "gradients of unsynced backwards are not added to the synced one",
+       _FLAT, "grad = kept if grad is None else kept.add_(grad)", "grad = kept if grad is None else grad",
+       f"{_METHODS}[2]"),
+    _m("synced_grads_overwrite", "a synced backward overwrites .grad instead of accumulating",
+       _FLAT, "old.add_(reduced)  # every .grad", "old.copy_(reduced)  # every .grad", f"{_METHODS}[2]"),
+    _m("clip_inf_norm_summed", "clip_grad_norm_(norm_type=inf) sums the per-rank maxima",
+       _FULLY_SHARD, 'op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM',
+       "op = dist.ReduceOp.SUM", f"{_CLIP}[2]"),
+    # ---------------------------------------------------------------- unshard_params write-back
+    _m("writeback_direction_reversed", "unshard_params(writeback=True) copies the shard over the edits",
+       _UNSHARD, "fp.data.copy_(item.full[start:start + fp.numel()])",
+       "item.full[start:start + fp.numel()].copy_(fp.data)", _UNSHARD_TESTS),
+    _m("writeback_false_keeps_edits_one_rank", "unshard_params(writeback=False) keeps the edits on one rank",
+       _UNSHARD, "saved = None if writeback else shard.clone()", "saved = None", _UNSHARD_TESTS),
+    _m("offload_writeback_dropped", "unshard_params(offload_to_cpu=True, writeback=True) drops the edits",
+       _UNSHARD, "item.full[: full_cpu.numel()].copy_(full_cpu)", "full_cpu.copy_(item.full[: full_cpu.numel()])",
+       f"{_UNSHARD_TESTS}::test_offload_to_cpu_writeback_from_an_accelerator", requires="cuda"),
+    # ---------------------------------------------------------------- state dict keys
+    _m("state_dict_key_without_prefix", "state_dict() rewrites 'weight' instead of 'blocks.0.fc1.weight'",
+       _STATE_DICT, "_save_entry(state_dict, prefix + name, m,", "_save_entry(state_dict, name, m,",
+       f"{_STATE_DICT_TESTS}::test_full_state_dict_is_the_plain_models"),
+    _m("load_key_without_prefix", "load_state_dict() looks for nested entries without their prefix",
+       _STATE_DICT, "        key = prefix + name\n", "        key = name\n",
+       f"{_STATE_DICT_TESTS}::test_full_state_dict_is_the_plain_models"),
+    # ---------------------------------------------------------------- checkpoint recompute bookkeeping
+    _m("recompute_every_unpack", "checkpoint recomputes the forward at every unpacked tensor",
+       _CHECKPOINT, "if placeholder not in self.recomputed:", "if True:", _CHECKPOINT_UNIT),
+    _m("placeholder_off_by_one", "checkpoint's placeholders are off by one",
+       _CHECKPOINT, "return len(self.saved_metas) - 1", "return len(self.saved_metas)", _CHECKPOINT_UNIT),
+    _m("rng_not_restored", "checkpoint recomputes with the current RNG state (other dropout masks)",
+       _CHECKPOINT, "torch.set_rng_state(self.cpu_rng_state)", "torch.get_rng_state()", _CHECKPOINT_UNIT),
+    _m("recomputed_not_released", "recomputed tensors stay alive until the graph is freed",
+       _CHECKPOINT, "return self.recomputed.pop(placeholder)", "return self.recomputed[placeholder]", _CHECKPOINT_UNIT),
+    # ---------------------------------------------------------------- divergence checks
+    _m("disagreement_ignored", "ranks about to run different collectives are not stopped",
+       _DIVERGENCE, "if any(theirs != everyone[0] for theirs in everyone):", "if False:",
+       f"{_DIVERGENCE_TESTS}::test_different_handle_order_raises_in_first_iteration"),
+    _m("first_iteration_not_checked", "handle order only agreed on in debug mode",
+       _RUNTIME, "if root is not None and (root.check_order or root.debug_checks):",
+       "if root is not None and root.debug_checks:",
+       f"{_DIVERGENCE_TESTS}::test_different_handle_order_raises_in_first_iteration"),
+    _m("debug_mode_never_on", "COMPOSABLE_SHARD_DEBUG=1 turns nothing on",
+       _DIVERGENCE, 'return flag not in ("", "0") or', 'return False and',
+       f"{_DIVERGENCE_TESTS}::test_debug_mode_checks_every_iteration"),
+    # ---------------------------------------------------------------- replicate
+    _m("replicate_bucket_not_scaled", "replicate sums bucket gradients instead of averaging",
+       _REPLICATE, "else 1.0 / state.world_size", "else 1.0", f"{_REPLICATE_TESTS}::test_parity_with_ddp_and_local[2]"),
+    _m("replicate_slot_view_not_scaled", "a gradient that already is its bucket slot is not scaled",
+       _REPLICATE, "            view.mul_(scale)\n", "            view.mul_(1.0)\n",
+       f"{_REPLICATE_TESTS}::test_parity_with_ddp_and_local[2]", f"{_REPLICATE_TESTS}::test_no_sync_overlap_and_bucket_rebuild"),
+    _m("replicate_no_sync_ignored", "replicate's set_requires_gradient_sync(False) still communicates",
+       _REPLICATE, "state.backward = _BackwardPass(state.sync_gradients, len(state.params))",
+       "state.backward = _BackwardPass(True, len(state.params))",
+       f"{_REPLICATE_TESTS}::test_no_sync_overlap_and_bucket_rebuild"),
+    _m("replicate_unused_gets_grad", "a parameter no rank used gets a zero .grad (DDP leaves None)",
+       _REPLICATE, "            if is_used[i]:\n", "            if True:\n",
+       f"{_REPLICATE_TESTS}::test_parity_with_ddp_and_local[2]"),
+    _m("replicate_process_group_ignored", "replicate(process_group=G) averages over the whole world",
+       _REPLICATE, "state.process_group, state.world_size = group, dist.get_world_size(group)",
+       "state.process_group, state.world_size = None, dist.get_world_size()",
+       f"{_REPLICATE_TESTS}::test_parity_with_ddp_and_local[4]"),
+    _m("replicate_rebuilds_every_step", "replicate rebuilds its buckets after every backward",
+       _REPLICATE, "if state.num_rebuilds == 0:", "if True:", f"{_REPLICATE_TESTS}::test_no_sync_overlap_and_bucket_rebuild"),
+    # ---------------------------------------------------------------- init
+    _m("sync_module_states_ignored", "fully_shard(sync_module_states=True) broadcasts nothing",
+       _INIT, "    if not plan.sync_module_states:\n", "    if True:\n", _INIT_TESTS),
+    _m("process_group_ignored", "fully_shard(process_group=G) shards over the whole world",
+       _INIT, "group: Optional[dist.ProcessGroup] = process_group if process_group is not None else dist.group.WORLD",
+       "group: Optional[dist.ProcessGroup] = dist.group.WORLD", f"{_STORAGE}[4]"),
+    _m("ignored_states_ignored", "fully_shard(ignored_states=[...]) flattens those parameters anyway",
+       _INIT, "params.update(s for s in ignored_states or [] if isinstance(s, nn.Parameter))", "params.update([])",
+       _INIT_TESTS),
+    _m("param_init_fn_ignored", "fully_shard(param_init_fn=...) falls back to reset_parameters()",
+       _INIT, "    init_fn = plan.param_init_fn\n", "    init_fn = None\n",
+       "tests/distributed/test_fully_shard_composable.py::test_composable_fully_shard_behaviours[2]"),
+    # ---------------------------------------------------------------- FSDPModule methods
+    _m("summon_full_params_ignores_recurse", "FSDPModule.summon_full_params(recurse=False) unshards the subtree",
+       _FULLY_SHARD, "return unshard_params(self, recurse=recurse,", "return unshard_params(self, recurse=True,",
+       _UNSHARD_TESTS),
+    _m("set_reshard_after_backward_always_recursive", "set_reshard_after_backward(flag, recurse=False) reaches children",
+       _FULLY_SHARD, "for s in self._states(recurse):\n            s.reshard_after_backward",
+       "for s in self._states(True):\n            s.reshard_after_backward", f"{_METHODS}[2]"),
+]
+
+
+# ---------------------------------------------------------------------------- running
+@dataclasses.dataclass
+class Result:
+    mutant: Mutant
+    status: str
+    detail: str = ""
+    seconds: float = 0.0
+
+
+def _copy_tree(dest: Path) -> None:
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".mypy_cache")
+    for name in COPIED:
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, dest / name, ignore=ignore)
+    for name in COPIED_FILES:
+        shutil.copy2(REPO / name, dest / name)
+
+
+def _apply(root: Path, mutant: Mutant) -> Optional[str]:
+    """Apply ``mutant`` under ``root``; return a status if it cannot be applied."""
+    path = root / mutant.file
+    if not path.is_file():
+        return "STALE"
+    text = path.read_text()
+    count = text.count(mutant.original)
+    if count == 0:
+        return "STALE"
+    if count > 1:
+        return "AMBIGUOUS"
+    path.write_text(text.replace(mutant.original, mutant.replacement, 1))
+    return None
+
+
+def _env(root: Path) -> Dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(root)
+    env.pop("COMPOSABLE_SHARD_DEBUG", None)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+_CHECK_IMPORT = textwrap.dedent("""
+    import multiprocessing, sys
+    import composable_shard
+
+    def child(queue):
+        import composable_shard
+        queue.put(composable_shard.__file__)
+
+    if __name__ == "__main__":
+        ctx = multiprocessing.get_context("spawn")
+        queue = ctx.Queue()
+        process = ctx.Process(target=child, args=(queue,))
+        process.start()
+        print(composable_shard.__file__)
+        print(queue.get(timeout=120))
+        process.join()
+""")
+
+
+def check_imports_copy(root: Path) -> None:
+    """The copy, not the installed (editable) package, is what the tests import, in the parent
+    and in a spawned child (what the test harness's ranks are)."""
+    script = root / "_check_import.py"
+    script.write_text(_CHECK_IMPORT)
+    out = subprocess.run([sys.executable, str(script)], cwd=root, env=_env(root), capture_output=True, text=True,
+                         timeout=300)
+    script.unlink()
+    files = out.stdout.split()
+    if out.returncode != 0 or len(files) != 2 or not all(Path(f).resolve().is_relative_to(root.resolve()) for f in files):
+        raise SystemExit(f"mutants: the copy in {root} is not what gets imported: {out.stdout!r} {out.stderr[-2000:]!r}")
+
+
+def _first_failure(output: str) -> str:
+    for line in output.splitlines():
+        match = re.match(r"^(FAILED|ERROR) (\S+)", line)
+        if match:
+            return match.group(2)
+    return ""
+
+
+def _pytest(root: Path, tests: Sequence[str], timeout: float) -> Tuple[int, str]:
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-rfE", "-p", "no:cacheprovider", "-p", "no:randomly", *tests]
+    try:
+        out = subprocess.run(cmd, cwd=root, env=_env(root), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return -1, ""
+    return out.returncode, out.stdout + out.stderr
+
+
+def _cuda_available() -> bool:
+    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
+                         capture_output=True, text=True)
+    return out.stdout.strip() == "True"
+
+
+def run_mutant(mutant: Mutant, timeout: float, keep: bool, has_cuda: bool) -> Result:
+    root = Path(tempfile.mkdtemp(prefix=f"cs_mutant_{mutant.name}_"))
+    try:
+        _copy_tree(root)
+        problem = _apply(root, mutant)
+        if problem is not None:
+            return Result(mutant, problem, f"original substring {'not found' if problem == 'STALE' else 'not unique'} "
+                                           f"in {mutant.file}")
+        if mutant.requires == "cuda" and not has_cuda:
+            return Result(mutant, "NEEDS-CUDA", "applies cleanly; its line only runs on an accelerator")
+        code, output = _pytest(root, mutant.tests, timeout)
+        if code == -1:
+            status, detail = "ERROR", f"timed out after {timeout:g} s"
+        elif code == 0:
+            status, detail = "SURVIVED", "every selected test passed"
+        elif code == 1:
+            status, detail = "CAUGHT", _first_failure(output) or "(a test failed)"
+        else:
+            status, detail = "ERROR", f"pytest exit code {code}: {output.strip().splitlines()[-1:] or ''}"
+        return Result(mutant, status, detail)
+    finally:
+        if keep:
+            print(f"  kept {root}", file=sys.stderr)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def baseline(mutants: Sequence[Mutant], timeout: float, has_cuda: bool) -> None:
+    """Run every selection once, unmutated: each must pass, or 'caught' would mean nothing."""
+    selections: List[str] = []
+    for m in mutants:
+        if m.requires == "cuda" and not has_cuda:
+            continue
+        selections.extend(t for t in m.tests if t not in selections)
+    root = Path(tempfile.mkdtemp(prefix="cs_mutant_baseline_"))
+    try:
+        _copy_tree(root)
+        check_imports_copy(root)
+        print(f"baseline: {len(selections)} selections on an unmutated copy ...", flush=True)
+        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *selections],
+                             cwd=root, env=_env(root), capture_output=True, text=True, timeout=timeout * 4)
+        if out.returncode != 0:
+            raise SystemExit(f"mutants: the unmutated selections fail (pytest exit code {out.returncode}), so no "
+                             f"mutant result would mean anything; first failure: {_first_failure(out.stdout)}\n"
+                             + out.stdout[-3000:])
+        print("baseline: all selections pass", flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _table(results: Sequence[Result]) -> str:
+    rows = [("mutant", "file", "status", "first failing test / detail", "s")]
+    for r in results:
+        rows.append((r.mutant.name, r.mutant.file.replace(f"{PACKAGE}/", ""), r.status, r.detail, f"{r.seconds:.0f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = []
+    for k, row in enumerate(rows):
+        lines.append("  ".join(cell.ljust(widths[i]) if i < 4 else cell.rjust(4) for i, cell in enumerate(row)).rstrip())
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths) + "  ----")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", action="append", default=[], metavar="NAME",
+                        help="run only this mutant (repeatable, or comma-separated)")
+    parser.add_argument("--list", action="store_true", help="list the mutants and whether each still applies")
+    parser.add_argument("-j", "--jobs", type=int, default=1, help="mutants run at once (default 1)")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of the selections")
+    parser.add_argument("--keep", action="store_true", help="keep each mutant's temporary copy")
+    parser.add_argument("--timeout", type=float, default=TIMEOUT_S, help=f"seconds per mutant (default {TIMEOUT_S})")
+    args = parser.parse_args(argv)
+
+    names = [n for item in args.only for n in item.split(",") if n]
+    unknown = sorted(set(names) - {m.name for m in MUTANTS})
+    if unknown:
+        parser.error(f"unknown mutant(s) {unknown}; see --list")
+    if len({m.name for m in MUTANTS}) != len(MUTANTS):
+        parser.error("duplicate mutant names")
+    selected = [m for m in MUTANTS if not names or m.name in names]
+
+    if args.list:
+        for m in selected:
+            text = (REPO / m.file).read_text() if (REPO / m.file).is_file() else ""
+            count = text.count(m.original)
+            state = "applies" if count == 1 else "STALE" if count == 0 else "AMBIGUOUS"
+            extra = f" (needs {m.requires})" if m.requires else ""
+            print(f"{m.name:40s} {m.file.replace(PACKAGE + '/', ''):20s} {state}{extra}\n    {m.what}\n    tests: "
+                  + " ".join(m.tests))
+        print(f"{len(selected)} mutants")
+        return 0
+
+    has_cuda = _cuda_available()
+    if not args.no_baseline:
+        baseline(selected, args.timeout, has_cuda)
+    else:
+        probe = Path(tempfile.mkdtemp(prefix="cs_mutant_probe_"))
+        try:
+            _copy_tree(probe)
+            check_imports_copy(probe)
+        finally:
+            shutil.rmtree(probe, ignore_errors=True)
+
+    results: List[Result] = []
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        starts: Dict[str, float] = {}
+
+        def run(m: Mutant) -> Result:
+            starts[m.name] = time.monotonic()
+            result = run_mutant(m, args.timeout, args.keep, has_cuda)
+            result.seconds = time.monotonic() - starts[m.name]
+            return result
+
+        for result in pool.map(run, selected):
+            print(f"{result.status:10s} {result.mutant.name}: {result.detail}", flush=True)
+            results.append(result)
+
+    print()
+    print(_table(results))
+    counts: Dict[str, int] = {}
+    for r in results:
+        counts[r.status] = counts.get(r.status, 0) + 1
+    print("\n" + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) + f" of {len(results)} mutants")
+    bad = [r for r in results if r.status not in ("CAUGHT", "NEEDS-CUDA")]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
