@@ -2,13 +2,15 @@
 
 [Note: Harness protocol]
   parent  TCPStore master on port 0 (the OS picks a free port, so concurrent pytest-xdist
-          workers never race for one); one spawned process and one Pipe per rank; waits on
+          workers never race for one); one process and one Pipe per rank, started by a
+          forkserver that imported torch once (see [Note: Ranks from a forkserver]); waits on
           the pipes and process sentinels until every rank finished, the first failure is
           FAILURE_GRACE_S old, or the deadline passed; then kills the survivors.
   timeout counts from the moment the last rank is "ready", so spawn start-up (importing
           torch: seconds, or tens of seconds under pytest -n on a loaded machine) does not
           eat a test's time; start-up has its own limit, STARTUP_TIMEOUT_S.
-  rank    own process group, dies with the parent (PDEATHSIG). Sends ("ready", t) once
+  rank    own process group, dies with the test process (a lifeline pipe whose EOF kills
+          the group). Sends ("ready", t) once
           its stack dumps are armed (after its imports), ("fn_done", t) when fn returns,
           ("finished", t) after barrier + teardown, or ("error", t, traceback) if
           anything raised; then os._exit (peers may be dead: no teardown). t is
@@ -17,12 +19,21 @@
   stacks  faulthandler writes a rank's stacks to its own file on a fatal signal and on
           SIGUSR1, which the parent sends at the deadline to ready ranks (before "ready"
           SIGUSR1 would kill it): a timeout shows where each rank hung.
+
+[Note: Ranks from a forkserver]
+  A spawned rank imports torch afresh: 1.2 s for one rank, 3 s for four on two cores, paid
+  by every run_distributed call (hundreds per suite run). A forkserver imports torch, the
+  library and this harness once per test process; each rank is a fork of it, so it starts in
+  milliseconds and still behaves as a spawned rank: a fresh process (the test process's
+  threads are not copied), sys.path and working directory set as spawn sets them, and the
+  test process's environment at the call (passed in _RankSpec, since the forkserver's is
+  the one from its own start). Nothing in the preloaded modules starts a thread or runs a
+  tensor operation, so no thread pool is forked half-initialised.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import faulthandler
 import itertools
 import math
@@ -32,12 +43,14 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
-from multiprocessing.context import SpawnContext, SpawnProcess
+from multiprocessing.context import BaseContext
+from multiprocessing.process import BaseProcess
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
@@ -51,7 +64,10 @@ TERMINATE_GRACE_S = 1.0  # SIGTERM -> SIGKILL
 STACK_DUMP_WAIT_S = 2.0  # how long the parent waits for the SIGUSR1 stack dumps
 STARTUP_TIMEOUT_S = 90.0  # spawn to "ready" (imports), for every rank
 PG_TIMEOUT_SLACK_S = 60.0  # gloo times out after the harness, so the harness reports first
-_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+# gloo's errors when a peer's sockets close (its tcp/pair.cc); see _lost_a_peer.
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+# Imported once by the forkserver, so that ranks start without importing them.
+_PRELOAD = ["torch", "torch.distributed", "composable_shard", "tests._harness", "tests._models"]
 # Room for str(dtype) of every dtype this torch has (the same torch on every rank).
 _DTYPE_NAME_BYTES = max(len(str(v)) for v in vars(torch).values() if isinstance(v, torch.dtype))
 
@@ -83,7 +99,8 @@ class _RankSpec:
     rank: int
     world_size: int
     port: int  # of the parent's TCPStore
-    parent_pid: int  # a rank whose parent is already gone exits at once
+    parent_pid: int  # the test process: a rank that finds it gone exits at once
+    environ: dict[str, str]  # the test process's environment at the call
     stack_path: str  # this rank's faulthandler output
     pg_timeout_s: float
     fn: Callable[..., None]
@@ -96,8 +113,9 @@ class _RankProc:
     """The parent's record of one rank."""
 
     rank: int
-    process: SpawnProcess
+    process: BaseProcess
     conn: Optional[Connection]  # read end; None once closed
+    lifeline: Connection  # write end of the rank's lifeline; closed when the call ends
     stack_path: str
     ready_at: float = math.inf  # time.monotonic() when imports were done, stack dumps armed
     fn_done: bool = False  # fn returned
@@ -105,6 +123,7 @@ class _RankProc:
     exited: bool = False  # reaped by _on_exit or _kill_all
     killed: bool = False  # still running at the end, so killed by the parent
     failed_at: float = math.inf  # time.monotonic() of the rank's first failure
+    gone_at: float = math.inf  # last time seen alive before its pipe reached EOF
     report: str = ""  # traceback or exit description of that failure
 
 
@@ -130,7 +149,7 @@ def run_distributed(
     """
     __tracebackhide__ = True  # pytest shows the failure at the test's call, not in here
     _check_arguments(fn, world_size, timeout)
-    ctx = multiprocessing.get_context("spawn")
+    ctx = _rank_context()
     pg_timeout_s = timeout + PG_TIMEOUT_SLACK_S
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,  # type: ignore[attr-defined]  # public, re-exported without __all__
                           wait_for_workers=False, timeout=timedelta(seconds=pg_timeout_s))
@@ -140,8 +159,8 @@ def run_distributed(
     try:
         for rank in range(world_size):
             stack_path = os.path.join(stack_dir, f"rank{rank}.txt")
-            spec = _RankSpec(rank, world_size, store.port, os.getpid(), stack_path,
-                             pg_timeout_s, fn, args, dict(kwargs))
+            spec = _RankSpec(rank, world_size, store.port, os.getpid(), dict(os.environ),
+                             stack_path, pg_timeout_s, fn, args, dict(kwargs))
             procs.append(_start_rank(ctx, spec))
         _supervise(procs, start, timeout)
         if not any(proc.failed_at < math.inf for proc in procs):
@@ -154,6 +173,7 @@ def run_distributed(
         _kill_all(procs)
         for proc in procs:
             _close_conn(proc)
+            proc.lifeline.close()
         shutil.rmtree(stack_dir, ignore_errors=True)
     del store
     if error is not None:
@@ -250,20 +270,31 @@ def _check_arguments(fn: Callable[..., None], world_size: int, timeout: float) -
         raise ValueError(f"run_distributed: timeout must be > 0 seconds, got {timeout!r}")
 
 
-def _start_rank(ctx: SpawnContext, spec: _RankSpec) -> _RankProc:
+def _rank_context() -> BaseContext:
+    """The forkserver context, preloaded; see [Note: Ranks from a forkserver]."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # takes effect when this process starts its server
+    return ctx
+
+
+def _start_rank(ctx: BaseContext, spec: _RankSpec) -> _RankProc:
     reader, writer = ctx.Pipe(duplex=False)
-    process = ctx.Process(target=_rank_main, args=(spec, writer), name=f"rank{spec.rank}")
+    lifeline_reader, lifeline = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=_rank_main, args=(spec, writer, lifeline_reader), name=f"rank{spec.rank}")
     try:
         process.start()
     finally:
         writer.close()  # else the reader never sees EOF when the rank exits
-    return _RankProc(spec.rank, process, reader, spec.stack_path)
+        lifeline_reader.close()  # else the rank never sees EOF when this process dies
+    return _RankProc(spec.rank, process, reader, lifeline, spec.stack_path)
 
 
-def _rank_main(spec: _RankSpec, conn: Connection) -> None:
-    """Entry point of a spawned rank; see [Note: Harness protocol]."""
+def _rank_main(spec: _RankSpec, conn: Connection, lifeline: Connection) -> None:
+    """Entry point of a rank; see [Note: Harness protocol]."""
     try:
-        _detach_and_die_with_parent(spec.parent_pid)
+        _detach_and_die_with_test_process(spec.parent_pid, lifeline)
+        os.environ.clear()
+        os.environ.update(spec.environ)
         stack_file = open(spec.stack_path, "w")  # stays open: faulthandler writes to its fd
         faulthandler.enable(file=stack_file, all_threads=True)
         faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
@@ -289,15 +320,33 @@ def _rank_main(spec: _RankSpec, conn: Connection) -> None:
     os._exit(code)  # skips interpreter teardown: ~1.5 s with torch, and may block on peers
 
 
-def _detach_and_die_with_parent(parent_pid: int) -> None:
-    """Own process group: the parent kills it with killpg (grandchildren too) and a
-    terminal's Ctrl-C reaches only the parent, which then kills the ranks. PDEATHSIG: a
-    parent killed by SIGKILL takes its ranks along, so no orphan keeps a core busy."""
+def _detach_and_die_with_test_process(test_pid: int, lifeline: Connection) -> None:
+    """Own process group: the test process kills it with killpg (grandchildren too) and a
+    terminal's Ctrl-C reaches only the test process, which then kills the ranks. The
+    lifeline's write end lives only in the test process: when it dies, even by SIGKILL, the
+    read ends EOF and a watcher thread kills the rank's group, so no orphan keeps a core
+    busy. (Not PDEATHSIG: the parent is the forkserver, which outlives the test process for
+    as long as its children hold the descriptor that keeps it alive.)"""
     os.setpgid(0, 0)
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+    threading.Thread(target=_kill_group_at_eof, args=(lifeline,), name="lifeline", daemon=True).start()
+    if not _alive(test_pid):  # gone before the watcher started
         os._exit(1)
+
+
+def _kill_group_at_eof(lifeline: Connection) -> None:
+    with contextlib.suppress(EOFError, OSError):
+        lifeline.recv()  # nothing is ever sent: returns at EOF
+    os.killpg(0, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _supervise(procs: list[_RankProc], start: float, timeout: float) -> None:
@@ -316,6 +365,8 @@ def _supervise(procs: list[_RankProc], start: float, timeout: float) -> None:
         for proc in procs:
             if proc.conn is not None and proc.conn in ready:
                 _drain(proc)
+                if proc.conn is None:  # EOF: the rank exited (only it holds the write end)
+                    proc.gone_at = min(proc.gone_at, now)
             if not proc.exited and proc.process.sentinel in ready:
                 _on_exit(proc, last_seen_alive=now)
 
@@ -336,8 +387,10 @@ def _drain(proc: _RankProc) -> None:
 
 def _on_exit(proc: _RankProc, last_seen_alive: float) -> None:
     """Reap an exited rank. An exit without a reported exception is a failure dated
-    ``last_seen_alive``, the earliest it can have died, so a peer's "connection reset"
-    error read in the same wakeup counts as its consequence, not as the root cause."""
+    ``last_seen_alive`` or, if earlier, when its pipe reached EOF (the forkserver reports an
+    exit only after reaping it, later than a peer's error can arrive): the earliest it can
+    have died, so a peer's "connection reset" error counts as its consequence, not as the
+    root cause."""
     proc.process.join()
     proc.exited = True
     _drain(proc)  # the rank sent before exiting, so its messages are already in the pipe
@@ -347,7 +400,7 @@ def _on_exit(proc: _RankProc, last_seen_alive: float) -> None:
     how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"code {code}"
     stage = "after returning from fn" if proc.fn_done else "inside fn or setup"
     dump = _read(proc.stack_path)  # faulthandler's report of a fatal signal, if any
-    proc.failed_at = last_seen_alive
+    proc.failed_at = min(last_seen_alive, proc.gone_at)  # a forkserver reports exits late
     proc.report = f"process exited with {how} {stage}, without raising a Python exception"
     proc.report += f"\n{dump}" if dump else ""
 
@@ -383,7 +436,7 @@ def _kill_all(procs: list[_RankProc]) -> None:
         proc.exited = proc.killed = True
 
 
-def _signal(process: SpawnProcess, sig: signal.Signals, group: bool) -> None:
+def _signal(process: BaseProcess, sig: signal.Signals, group: bool) -> None:
     """Signal a started, unreaped rank (so its pid cannot have been reused) or its group."""
     pid = process.pid
     if pid is None or pid <= 1:  # os.kill(-1 or 0, ...) would hit other processes
@@ -411,8 +464,18 @@ def _ranks_phrase(ranks: Sequence[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
+def _lost_a_peer(report: str) -> bool:
+    """Whether a rank's failure is gloo losing its connection to a peer: the consequence of a
+    peer's exit, never the root cause while another rank failed. Time alone cannot tell: a
+    rank killed by a signal closes its sockets before the kernel closes its pipe to this
+    process, so a peer's "connection reset" error can arrive first (seen under load)."""
+    lines = report.strip().splitlines()
+    return bool(lines) and any(text in lines[-1] for text in _PEER_LOST)
+
+
 def _build_error(procs: list[_RankProc], describe: str, timeout: float) -> Optional[AssertionError]:
-    failed = sorted((proc for proc in procs if proc.failed_at < math.inf), key=lambda p: p.failed_at)
+    failed = sorted((proc for proc in procs if proc.failed_at < math.inf),
+                    key=lambda p: (_lost_a_peer(p.report), p.failed_at))
     killed = [proc for proc in procs if proc.killed]
     if failed:
         notes = [f"rank {p.rank} also failed afterwards: {p.report.strip().splitlines()[-1]}"

@@ -9,6 +9,8 @@ from __future__ import annotations
 import ctypes
 import multiprocessing
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -32,9 +34,9 @@ SUBTEST_GRID: dict[str, list[Any]] = {"strategy": ["FULL_SHARD", "NO_SHARD"], "s
 FAILING_COMBO = {"strategy": "NO_SHARD", "size": 2}
 
 
-def _spawned_children() -> list[int]:
-    """Pids of this process's spawned ranks still alive or unreaped (zombies), from /proc."""
-    found = []
+def _processes() -> dict[int, tuple[int, str, bytes]]:
+    """pid -> (parent pid, state, command line) of every process, from /proc."""
+    found = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -44,9 +46,21 @@ def _spawned_children() -> list[int]:
         except OSError:
             continue
         state, ppid = stat.rsplit(")", 1)[1].split()[:2]
-        if int(ppid) == os.getpid() and (b"spawn_main" in cmdline or state == "Z"):
-            found.append(int(entry))
+        found[int(entry)] = (int(ppid), state, cmdline)
     return found
+
+
+def _rank_processes(test_pid: int) -> list[int]:
+    """Pids of the test process's ranks still alive or unreaped (zombies): children of its
+    forkserver (see [Note: Ranks from a forkserver]), or spawned children of its own."""
+    table = _processes()
+    forkservers = {pid for pid, (ppid, _, cmd) in table.items() if ppid == test_pid and b"forkserver" in cmd}
+    return [pid for pid, (ppid, state, cmd) in table.items()
+            if ppid in forkservers or (ppid == test_pid and (b"spawn_main" in cmd or state == "Z"))]
+
+
+def _spawned_children() -> list[int]:
+    return _rank_processes(os.getpid())
 
 
 def _assert_no_children_left() -> None:
@@ -207,3 +221,49 @@ def test_rejects_unpicklable_fn() -> None:
 
     with pytest.raises(TypeError, match="module-level function"):
         run_distributed(local_fn, 2)
+
+
+def _write_pid_and_sleep(out_dir: str) -> None:
+    Path(out_dir, f"rank{dist.get_rank()}.pid").write_text(str(os.getpid()))
+    _sleep_forever()
+
+
+_KILLED_PARENT = """
+import sys
+from tests._harness import run_distributed
+from tests.distributed.test_harness import _write_pid_and_sleep
+run_distributed(_write_pid_and_sleep, 2, sys.argv[1], timeout=300.0)
+"""
+
+
+def test_ranks_die_with_a_killed_test_process(tmp_path: Path) -> None:
+    """A test process killed by SIGKILL (no cleanup runs) takes its ranks along: their
+    lifelines reach EOF and each rank kills its group. No orphan keeps a core busy. (With
+    PDEATHSIG alone they survived: their parent, the forkserver, outlives the test process.)"""
+    root = Path(__file__).resolve().parents[2]
+    parent = subprocess.Popen([sys.executable, "-c", _KILLED_PARENT, str(tmp_path)], cwd=root)
+    try:
+        deadline = time.monotonic() + 120.0
+        while len(list(tmp_path.glob("*.pid"))) < 2:
+            assert parent.poll() is None, f"the test process exited early with {parent.returncode}"
+            assert time.monotonic() < deadline, "the ranks never started"
+            time.sleep(0.1)
+        ranks = sorted(int(f.read_text()) for f in tmp_path.glob("*.pid"))
+        assert sorted(_rank_processes(parent.pid)) == ranks  # what the other tests rely on
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 30.0
+    alive = ranks
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [pid for pid in ranks if _running(pid)]
+    assert alive == [], f"ranks {alive} outlived their killed test process"
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
