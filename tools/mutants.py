@@ -299,15 +299,16 @@ def _env(root: Path) -> Dict[str, str]:
 
 
 _CHECK_IMPORT = textwrap.dedent("""
-    import multiprocessing, sys
+    import sys
     import composable_shard
+    from tests._harness import _rank_context
 
     def child(queue):
         import composable_shard
         queue.put(composable_shard.__file__)
 
     if __name__ == "__main__":
-        ctx = multiprocessing.get_context("spawn")
+        ctx = _rank_context()  # the ranks' forkserver, preloaded as in the harness
         queue = ctx.Queue()
         process = ctx.Process(target=child, args=(queue,))
         process.start()
@@ -319,7 +320,7 @@ _CHECK_IMPORT = textwrap.dedent("""
 
 def check_imports_copy(root: Path) -> None:
     """The copy, not the installed (editable) package, is what the tests import, in the parent
-    and in a spawned child (what the test harness's ranks are)."""
+    and in a rank started as the test harness starts them (a fork of a preloaded forkserver)."""
     script = root / "_check_import.py"
     script.write_text(_CHECK_IMPORT)
     out = subprocess.run([sys.executable, str(script)], cwd=root, env=_env(root), capture_output=True, text=True,
