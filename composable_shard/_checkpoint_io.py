@@ -324,6 +324,18 @@ def latest_checkpoint(root: str) -> Optional[Tuple[int, str]]:
     """``(step, path)`` of the newest published ``root/step_<N>``, or None (decided on rank 0
     for every rank). Unfinished saves (``*.tmp-*``) never match.
 
+    Example::
+
+        found = latest_checkpoint("ckpt")            # e.g. (300, "/abs/ckpt/step_000300")
+        start = 0
+        if found is not None:
+            start, path = found
+            load_checkpoint(path, model, optim)
+        for step in range(start, total_steps):
+            ...
+            if (step + 1) % 100 == 0:
+                save_checkpoint(f"ckpt/step_{step + 1:06d}", model, optim)
+
     Args:
         root: the directory holding ``step_<N>`` checkpoints.
     """

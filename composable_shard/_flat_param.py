@@ -38,9 +38,10 @@ the flat buffer, and a non-reentrant one saves the same tensors as the original 
 * Between unsynced backwards (``set_requires_gradient_sync(False)``) each original parameter
   that got a gradient has as ``.grad`` this rank's full-shape local gradient sum: a view of
   the kept unreduced gradient (``group.unreduced_grad``), as torch's FSDP with
-  ``use_orig_params=True`` gives. Its shape (and, under mixed precision, dtype) differs from
-  the sharded parameter's, so it is installed through ``.data`` (autograd's ``.grad`` setter
-  checks both). What ``.grad`` held before is kept aside (``grads_before_views``). The next
+  ``use_orig_params=True`` gives. It is summed in the reduce dtype when that is wider than the
+  compute dtype (fp32 under ``param_dtype=bf16, reduce_dtype=fp32``, as torch's FSDP2 keeps
+  it), else in the compute dtype. Its shape (and possibly dtype) differs from the sharded
+  parameter's, so it is installed through ``.data`` (autograd's ``.grad`` setter checks both). What ``.grad`` held before is kept aside (``grads_before_views``). The next
   backward of the group first folds the views back (:meth:`FlatParamHandle.take_unsharded_grad`):
   a view the user left in place (possibly scaled in place) stays in the sum, ``None`` drops
   that parameter's sum (``zero_grad()``), another tensor replaces it; then ``.grad`` is what
@@ -188,6 +189,12 @@ def _alloc_storage(tensor: torch.Tensor) -> None:
     storage = tensor.untyped_storage()
     if storage.size() != nbytes:
         storage.resize_(nbytes)
+
+
+def _wider(dtype: torch.dtype, than: torch.dtype) -> bool:
+    """Whether floating ``dtype`` has more mantissa bits than floating ``than``."""
+    return (dtype.is_floating_point and than.is_floating_point
+            and torch.finfo(dtype).eps < torch.finfo(than).eps)
 
 
 def _free_storage(tensor: torch.Tensor) -> None:
@@ -485,10 +492,15 @@ class FlatParamHandle:
             grad = kept if grad is None else kept.add_(grad)
         return grad
 
-    def keep_unreduced(self, group: FlatGroup, grad: torch.Tensor) -> None:
+    def keep_unreduced(self, group: FlatGroup, grad: torch.Tensor, reduce_dtype: torch.dtype) -> None:
         """Keep an unsynced backward's unsharded gradient for the next synced one, and show
         each parameter that got a gradient since the last sync its full-shape part of it as
-        ``.grad`` (see [Note: Gradients follow the user])."""
+        ``.grad`` (see [Note: Gradients follow the user]). A low-precision gradient whose
+        reduction is wider (``reduce_dtype=float32`` under ``param_dtype=bfloat16``) is kept,
+        and later backwards' gradients are summed into it, in ``reduce_dtype``, as torch's
+        FSDP2 does: summing micro-batches in bf16 would round at every addition."""
+        if _wider(reduce_dtype, grad.dtype):
+            grad = grad.to(reduce_dtype)
         group.unreduced_grad = grad
         fp = group.flat_param
         pieces = torch.split(grad, group.split_sizes)

@@ -55,7 +55,7 @@ class Reduction:
         self.unsharded_grad: Optional[torch.Tensor] = unsharded_grad  # the collective's input until it lands
         self.pending: Optional[_collectives.Pending] = None  # the collective in flight
         self.stage: str = ISSUED
-        self.reduce_dtype: torch.dtype = _reduce_dtype(state, group)
+        self.reduce_dtype: torch.dtype = reduce_dtype_of(state, group)
         self.event: Optional[Any] = None  # CUDA: recorded on the reduce-scatter stream after issuing
 
     def issue(self) -> None:
@@ -130,7 +130,9 @@ class Reduction:
         return self.pending
 
 
-def _reduce_dtype(state: _FSDPState, group: FlatGroup) -> torch.dtype:
+def reduce_dtype_of(state: _FSDPState, group: FlatGroup) -> torch.dtype:
+    """The dtype ``group``'s gradients are reduced in: the mixed precision's reduce dtype for
+    a low-precision floating group, else the group's compute dtype."""
     mp = state.mixed_precision
     if (mp is not None and mp.effective_reduce_dtype is not None and group.compute_dtype.is_floating_point
             and not group.full_precision):

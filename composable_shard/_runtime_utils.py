@@ -66,7 +66,7 @@ from . import _collectives, _divergence, _watch
 from ._common_utils import HandleTrainingState, TrainingState, WeakHook, _FSDPState
 from ._flat_param import FlatGroup, FlatParamHandle
 from ._reduction import (attach_reduced_grads, discard_reductions, finish_reductions, issue_reduction,
-                         release_earlier_reductions)
+                         reduce_dtype_of, release_earlier_reductions)
 from ._streams import Streams
 from ._torch_compat import is_in_backward, queue_backward_callback
 from ._traversal_utils import _get_fsdp_states, owned_modules
@@ -533,7 +533,7 @@ def _post_backward(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup)
         if state.sync_gradients:
             issue_reduction(root, state, handle, group, unsharded_grad)
         else:
-            handle.keep_unreduced(group, unsharded_grad)
+            handle.keep_unreduced(group, unsharded_grad, reduce_dtype_of(state, group))
     if all(g.grad_ready for g in handle.groups if g.requires_grad):
         handle.training_state = HandleTrainingState.BACKWARD_POST
         if frees_after_backward(state):

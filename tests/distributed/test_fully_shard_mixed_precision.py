@@ -9,7 +9,8 @@ gradients could be reduced at the wrong precision or left in bf16 for the optimi
 from __future__ import annotations
 
 import collections
-from typing import Dict, Optional
+import copy
+from typing import Dict, List, Optional
 
 import pytest
 import torch
@@ -18,9 +19,9 @@ import torch.nn as nn
 
 from composable_shard import MixedPrecision, ModuleWrapPolicy, fully_shard, unshard_params
 from composable_shard._collectives import record_collectives
-from tests._harness import run_distributed, run_subtests
+from tests._harness import run_distributed, run_subtests, world_sizes
 from tests._models import (Block, Named, Scale, assert_grads_relative, assert_params_close, batch, full_grads, global_mean,
-                           local_rows, loss_fn, make_model, reference_training)
+                           local_rows, loss_fn, make_model, reference_training, zip_same)
 
 STEPS = 3
 
@@ -179,3 +180,72 @@ def test_cast_root_forward_inputs_applies_to_every_fully_shard_unit(world_size: 
     doing the same casts."""
     run_distributed(run_subtests, world_size, _float16_submodule, {"cast_root": [True, False], "cast_each": [True, False]},
                     timeout=90)
+
+
+# ---------------------------------------------------------------------------- unsynced accumulation
+MICRO_BATCHES = 8
+
+
+def _micro_batch(m: int, rank: int) -> torch.Tensor:
+    return torch.randn(4, 16, generator=torch.Generator().manual_seed(100 * m + rank))
+
+
+def _bf16_grads_per_rank(model: nn.Module, world_size: int) -> Dict[int, List[List[torch.Tensor]]]:
+    """For each rank and micro-batch, the bf16 gradients of a bf16 copy of ``model``."""
+    low = copy.deepcopy(model).to(torch.bfloat16)
+    grads: Dict[int, List[List[torch.Tensor]]] = {}
+    for rank in range(world_size):
+        grads[rank] = []
+        for m in range(MICRO_BATCHES):
+            low.zero_grad(set_to_none=True)
+            low(_micro_batch(m, rank).to(torch.bfloat16)).float().pow(2).mean().backward()
+            grads[rank].append([p.grad.clone() for p in low.parameters()])
+    return grads
+
+
+def _sum_then_average(grads: Dict[int, List[List[torch.Tensor]]], dtype: torch.dtype) -> List[torch.Tensor]:
+    """Each rank's micro-batch gradients summed in ``dtype`` (in order), then the fp32 average
+    over ranks: what a reduction in fp32 after accumulation in ``dtype`` gives."""
+    sums = []
+    for per_micro in grads.values():
+        acc = [g.to(dtype) for g in per_micro[0]]
+        for later in per_micro[1:]:
+            for a, g in zip_same(acc, later):
+                a.add_(g.to(dtype))
+        sums.append([a.float() for a in acc])
+    return [sum(parts) / len(sums) for parts in zip(*sums)]  # type: ignore[misc]  # tensors
+
+
+def _unsynced_accumulation_in_reduce_dtype() -> None:
+    """MixedPrecision(param_dtype=bf16, reduce_dtype=fp32): backwards without gradient sync
+    accumulate each rank's bf16 gradients in fp32 (as torch FSDP2 does), so 8 micro-batches
+    then a synced one give exactly the fp32 sum of the bf16 gradients, averaged; summing in
+    bf16 instead is off by far more than the tolerance (checked here, so the test can fail)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))
+    grads = _bf16_grads_per_rank(model, world_size)
+    expected = _sum_then_average(grads, torch.float32)
+    summed_in_bf16 = _sum_then_average(grads, torch.bfloat16)
+    fully_shard(model[0], mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    fully_shard(model, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    for m in range(MICRO_BATCHES):
+        model.set_requires_gradient_sync(m == MICRO_BATCHES - 1)
+        if m == 1:
+            views = [p.grad for p in model.parameters()]
+            assert all(v is not None and v.dtype == torch.float32 for v in views), [getattr(v, "dtype", None) for v in views]
+        model(_micro_batch(m, rank)).float().pow(2).mean().backward()
+    got = [g for _, g in full_grads(model)]
+    for (name, _), g, e, low in zip_same(list(model.named_parameters()), got, expected, summed_in_bf16):
+        scale = e.abs().max().item()
+        err = (g - e).abs().max().item()
+        assert err <= 1e-6 * scale, f"rank {rank} {name}: max |diff| {err:.3g} against fp32 accumulation (scale {scale:.3g})"
+        if world_size == 1 or name.endswith("weight"):
+            assert (low - e).abs().max().item() > 100 * 1e-6 * scale, f"{name}: bf16 accumulation indistinguishable"
+
+
+@pytest.mark.parametrize("world_size", world_sizes())
+def test_unsynced_backwards_accumulate_in_reduce_dtype(world_size: int) -> None:
+    """bf16 compute with an fp32 reduce_dtype: gradients of backwards without sync are summed
+    in fp32, then reduced once; equal to the fp32 sum of a bf16 model's gradients."""
+    run_distributed(_unsynced_accumulation_in_reduce_dtype, world_size, timeout=120)
