@@ -170,6 +170,26 @@ def test_rank_dying_without_exception_reports_exit_code() -> None:
     _assert_no_children_left()
 
 
+def _peer_error_before_the_death() -> None:
+    """Rank 1 raises gloo's peer-loss error at once; rank 0 exits silently 0.5 s later: the
+    order in which a killed rank's peer can be seen (see _lost_a_peer), made deterministic."""
+    if dist.get_rank() == 1:
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1234: Connection reset by peer")
+    time.sleep(0.5)
+    os._exit(9)
+
+
+def test_peer_loss_error_is_not_reported_as_the_root_cause() -> None:
+    """A gloo "connection reset by peer" error is a consequence of a peer's exit, so the rank
+    that exited is reported even when the error was seen first."""
+    with pytest.raises(RankError) as info:
+        run_distributed(_peer_error_before_the_death, 2, timeout=60.0)
+    message = str(info.value)
+    assert info.value.rank == 0 and message.startswith("rank 0 failed:\nprocess exited with code 9"), message
+    assert "rank 1 also failed afterwards: RuntimeError: [gloo" in message, message
+    _assert_no_children_left()
+
+
 def test_segfault_reports_signal_and_stack() -> None:
     """A crashing rank reports its signal and faulthandler's stack of where it crashed."""
     with pytest.raises(RankError) as info:
