@@ -41,7 +41,8 @@ the flat buffer, and a non-reentrant one saves the same tensors as the original 
   ``use_orig_params=True`` gives. It is summed in the reduce dtype when that is wider than the
   compute dtype (fp32 under ``param_dtype=bf16, reduce_dtype=fp32``, as torch's FSDP2 keeps
   it), else in the compute dtype. Its shape (and possibly dtype) differs from the sharded
-  parameter's, so it is installed through ``.data`` (autograd's ``.grad`` setter checks both). What ``.grad`` held before is kept aside (``grads_before_views``). The next
+  parameter's, so it is installed through ``.data`` (autograd's ``.grad`` setter checks
+  both). What ``.grad`` held before is kept aside (``grads_before_views``). The next
   backward of the group first folds the views back (:meth:`FlatParamHandle.take_unsharded_grad`):
   a view the user left in place (possibly scaled in place) stays in the sum, ``None`` drops
   that parameter's sum (``zero_grad()``), another tensor replaces it; then ``.grad`` is what

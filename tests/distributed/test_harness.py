@@ -59,14 +59,10 @@ def _rank_processes(test_pid: int) -> list[int]:
             if ppid in forkservers or (ppid == test_pid and (b"spawn_main" in cmd or state == "Z"))]
 
 
-def _spawned_children() -> list[int]:
-    return _rank_processes(os.getpid())
-
-
 def _assert_no_children_left() -> None:
     assert multiprocessing.active_children() == []
     if os.path.isdir("/proc"):
-        assert _spawned_children() == []
+        assert _rank_processes(os.getpid()) == []
 
 
 def _all_reduce_sum(out_dir: str) -> None:
