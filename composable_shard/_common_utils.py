@@ -165,6 +165,7 @@ class _FSDPState(_State):
         self.post_forward_order: List["FlatParamHandle"] = []  # post-forward order (reversed: backward)
         self.exec_order_recorded: bool = False  # True once the first iteration finished
         self.exec_index: int = 0  # position in exec_order during the current forward
+        self.forward_seen: Set[int] = set()  # id() of the handles whose forward ran in this iteration
         self.warned_order_change: bool = False  # one warning per root when the order changes
         self.final_callback_queued: bool = False  # a backward started (its end-of-backward callback is queued)
         self.forward_in_progress: bool = False  # between the root's pre-forward and post-forward

@@ -49,6 +49,10 @@ post-forward order, so the root, whose forward finishes last and whose backward 
 prefetches the last block). Ranks agree on each handle before gathering it in the first
 iteration (see [Note: Agreement] in ``_divergence.py``); a later forward in another order
 warns once; prefetch is only a hint, every handle still unshards itself when it runs.
+Both orders hold each handle's first use in an iteration: a module called again in the same
+forward (a block applied twice, weights shared across steps of a loop) neither records a second
+position, nor counts as an order change, nor prefetches again (its successor in ``exec_order``
+has already run, and gathering it again would only hold its storage until its backward).
 """
 
 from __future__ import annotations
@@ -260,11 +264,11 @@ def _pre_forward(state: _FSDPState, module: nn.Module, args: Tuple[Any, ...], kw
         return args, kwargs
     _collectives.trace("pre_forward", handle.fqn)
     _transition(handle, (HandleTrainingState.IDLE,), HandleTrainingState.FORWARD, "pre_forward")
-    _record_exec_order(state, handle)
+    first_use = _record_exec_order(state, handle)
     if handle.is_stale():  # kept from an earlier step; the shards changed since
         reshard_handle(state, handle, free=True)
     wait_unshard(state, handle)
-    if state.forward_prefetch and _root_of(state).exec_order_recorded:
+    if first_use and state.forward_prefetch and _root_of(state).exec_order_recorded:
         _prefetch_forward(state, handle)
     return args, kwargs
 
@@ -285,6 +289,7 @@ def _root_pre_forward(root: _FSDPState, args: Tuple[Any, ...], kwargs: Dict[str,
     _follow_user_changes(root)
     root.forward_in_progress = True
     root.exec_index = 0
+    root.forward_seen.clear()
     root.check_order = not root.exec_order_recorded
     if not root.exec_order_recorded:
         root.exec_order.clear()
@@ -330,13 +335,17 @@ def _cast_inputs(state: _FSDPState, args: Tuple[Any, ...], kwargs: Dict[str, Any
     return convert(args, cast), convert(kwargs, cast)
 
 
-def _record_exec_order(state: _FSDPState, handle: FlatParamHandle) -> None:
+def _record_exec_order(state: _FSDPState, handle: FlatParamHandle) -> bool:
+    """Record (first iteration) or check (later ones) ``handle``'s place in the pre-forward
+    order; False when it already ran its forward in this iteration (see [Note: Handle order])."""
     root = _root_of(state)
+    if id(handle) in root.forward_seen:
+        return False
+    root.forward_seen.add(id(handle))
     if not root.exec_order_recorded:
-        if handle.exec_index is None:
-            handle.exec_index = len(root.exec_order)
-            root.exec_order.append(handle)
-        return
+        handle.exec_index = len(root.exec_order)
+        root.exec_order.append(handle)
+        return True
     expected = root.exec_order[root.exec_index] if root.exec_index < len(root.exec_order) else None
     if expected is not handle and not root.warned_order_change:
         root.warned_order_change = True
@@ -348,6 +357,7 @@ def _record_exec_order(state: _FSDPState, handle: FlatParamHandle) -> None:
             stacklevel=3,
         )
     root.exec_index += 1
+    return True
 
 
 @_profiled("cs::post_forward")
