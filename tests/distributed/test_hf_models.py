@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
-from composable_shard import (MixedPrecision, ModuleWrapPolicy, ShardingStrategy, checkpoint, fully_shard,
+from composable_shard import (MixedPrecision, ModuleWrapPolicy, ShardingStrategy, checkpoint, fully_shard, replicate,
                               transformer_auto_wrap_policy,
                               get_model_state_dict,
                               get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict, unshard_params)
@@ -420,6 +420,50 @@ def _accumulation_bf16_against_fsdp2(kind: str) -> None:
         assert diff <= 1e-5 * scale, f"{kind} {name}: max |grad diff| {diff:.3g} against FSDP2's (scale {scale:.3g})"
 
 
+# ---------------------------------------------------------------------------- replicate
+_REPLICATE_WAYS = ["plain", "hf_nonreentrant_before", "hf_reentrant_after", "library", "blocks_fully_sharded",
+                   "blocks_replicated"]
+
+
+def _replicated(kind: str, way: str) -> None:
+    """replicate on a real decoder: alone, with either kind of Hugging Face gradient
+    checkpointing or the library's checkpoint per block, and mixed with fully_shard (blocks
+    fully sharded under a replicated root, and the other way round). Every gradient of 3 steps
+    equals local training on the global batch (so it was averaged, once, over the ranks: GPT-2's
+    tied embedding/head included) and is the same on every rank; checkpointed blocks did
+    recompute."""
+    model = _build(kind)
+    if way.startswith("hf"):
+        enable = functools.partial(model.gradient_checkpointing_enable,
+                                   gradient_checkpointing_kwargs={"use_reentrant": "_reentrant" in way})
+        if way.endswith("before"):
+            enable()
+        replicate(model)
+        if way.endswith("after"):
+            enable()
+    elif way == "library":
+        for block in _blocks(model):
+            checkpoint(block)
+        replicate(model)
+    elif way == "blocks_fully_sharded":
+        for block in _blocks(model):
+            fully_shard(block)
+        replicate(model)
+    elif way == "blocks_replicated":
+        for block in _blocks(model):
+            replicate(block)
+        fully_shard(model)
+    else:
+        replicate(model)
+    reference = _build(kind)
+    model_calls, reference_calls = _count_block_forwards(model), _count_block_forwards(reference)
+    _train(model, reference, 3, f"[replicate {kind}/{way}]")
+    recomputes = 3 if way.startswith("hf") or way == "library" else 0
+    # Per step: one forward per rank row chunk in the reference (2), one training forward, one
+    # eval forward and the recomputation (if any) in the replicated model.
+    assert model_calls[0] == reference_calls[0] // 2 + 3 + recomputes, (kind, way, model_calls, reference_calls)
+
+
 def _generate_and_export(kind: str) -> None:
     """generate() on the sharded model (plainly and under unshard_params) gives the plain
     model's tokens; the full state dict, saved with save_pretrained, loads with
@@ -511,6 +555,7 @@ _SCENARIOS: Dict[str, Callable[[], None]] = {
                           run_subtests(_failed_backward, {"kind": ["gpt2", "llama"]}),
                           _unused_head(), _bounded_memory()),
     "composable": lambda: (_tied_under_policy(), run_subtests(_meta_init, {"kind": ["gpt2", "llama"]})),
+    "replicate": lambda: run_subtests(_replicated, {"kind": ["gpt2", "llama"], "way": _REPLICATE_WAYS}),
     "checkpoint": lambda: (run_subtests(_checkpoint, {"kind": ["gpt2", "llama"]}),
                            run_subtests(_safetensors_export, {"kind": ["gpt2", "llama"]})),
 }
@@ -527,7 +572,8 @@ def test_hf_decoders(scenario: str) -> None:
     against torch FSDP2's; freeze/unfreeze, a failed
     backward, an unused head, the bound on unsharded gradients in flight; tied weights under a
     policy and meta-device init through a replacing param_init_fn; full state dicts equal to the
-    plain model's and a sharded DCP resume."""
+    plain model's and a sharded DCP resume; replicate alone, with activation checkpointing, and
+    mixed with fully_shard."""
     run_distributed(_entry, 2, scenario, timeout=240)
 
 
