@@ -254,6 +254,16 @@ def _build(layout: str, seed: int) -> nn.Module:
     model = make_model(seed)
     if layout == "plain":
         return model
+    if layout == "replicate":
+        return replicate(model)
+    if layout == "replicated_root":  # fully sharded blocks under a replicated root
+        for block in model.blocks:
+            fully_shard(block)
+        return replicate(model)
+    if layout == "replicated_block":  # a replicated block under a fully sharded root
+        replicate(model.blocks[0])
+        fully_shard(model.blocks[1])
+        return fully_shard(model)
     strategy = ShardingStrategy[layout]
     kwargs: Dict[str, Any] = {"strategy": strategy}
     if strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
@@ -331,6 +341,18 @@ def test_resume_at_another_world_size_and_strategy(saved_at_4: str, world_size: 
     """Saved FULL_SHARD at 4 ranks by save_checkpoint; resumed by load_checkpoint (verified,
     safe) at 4 (hybrid 2x2), 2 (ZeRO-2, no-shard) and 1 (plain)."""
     run_distributed(_resume_run, world_size, saved_at_4, layout, "library")
+
+
+@pytest.mark.parametrize("saved,world_size,resumed,api", [
+    ("replicated_root", 2, "replicated_root", "dcp"), ("replicated_block", 4, "FULL_SHARD", "library"),
+    ("replicate", 1, "plain", "library"), ("FULL_SHARD", 2, "replicated_block", "dcp")])
+def test_resume_mixed_compositions(tmp_path: Any, saved: str, world_size: int, resumed: str, api: str) -> None:
+    """fully_shard and replicate mixed on one model (and replicate alone): saved at 2 ranks,
+    resumed in the same composition, at another world size into another one, or into a plain
+    model; the resumed run's losses, parameters and optimizer state equal the uninterrupted
+    run's."""
+    run_distributed(_save_run, 2, str(tmp_path), saved, api)
+    run_distributed(_resume_run, world_size, str(tmp_path), resumed, api)
 
 
 # ---------------------------------------------------------------------------- strict loading
