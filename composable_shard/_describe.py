@@ -343,11 +343,7 @@ def _plan_groups(module: nn.Module, params: List[nn.Parameter], mp: Optional[Mix
 
 
 def _reduce_dtype(mp: Optional[MixedPrecision], compute_dtype: torch.dtype, full_precision: bool) -> torch.dtype:
-    """As ``_reduction.reduce_dtype_of``: the mixed precision's reduce dtype for floating groups."""
-    reduce = mp.effective_reduce_dtype if mp is not None else None
-    if reduce is not None and compute_dtype.is_floating_point and not full_precision:
-        return reduce
-    return compute_dtype
+    return compute_dtype if mp is None else mp._reduce_dtype_for(compute_dtype, full_precision)
 
 
 # ---------------------------------------------------------------------------- figures

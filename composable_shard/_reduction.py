@@ -134,10 +134,7 @@ def reduce_dtype_of(state: _FSDPState, group: FlatGroup) -> torch.dtype:
     """The dtype ``group``'s gradients are reduced in: the mixed precision's reduce dtype for
     a low-precision floating group, else the group's compute dtype."""
     mp = state.mixed_precision
-    if (mp is not None and mp.effective_reduce_dtype is not None and group.compute_dtype.is_floating_point
-            and not group.full_precision):
-        return mp.effective_reduce_dtype
-    return group.compute_dtype
+    return group.compute_dtype if mp is None else mp._reduce_dtype_for(group.compute_dtype, group.full_precision)
 
 
 def release_earlier_reductions(root: _FSDPState, handle: FlatParamHandle) -> None:

@@ -75,6 +75,15 @@ class MixedPrecision:
         """The dtype gradients are reduced in (``reduce_dtype``, else ``param_dtype``)."""
         return self.reduce_dtype if self.reduce_dtype is not None else self.param_dtype
 
+    def _reduce_dtype_for(self, compute_dtype: torch.dtype, full_precision: bool) -> torch.dtype:
+        """The dtype a group computing in ``compute_dtype`` reduces its gradients in: the
+        effective reduce dtype for a floating group not kept in full precision, else the
+        compute dtype (the one rule for the runtime and for ``describe_sharding``)."""
+        reduce = self.effective_reduce_dtype
+        if reduce is not None and compute_dtype.is_floating_point and not full_precision:
+            return reduce
+        return compute_dtype
+
 
 @dataclass(frozen=True)
 class CPUOffload:

@@ -60,6 +60,7 @@ _CHECKPOINT = f"{PACKAGE}/checkpoint.py"
 _DIVERGENCE = f"{PACKAGE}/_divergence.py"
 _REPLICATE = f"{PACKAGE}/replicate.py"
 _MIXED = f"{PACKAGE}/_mixed_precision.py"
+_API = f"{PACKAGE}/api.py"
 _INIT = f"{PACKAGE}/_init_utils.py"
 _FULLY_SHARD = f"{PACKAGE}/fully_shard.py"
 _COLLECTIVES = f"{PACKAGE}/_collectives.py"
@@ -152,7 +153,7 @@ MUTANTS: List[Mutant] = [
        f"{_TRAINING}[2]"),
     # ---------------------------------------------------------------- reduce dtype, mixed precision
     _m("reduce_dtype_ignored", "gradients reduced in param_dtype even when reduce_dtype is set",
-       _REDUCTION, "        return mp.effective_reduce_dtype\n", "        return group.compute_dtype\n", _MP),
+       _API, "            return reduce\n", "            return compute_dtype\n", _MP),
     _m("full_precision_output_not_cast_back", "BatchNorm's fp32 output reaches the bf16 layers after it",
        _MIXED, "return convert(output, lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t)",
        "return output", _MP_OPTIONS),
