@@ -64,7 +64,7 @@ from ._mixed_precision import full_precision_classes
 from ._traversal_utils import _composable, _get_fsdp_states
 from .api import CPUOffload, MixedPrecision, ShardingStrategy
 from .contract import _get_module_state, _get_registry
-from ._validation import check_config
+from ._validation import check_config, check_dense_gradients
 from .wrap import _as_policy
 
 __all__ = ["Plan", "plan_fully_shard", "apply_plan", "resolve_groups"]
@@ -129,6 +129,9 @@ def plan_fully_shard(root: nn.Module, kwargs: Dict[str, Any]) -> Plan:
                 kwargs["param_init_fn"], kwargs["sync_module_states"], device_id)
     plan.targets = _select_targets(plan, kwargs["policy"], {k: kwargs[k] for k in _CONFIG_KEYS})
     _assign_params(plan)
+    check_dense_gradients(f"fully_shard({type(root).__name__})", root.named_modules(),
+                          {id(p) for target in plan.targets for p in target.params},
+                          "a flat parameter can neither hold nor reduce")
     _check_not_inside_initialized_root(root)
     if plan.param_init_fn is None:
         _check_meta_initializable(plan)

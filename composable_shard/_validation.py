@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -18,7 +18,7 @@ from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from .wrap import _Policy
 
 __all__ = ["check_bool", "check_real", "check_process_group", "check_device_id", "check_mixed_precision",
-           "check_modules", "check_config", "check_fully_shard_arguments"]
+           "check_modules", "check_config", "check_fully_shard_arguments", "check_dense_gradients"]
 
 
 def check_bool(api: str, name: str, value: Any) -> None:
@@ -198,3 +198,17 @@ def check_fully_shard_arguments(module: Any, kwargs: Dict[str, Any]) -> Dict[str
                         f"{type(init_fn).__name__} ({init_fn!r})")
     check_bool(api, "sync_module_states", kwargs["sync_module_states"])
     return checked
+
+
+def check_dense_gradients(api: str, named_modules: Iterable[Tuple[str, nn.Module]], managed: Set[int], why: str) -> None:
+    """``ValueError`` for an embedding with ``sparse=True`` whose trainable weight ``api`` would
+    manage (``id`` in ``managed``): its gradient would be a sparse tensor, which ``why``. Without
+    this the first backward fails inside autograd with torch's own message, naming neither the
+    module nor the fix."""
+    for fqn, module in named_modules:
+        if (isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse and module.weight.requires_grad
+                and id(module.weight) in managed):
+            raise ValueError(
+                f"{api}: {fqn or '<root>'!r} ({type(module).__name__}) has sparse=True, so the gradient of its weight "
+                f"would be a sparse tensor, which {why}. Construct it with sparse=False (the default), or leave it "
+                "out with ignored_modules.")

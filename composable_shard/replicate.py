@@ -47,7 +47,8 @@ from torch.utils.hooks import RemovableHandle
 
 from . import _collectives
 from ._common_utils import WeakGroup, WeakHook
-from ._validation import check_device_id, check_mixed_precision, check_modules, check_process_group, check_real
+from ._validation import (check_dense_gradients, check_device_id, check_mixed_precision, check_modules,
+                          check_process_group, check_real)
 from ._subclass import _NoCopyMixin, make_subclass
 from ._torch_compat import queue_backward_callback
 from .api import MixedPrecision
@@ -209,6 +210,8 @@ def replicate(
     reduce_dtype = _validate(module, bucket_cap_mb, mixed_precision)
     device = _resolve_device(device_id)
     skipped = _skipped_subtrees(module, ignored_modules)
+    check_dense_gradients(api, _kept_modules(module, skipped), {id(p) for p in _managed_params(module, skipped)[1]},
+                          "replicate's buckets cannot reduce (torch's DDP can; replicate reduces dense gradients only)")
     if device is None:
         _check_one_device(module, _managed_params(module, skipped)[1])
     _check_same_on_all_ranks(module, skipped, process_group)

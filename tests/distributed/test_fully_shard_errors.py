@@ -296,6 +296,48 @@ def _meta_errors() -> None:
     assert not model.inner.w.is_meta
 
 
+class _SparseModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.EmbeddingBag(10, 4, sparse=True), nn.Linear(4, 4))
+        self.emb = nn.Embedding(10, 4, sparse=True)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(ids) + self.emb(ids).sum(1))
+
+
+def _sparse_gradients() -> None:
+    """Embeddings with sparse=True (sparse gradients, which neither a flat parameter nor
+    replicate's dense buckets can reduce) raise at fully_shard / replicate naming the module
+    and the fix, model unchanged; before, the first backward failed inside autograd ("reshape
+    is not implemented for sparse tensors", "Cannot access data pointer of Tensor that doesn't
+    have storage"). Left out with ignored_modules, or frozen, they are fine."""
+    torch.manual_seed(0)
+    model = _SparseModel()
+    before = _snapshot(model)
+    _expect(lambda: fully_shard(model.body), ValueError, "fully_shard(Sequential): '0' (EmbeddingBag) has sparse=True",
+            "sparse=False", "ignored_modules")
+    _assert_unchanged(before, model)
+    _expect(lambda: fully_shard(model), ValueError, "'body.0' (EmbeddingBag) has sparse=True")
+    _assert_unchanged(before, model)
+    _expect(lambda: replicate(model), ValueError, "replicate(_SparseModel): 'body.0' (EmbeddingBag) has sparse=True",
+            "dense gradients only")
+    _assert_unchanged(before, model)
+    ids = torch.randint(0, 10, (3, 5), generator=torch.Generator().manual_seed(dist.get_rank()))
+    for api in (fully_shard, replicate):  # left out: not managed, their gradients stay local and sparse
+        kept = _SparseModel()
+        api(kept, ignored_modules=[kept.body[0], kept.emb])  # type: ignore[operator]  # both take ignored_modules
+        kept(ids).sum().backward()
+        assert kept.emb.weight.grad is not None and kept.emb.weight.grad.is_sparse, api
+        frozen = _SparseModel()  # frozen: no gradient at all
+        frozen.body[0].requires_grad_(False)
+        frozen.emb.requires_grad_(False)
+        api(frozen)  # type: ignore[operator]
+        frozen(ids).sum().backward()
+        assert frozen.emb.weight.grad is None, api
+
+
 def _different_models_on_ranks() -> None:
     """Rank 1 builds a wider second layer: the first forward raises on every rank, naming the
     parameter and both shapes, before any all-gather could mismatch (the layouts are compared
@@ -312,18 +354,19 @@ def _different_models_on_ranks() -> None:
 def _case(name: str) -> None:
     {"different_models": _different_models_on_ranks, "composition": _errors, "fully_shard_arguments": _fully_shard_argument_errors,
      "other_api_arguments": _other_api_argument_errors, "non_member_group": _non_member_group,
-     "meta": _meta_errors}[name]()
+     "meta": _meta_errors, "sparse_gradients": _sparse_gradients}[name]()
 
 
 def _all() -> None:
     run_subtests(_case, {"name": ["different_models", "composition", "fully_shard_arguments", "other_api_arguments", "non_member_group",
-                                  "meta"]})
+                                  "meta", "sparse_gradients"]})
 
 
 def test_errors_are_clear_and_leave_the_model_unchanged() -> None:
     """Shared parameters across manually annotated handles (siblings, child after parent, child
     before parent), replicate/fully_shard on each other's modules, applying twice, a nested
     FlatParameter, bad arguments of every public function, a process group this rank is not in,
-    and uninitializable meta parameters raise naming what to fix; nothing changes."""
+    uninitializable meta parameters and embeddings with sparse gradients raise naming what to
+    fix; nothing changes."""
     run_distributed(_all, 2, timeout=120)
 
