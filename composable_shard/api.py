@@ -78,7 +78,7 @@ class MixedPrecision:
     def _reduce_dtype_for(self, compute_dtype: torch.dtype, full_precision: bool) -> torch.dtype:
         """The dtype a group computing in ``compute_dtype`` reduces its gradients in: the
         effective reduce dtype for a floating group not kept in full precision, else the
-        compute dtype (the one rule for the runtime and for ``describe_sharding``)."""
+        compute dtype (the one rule for the runtime and for ``describe``)."""
         reduce = self.effective_reduce_dtype
         if reduce is not None and compute_dtype.is_floating_point and not full_precision:
             return reduce
