@@ -82,6 +82,8 @@ def _shard(model: nn.Module, how: str, **kwargs: Any) -> nn.Module:
         block_cls = type(_blocks(model)[0])
         fully_shard(model, policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={block_cls}),
                     **kwargs)
+    elif how == "replicate":
+        replicate(model, **kwargs)
     else:
         fully_shard(model, policy=ModuleWrapPolicy({type(_blocks(model)[0])}), **kwargs)
     return model
@@ -323,7 +325,7 @@ _AC_WAYS = ["hf_nonreentrant_before", "hf_nonreentrant_after", "hf_reentrant_bef
 
 def _apply_ac(model: nn.Module, way: str, how: str, **shard_kwargs: Any) -> nn.Module:
     """``gradient_checkpointing_enable()`` (either reentrant setting) before or after sharding,
-    or the library's ``checkpoint`` per block, then sharded ``how``."""
+    or the library's ``checkpoint`` per block, then sharded (or replicated) ``how``."""
     if way.startswith("hf"):
         enable = functools.partial(model.gradient_checkpointing_enable,
                                    gradient_checkpointing_kwargs={"use_reentrant": "_reentrant" in way})
@@ -433,18 +435,8 @@ def _replicated(kind: str, way: str) -> None:
     tied embedding/head included) and is the same on every rank; checkpointed blocks did
     recompute."""
     model = _build(kind)
-    if way.startswith("hf"):
-        enable = functools.partial(model.gradient_checkpointing_enable,
-                                   gradient_checkpointing_kwargs={"use_reentrant": "_reentrant" in way})
-        if way.endswith("before"):
-            enable()
-        replicate(model)
-        if way.endswith("after"):
-            enable()
-    elif way == "library":
-        for block in _blocks(model):
-            checkpoint(block)
-        replicate(model)
+    if way in _AC_WAYS:
+        _apply_ac(model, way, "replicate")
     elif way == "blocks_fully_sharded":
         for block in _blocks(model):
             fully_shard(block)
@@ -454,11 +446,11 @@ def _replicated(kind: str, way: str) -> None:
             replicate(block)
         fully_shard(model)
     else:
-        replicate(model)
+        _shard(model, "replicate")
     reference = _build(kind)
     model_calls, reference_calls = _count_block_forwards(model), _count_block_forwards(reference)
     _train(model, reference, 3, f"[replicate {kind}/{way}]")
-    recomputes = 3 if way.startswith("hf") or way == "library" else 0
+    recomputes = 3 if way in _AC_WAYS else 0
     # Per step: one forward per rank row chunk in the reference (2), one training forward, one
     # eval forward and the recomputation (if any) in the replicated model.
     assert model_calls[0] == reference_calls[0] // 2 + 3 + recomputes, (kind, way, model_calls, reference_calls)

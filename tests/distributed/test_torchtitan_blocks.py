@@ -13,7 +13,7 @@ single-process training on the global batch, in bf16 against torch FSDP2 with th
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List
 
 import pytest
 import torch
@@ -21,9 +21,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from composable_shard import MixedPrecision, checkpoint, fully_shard, unshard_params
+from composable_shard import MixedPrecision, checkpoint, fully_shard
 from tests._harness import assert_close_ranks, run_distributed, run_subtests
-from tests._models import zip_same
+from tests._models import full_grads, zip_same
 
 VOCAB, WIDTH, HEADS, LAYERS, SEQ, ROWS = 101, 32, 4, 3, 16, 2
 
@@ -125,11 +125,6 @@ def _shard(model: Transformer, activation_checkpointing: bool, mp: MixedPrecisio
     return model
 
 
-def _full_grads(model: nn.Module) -> List[Tuple[str, torch.Tensor]]:
-    with unshard_params(model, with_grads=True, writeback=False):
-        return [(n, p.grad.detach().clone()) for n, p in model.named_parameters() if p.grad is not None]
-
-
 def _fp32_parity(activation_checkpointing: bool) -> None:
     """3 SGD steps; every gradient within 1e-5 of single-process training on the global
     batch (the mean of the per-rank losses) and equal on every rank; the complex buffer is
@@ -143,7 +138,7 @@ def _fp32_parity(activation_checkpointing: bool) -> None:
         rows = [tokens[r * ROWS:(r + 1) * ROWS] for r in range(world_size)]
         (sum(_loss(reference, r) for r in rows) / world_size).backward()  # type: ignore[operator]  # a tensor sum
         expected = [(n, p.grad) for n, p in reference.named_parameters() if p.grad is not None]
-        for (name, a), (ename, e) in zip_same(_full_grads(model), expected, what=f"step {step} gradients"):
+        for (name, a), (ename, e) in zip_same(full_grads(model), expected, what=f"step {step} gradients"):
             assert name == ename, (name, ename)
             diff = (a - e).abs().max().item()
             assert diff <= 1e-5, f"step {step} {name}: max |grad diff| {diff:.3g}"
@@ -175,7 +170,7 @@ def _bf16_against_fsdp2(activation_checkpointing: bool) -> None:
             loss.backward()
         assert abs(losses[0].item() - losses[1].item()) <= 1e-5, (step, [x.item() for x in losses])
         expected = [(n, p.grad.full_tensor()) for n, p in reference.named_parameters() if p.grad is not None]
-        for (name, a), (_, e) in zip_same(_full_grads(model), expected, what=f"step {step} gradients"):
+        for (name, a), (_, e) in zip_same(full_grads(model), expected, what=f"step {step} gradients"):
             scale = e.abs().max().item()
             diff = (a - e).abs().max().item()
             assert diff <= 1e-5 * scale, f"step {step} {name}: max |grad diff| {diff:.3g} (scale {scale:.3g})"
