@@ -262,6 +262,7 @@ class FlatParamHandle:
         self.training_state: HandleTrainingState = HandleTrainingState.IDLE
         self.groups: List[FlatGroup] = []  # one per (dtype, requires_grad), first-seen order
         self.is_unsharded: bool = False  # True while module slots hold unsharded views
+        self.full_params_exposed: bool = False  # True while unshard_params shows full parameters on this rank
         self.needs_pre_backward: bool = True  # False once this backward's pre-backward ran
         self.exec_index: Optional[int] = None  # position in the root's pre-forward order
         self.post_forward_index: Optional[int] = None  # position in the root's post-forward order

@@ -626,7 +626,59 @@ def register_runtime_hooks(state: _FSDPState, module: nn.Module) -> None:
                 _register_post_backward(state, handle, group)
         handle.before_unsharded_grad = functools.partial(_before_unsharded_grad, state, handle)
         handle.unshard_fn = functools.partial(wait_unshard, state, handle)
+        for name, holder in _param_holders(handle):
+            if holder is not module:
+                holder.register_forward_pre_hook(functools.partial(_check_called_unsharded, state, name))
     _track_modules(state, module)
+
+
+def _param_holders(handle: FlatParamHandle) -> List[Tuple[str, nn.Module]]:
+    """Each module that registers one of ``handle``'s parameters (tied ones included), once,
+    with its name relative to the fully sharded module."""
+    holders: Dict[int, Tuple[str, nn.Module]] = {}
+    for group in handle.groups:
+        fp = group.flat_param
+        for name, module in [(i.module_name, i.module) for i in fp._param_infos] + \
+                [(i.module_name, i.module) for i in fp._shared_param_infos]:
+            holders.setdefault(id(module), (name, module))
+    return list(holders.values())
+
+
+def _check_called_unsharded(state: _FSDPState, name: str, module: nn.Module, args: Tuple[Any, ...]) -> None:
+    """Forward pre-hook of every module that holds parameters of ``state``'s handle, other
+    than the fully sharded module itself (whose own pre-forward unshards).
+
+    Such a module is meant to run inside the fully sharded module's forward or backward, when
+    its slots hold full-shape views of the unsharded buffer, or inside ``unshard_params``. Called
+    at any other time (``model.embed(ids)`` on a model sharded from its root, a module of one
+    block called from another block's forward), its parameters are 1-D views of this rank's
+    slice: torch fails far from the cause with a shape error, or, where a slice happens to
+    broadcast (one element of a norm's weight), computes a wrong result on that rank alone.
+    Compiled code skips the check, so dynamo guards on nothing here."""
+    if torch.compiler.is_compiling():
+        return
+    handle = state.handle
+    if handle is None or handle.is_unsharded:
+        return
+    full_name = f"{state.fqn}.{name}" if state.fqn and name else (state.fqn or name or "<root>")
+    what = f"composable_shard: {type(module).__name__} {full_name!r}"
+    if handle.full_params_exposed:
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"{what} was called with grad enabled inside unshard_params/summon_full_params: gradients would reach "
+                "the temporary full parameters and be dropped when the context exits. Call it under torch.no_grad().")
+        return
+    if handle.training_state is HandleTrainingState.SUMMON_FULL_PARAMS:
+        raise RuntimeError(
+            f"{what} was called on rank {state.rank} inside unshard_params(rank0_only=True), which shows full "
+            "parameters on rank 0 only; call it on rank 0 only, or use rank0_only=False.")
+    owner = repr(state.fqn) if state.fqn else "the model"
+    raise RuntimeError(
+        f"{what} was called while {state.describe()}, which holds its parameters, has them sharded (each is a 1-D "
+        "view of this rank's slice): the call would fail with a shape error or compute with wrong values. They are "
+        f"full only during the forward and backward of {owner}: call {owner} instead; for the full parameters "
+        "outside training, call it under `with unshard_params(model), torch.no_grad():`; or apply fully_shard to "
+        f"{full_name!r} so it gathers its own parameters.")
 
 
 def _before_unsharded_grad(state: _FSDPState, handle: FlatParamHandle) -> None:

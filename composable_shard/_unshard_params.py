@@ -188,6 +188,7 @@ def _expose(item: _Summoned, rank0_only: bool, offload_to_cpu: bool) -> None:
         if grad_pieces is not None and item.grad_on_some_rank[i]:
             p.grad = grad_pieces[i].view(shape).to(p.device)
     item.offloaded = full is not item.full
+    item.handle.full_params_exposed = True
 
 
 def _restore(item: _Summoned, writeback: bool) -> None:
@@ -206,6 +207,7 @@ def _restore(item: _Summoned, writeback: bool) -> None:
     for p in group.orig_params:
         p.grad = None
     handle._point_params_at_shard(group)
+    handle.full_params_exposed = False
     for p, grad in zip(group.orig_params, item.saved_grads):
         if grad is None:
             p.grad = None

@@ -458,13 +458,24 @@ def _replicated(kind: str, way: str) -> None:
 
 def _generate_and_export(kind: str) -> None:
     """generate() on the sharded model (plainly and under unshard_params) gives the plain
-    model's tokens; the full state dict, saved with save_pretrained, loads with
+    model's tokens; the embedding called directly raises (it is sharded) and, under
+    unshard_params and no_grad, gives the plain model's embeddings; the full state dict, saved with save_pretrained, loads with
     from_pretrained into a plain model equal to the sharded one."""
     model, plain = _shard(_build(kind), "policy"), _build(kind)
     prompt = _ids(0)[:1, :4]
     kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
     expected = plain.generate(prompt, **kwargs)
     assert torch.equal(model.generate(prompt, **kwargs), expected), kind
+    embedding = _embedding(model)  # called directly: its owner, the root, holds it sharded
+    try:
+        embedding(prompt)
+    except RuntimeError as e:
+        assert "Embedding 'transformer.wte'" in str(e) or "Embedding 'model.embed_tokens'" in str(e), e
+        assert "has them sharded" in str(e), e
+    else:
+        raise AssertionError("calling the sharded embedding directly must raise")
+    with unshard_params(model), torch.no_grad():
+        assert torch.equal(embedding(prompt), _embedding(plain)(prompt)), kind
     with unshard_params(model):
         assert torch.equal(model.generate(prompt, **kwargs), expected), kind
         try:
