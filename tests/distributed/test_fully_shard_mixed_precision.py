@@ -249,3 +249,63 @@ def test_unsynced_backwards_accumulate_in_reduce_dtype(world_size: int) -> None:
     """bf16 compute with an fp32 reduce_dtype: gradients of backwards without sync are summed
     in fp32, then reduced once; equal to the fp32 sum of a bf16 model's gradients."""
     run_distributed(_unsynced_accumulation_in_reduce_dtype, world_size, timeout=120)
+
+
+class _Weights(nn.Module):
+    """``(x * w).sum()`` over 8 weights: ``w[i]``'s gradient is the column sum of ``x``, so a
+    large column overflows exactly one float16 gradient element."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.2, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * self.w).sum()
+
+
+def _float16_loss_scaling() -> None:
+    """float16 compute with loss scaling: an overflow in one gradient element lands in one
+    rank's slice only, so the skip-or-step decision must be taken by every rank together.
+    torch's ShardedGradScaler (which all-reduces the overflow flag) does that on our gradients:
+    every rank skips the overflowing step with the same new scale, and the next step equals
+    SGD on the local fp32 model's gradient (float16 tolerance). torch.amp.GradScaler would let
+    the rank without the overflow step alone (see docs/api.md, MixedPrecision)."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # torch's, a documented recipe
+
+    world_size = dist.get_world_size()
+    model, reference = fully_shard(_Weights(), mixed_precision=MixedPrecision(param_dtype=torch.float16)), _Weights()
+    owners = [0] * world_size
+    dist.all_gather_object(owners, model.w.numel())
+    assert world_size == 1 or owners[-1] < 8, owners  # w[7] lies in a slice other ranks do not hold
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ShardedGradScaler("cpu", init_scale=1024.0)
+    start = reference.w.detach().clone()
+    overflow = torch.ones(2, 8)
+    overflow[:, 7] = 100.0  # 2 rows x 100 x 1024 > float16's 65504: w[7]'s scaled gradient is inf
+    scaler.scale(model(overflow).float()).backward()
+    scaler.step(optim)
+    scaler.update()
+    scales = [0.0] * world_size
+    dist.all_gather_object(scales, scaler.get_scale())
+    assert scales == [512.0] * world_size, scales  # every rank saw the overflow
+    optim.zero_grad()
+    with unshard_params(model):
+        assert torch.equal(model.w.detach(), start), "a rank stepped on the overflowing gradient"
+
+    x = torch.full((2 * world_size, 8), 0.25) + torch.arange(8.0) / 16
+    mine = x.view(world_size, 2, 8)[dist.get_rank()]
+    scaler.scale(model(mine).float() * world_size).backward()  # per rank: its rows; the mean over ranks is x's sum
+    scaler.step(optim)
+    scaler.update()
+    reference(x).backward()
+    with torch.no_grad():
+        expected = start - 0.1 * reference.w.grad  # type: ignore[operator]  # set by backward
+    with unshard_params(model):
+        torch.testing.assert_close(model.w.detach(), expected, atol=2e-3, rtol=0)
+        assert not torch.equal(model.w.detach(), start), "the step without overflow must update"
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_float16_loss_scaling_skips_on_every_rank_together(world_size: int) -> None:
+    """See ``_float16_loss_scaling``."""
+    run_distributed(_float16_loss_scaling, world_size, timeout=120)
