@@ -447,6 +447,63 @@ def test_model_changes_after_fully_shard_raise_at_next_forward() -> None:
     run_distributed(_all_world_sizes_entry, 2, "changes", timeout=120)
 
 
+# ---------------------------------------------------------------------------- casts and moves
+def _snapshot_tensors(model: nn.Module) -> List[Tuple[str, int, torch.Tensor, Optional[torch.Tensor], int]]:
+    """Per parameter and buffer: name, object, value, .grad and storage address."""
+    out = [(n, id(p), p.detach().clone(), None if p.grad is None else p.grad.clone(), p.untyped_storage().data_ptr())
+           for n, p in model.named_parameters()]
+    return out + [(n, id(b), b.clone(), None, b.untyped_storage().data_ptr()) for n, b in model.named_buffers()]
+
+
+def _cast_or_move_after_fully_shard(call: str) -> None:
+    """``model.half()`` / ``.double()`` / ``.to(torch.float64)`` / ``.bfloat16()`` on the root or a
+    block, before the first step or between steps (with gradients): refused, naming the
+    parameters, with every parameter (object, storage, value, .grad) and buffer as it was. Before,
+    the call went through and the next steps trained nothing: the forward computed on the flat
+    shards while the optimizer updated the cast copies. ``.to(<its own device>)`` and ``.float()``
+    on float32 change nothing and are allowed. Training afterwards equals local training."""
+    model, reference = _shard(make_model()), make_model()
+    model.register_buffer("counter", torch.zeros(3))
+    reference.register_buffer("counter", torch.zeros(3))
+    optim = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_optim = torch.optim.SGD(reference.parameters(), lr=0.5)
+    casts: Dict[str, Callable[[], Any]] = {
+        "half": model.half, "double": model.double, "bfloat16": model.bfloat16,
+        "to(float64)": lambda: model.to(torch.float64), "block.half": model.blocks[1].half,
+        "to_empty": lambda: model.to_empty(device="cpu")}
+    for step in range(3):
+        _local_step(model, step)
+        _global_step(reference, step)
+        if step == 1:  # between backward and optimizer step: gradients are there too
+            before = _snapshot_tensors(model)
+            try:
+                casts[call]()
+            except RuntimeError as e:
+                assert "new storage" in str(e) and "before fully_shard" in str(e) and "MixedPrecision" in str(e), e
+                target = model.blocks[1] if call == "block.half" else model
+                assert f"[{next(n for n, _ in target.named_parameters())!r}," in str(e), e  # in model order
+            else:
+                raise AssertionError(f"{call}: must raise")
+            after = _snapshot_tensors(model)
+            for (n, i, v, g, ptr), (n2, i2, v2, g2, ptr2) in zip_same(before, after):
+                assert (n, i, ptr) == (n2, i2, ptr2) and v.dtype == v2.dtype and torch.equal(v, v2), (call, n)
+                assert (g is None) == (g2 is None) and (g is None or torch.equal(g, g2)), (call, n)  # type: ignore[arg-type]  # checked
+            model.to("cpu")  # its own device: allowed, changes nothing
+            model.float()
+            assert [(n, i, ptr) for n, i, _, _, ptr in _snapshot_tensors(model)] == [(n, i, p) for n, i, _, _, p in after]
+        _assert_grads_equal(model, reference, f"[{call}] step {step}")
+        optim.step()
+        ref_optim.step()
+        optim.zero_grad()
+        ref_optim.zero_grad()
+    assert_params_close(_full_params(model), list(reference.named_parameters()), what=f"[{call}] params")
+
+
+def test_casts_and_moves_after_fully_shard_are_refused_and_change_nothing() -> None:
+    """See ``_cast_or_move_after_fully_shard``."""
+    run_distributed(_all_world_sizes_entry, 2, "casts", timeout=120)
+
+
 # ---------------------------------------------------------------------------- process groups
 def _groups_released_when_destroyed() -> None:
     """After ``dist.destroy_process_group(group)`` the library holds no reference to the group,
@@ -508,6 +565,8 @@ _GRIDS: Dict[str, Callable[[], None]] = {
         "after eval forward", "after failed forward", "after failed backward"]}),
     "changes": lambda: run_subtests(_model_changed_after_fully_shard, {"change": [
         "parameter reassigned", "submodule added", "wrapped"]}),
+    "casts": lambda: run_subtests(_cast_or_move_after_fully_shard, {"call": [
+        "half", "double", "bfloat16", "to(float64)", "block.half", "to_empty"]}),
 }
 
 
