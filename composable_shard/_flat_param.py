@@ -367,6 +367,17 @@ class FlatParamHandle:
         for p, s in zip(group.orig_params, group.flat_param._shard_slices):
             p.data = shard[s.shard_start:s.shard_start + s.numel]
 
+    def detached_params(self) -> List[str]:
+        """FQNs (relative to the owning module) of original parameters that no longer share
+        storage with their group's flat shard: their ``.data`` was replaced after fully_shard."""
+        detached: List[str] = []
+        for group in self.groups:
+            base = group.flat_param.untyped_storage().data_ptr()
+            for p, fqn in zip(group.orig_params, group.flat_param._fqns):
+                if p.untyped_storage().data_ptr() != base:
+                    detached.append(fqn)
+        return detached
+
     # ------------------------------------------------------------------ queries
     @property
     def flat_params(self) -> List[FlatParameter]:

@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _collectives, _watch
+from . import _apply_guard, _collectives
 from ._common_utils import _FSDPState, _is_fsdp_flattened
 from ._flat_param import FlatParamHandle
 from ._mixed_precision import full_precision_classes
@@ -493,7 +493,7 @@ def _init_keeping_initialized(init: Callable[[], None], module: nn.Module, plan:
     sharded parameter loose from its flat shard) and its value (in-place inits)."""
     snapshot = _snapshot(module, plan, just_materialized)
     try:
-        with _watch.applying_during_init():
+        with _apply_guard.applying_during_init():
             init()
     finally:
         _put_back(snapshot)

@@ -311,10 +311,32 @@ def _to_device(state: _FSDPState) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def _follow_user_changes(root: _FSDPState) -> None:
     """``requires_grad`` flipped on original parameters (freeze/unfreeze) is honoured from this
-    forward on."""
+    forward on. A parameter whose ``.data`` was replaced since fully_shard raises (see
+    [Note: Detached parameters])."""
     for handle in root._all_handles:
+        detached = handle.detached_params()
+        if detached:
+            _raise_detached(root.handle_states[id(handle)], detached)
         for group in handle.refresh_requires_grad():
             _register_post_backward(root.handle_states[id(handle)], handle, group)
+
+
+def _raise_detached(state: _FSDPState, fqns: List[str]) -> None:
+    """[Note: Detached parameters]  Each original parameter is a view of its flat shard: the
+    runtime gathers the shards, and the optimizer's in-place update of the parameter is an update
+    of the shard. A parameter whose ``.data`` was replaced afterwards (``submodule.half()`` or
+    ``.to()`` on a module inside a fully sharded one, ``param.data = ...``,
+    ``torch.nn.utils.vector_to_parameters``) is cut loose: the forward would compute on the old
+    shard values and the optimizer would update a tensor nothing reads. The root checks every
+    handle's parameters at each forward (one storage comparison per parameter) and raises."""
+    names = [f"{state.fqn}.{f}" if state.fqn else f for f in fqns]
+    raise RuntimeError(
+        f"composable_shard: {names[:3]}{' and others' if len(names) > 3 else ''} of {state.describe()} no longer "
+        "share storage with their flat shard: their .data was replaced after fully_shard (a cast or move of a "
+        "submodule such as .half()/.to()/.cuda(), `param.data = ...`, torch.nn.utils.vector_to_parameters). "
+        "The forward would compute on the old values and the optimizer would update the new tensors, which nothing "
+        "reads. Cast or move the model before fully_shard; to overwrite values, write in place under "
+        "torch.no_grad() or use `with unshard_params(model, writeback=True):`.")
 
 
 def _cast_inputs(state: _FSDPState, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:

@@ -17,14 +17,17 @@
   cut any managed parameter loose, puts the module back as it was and raises; a call that leaves
   every parameter where it is (``model.to(<its own device>)``, ``model.float()`` on float32) is
   allowed. fully_shard's own initialization (``param_init_fn`` calling ``to_empty``) puts
-  parameters back itself and is not checked (:func:`applying_during_init`).
+  parameters back itself and is not checked (:func:`applying_during_init`). Both live in
+  ``_apply_guard.py``; a ``.data`` replaced by any other path is caught at the next forward
+  (see [Note: Detached parameters] in ``_runtime_utils.py``).
 * **Optimizer steps.** Unsharded buffers kept across steps (``SHARD_GRAD_OP`` after a forward
   without backward, ``set_reshard_after_backward(False)``, a manual ``unshard()``) must not
   outlive an update of the shards they were gathered from. In-place edits bump the parameters'
   version counters, but fused optimizers do not, so every optimizer step also bumps a global
   epoch through torch's global optimizer step hook; a kept buffer gathered before the last
-  epoch is gathered again (:func:`optimizer_epoch`). Writes through ``param.data`` are seen by
-  neither; use ``unshard_params(writeback=True)`` or in-place ops on the parameter instead.
+  epoch is gathered again (:func:`optimizer_epoch`). In-place writes through ``param.data``
+  (``p.data.copy_(...)``) are seen by neither; use ``unshard_params(writeback=True)`` or in-place
+  ops on the parameter instead. (Assigning ``param.data = ...`` is caught at the next forward.)
 
 [Note: Tracked modules]  Every module of a fully sharded module's subtree that is not ignored,
 not managed by ``replicate`` and not inside a nested fully sharded module is tracked with the
@@ -34,12 +37,10 @@ module is tracked too (if it brings no parameters), so parameters added to it la
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Set
 
-import torch
 import torch.nn as nn
 from torch.nn.modules.module import (register_module_module_registration_hook,
                                      register_module_parameter_registration_hook)
@@ -50,7 +51,7 @@ from .contract import _get_registry
 if TYPE_CHECKING:
     from ._common_utils import _FSDPState
 
-__all__ = ["track", "raise_on_model_change", "optimizer_epoch", "changes_epoch", "guard_apply", "applying_during_init"]
+__all__ = ["track", "raise_on_model_change", "optimizer_epoch", "changes_epoch"]
 
 
 @dataclass
@@ -61,7 +62,7 @@ class _Tracked:
 
 
 _tracked: "weakref.WeakKeyDictionary[nn.Module, _Tracked]" = weakref.WeakKeyDictionary()
-_counters = {"optimizer_epoch": 0, "changes_epoch": 0, "init_depth": 0, "apply_depth": 0}
+_counters = {"optimizer_epoch": 0, "changes_epoch": 0}
 _installed: List[Any] = []  # the global hook handles, installed once
 
 
@@ -162,85 +163,4 @@ def raise_on_model_change(states: Iterable["_FSDPState"]) -> None:
                 "fully_shard ran, so this change would be silently left out of training. Make such changes "
                 "before fully_shard (build the model, then shard it), or rebuild and reshard the model."
             )
-
-
-@contextlib.contextmanager
-def applying_during_init() -> Iterator[None]:
-    """fully_shard's initialization runs user init code that may cast or move sharded children
-    (``to_empty``) and puts their parameters back itself: :func:`guard_apply` lets it through."""
-    _counters["init_depth"] += 1
-    try:
-        yield
-    finally:
-        _counters["init_depth"] -= 1
-
-
-_Saved = Tuple[nn.Module, List[Tuple[str, Any]], List[Tuple[str, Any]]]  # module, its parameter and buffer slots
-_Tensors = Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]  # p, .data, .grad, .grad.data
-
-
-def guard_apply(module: nn.Module, states: Iterable["_FSDPState"], apply: Callable[[], nn.Module]) -> nn.Module:
-    """Run ``apply()`` (``nn.Module._apply`` on ``module``, a fully sharded module whose subtree
-    holds ``states``); if it gave any of their original parameters new storage, dtype, device or
-    object, put every parameter (object, ``.data``, ``.grad``) and buffer of the subtree back and
-    raise ``RuntimeError`` naming them. See "Casts and moves" above."""
-    if _counters["init_depth"] or _counters["apply_depth"]:  # init, or inside an outer guarded call
-        return apply()
-    managed = [(p, slot) for s in states if s.handle is not None
-               for g in s.handle.groups for p, slot in zip(g.orig_params, g.flat_param._param_infos)]
-    if not managed:
-        return apply()
-    order = {id(p): (i, n) for i, (n, p) in reversed(list(enumerate(module.named_parameters(remove_duplicate=False))))}
-    saved: List[_Saved] = [(m, list(m._parameters.items()), list(m._buffers.items())) for m in module.modules()]
-    tensors: Dict[int, _Tensors] = {}
-    for _, slots, _ in saved:
-        for _, p in slots:
-            if p is not None and id(p) not in tensors:
-                tensors[id(p)] = (p, p.data, p.grad, None if p.grad is None else p.grad.data)
-    _counters["apply_depth"] += 1
-    try:
-        result = apply()
-    except BaseException:
-        _put_back(saved, tensors)
-        raise
-    finally:
-        _counters["apply_depth"] -= 1
-    cut = [n for _, n in sorted(order.get(id(p), (len(order), slot.param_name)) for p, slot in managed
-                                if slot.module._parameters.get(slot.param_name) is not p or _moved(p, tensors[id(p)][1]))]
-    if not cut:
-        return result
-    _put_back(saved, tensors)
-    dtypes = sorted({str(p.dtype).replace("torch.", "") for p, _ in managed})
-    raise RuntimeError(
-        f"{type(module).__name__}._apply (.to(), .half(), .cuda(), ...): it would give {cut[:3]}"
-        f"{' and others' if len(cut) > 3 else ''} new storage, cutting them loose from the flat shards fully_shard "
-        "gathers from: the forward would keep computing on the old values and the optimizer would update copies "
-        f"nothing reads. The module is unchanged (parameters {', '.join(dtypes)}, on {managed[0][0].device}). Cast or "
-        "move the model before fully_shard (device_id= moves it there); for low-precision compute use "
-        "mixed_precision=MixedPrecision(param_dtype=...).")
-
-
-def _moved(p: torch.Tensor, before: torch.Tensor) -> bool:
-    return (p.dtype != before.dtype or p.device != before.device or p.shape != before.shape
-            or p.storage_offset() != before.storage_offset()
-            or p.untyped_storage().data_ptr() != before.untyped_storage().data_ptr())
-
-
-def _put_back(saved: List[_Saved], tensors: Dict[int, _Tensors]) -> None:
-    """Every parameter object back in its slots with its ``.data``; its ``.grad`` object back
-    with its ``.data`` (``_apply`` swaps a gradient's ``.data`` in place); buffers back."""
-    from ._flat_param import set_grad_of_any_shape  # not at import time: _flat_param imports this module
-
-    for p, data, grad, grad_data in tensors.values():
-        p.data = data
-        if grad is None or grad_data is None:
-            p.grad = None
-        else:
-            grad.data = grad_data
-            set_grad_of_any_shape(p, grad)  # type: ignore[arg-type]  # an nn.Parameter
-    for m, params, buffers in saved:
-        for name, p in params:
-            m._parameters[name] = p
-        for name, b in buffers:
-            m._buffers[name] = b
 

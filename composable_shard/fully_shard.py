@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _collectives, _watch
+from . import _apply_guard, _collectives
 from ._common_utils import FSDP_API_NAME, _FSDPState
 from ._init_utils import apply_plan, plan_fully_shard, resolve_groups
 from ._mixed_precision import apply_mixed_precision
@@ -53,9 +53,9 @@ class FSDPModule(_NoCopyMixin):
         """Behind ``.to()``, ``.half()``, ``.cuda()``, ``.float()`` ...: a call that would give a
         sharded parameter new storage (a cast, a move) raises and leaves the module unchanged;
         one that changes nothing (``.to(<its own device>)``) is allowed. See "Casts and moves"
-        in ``_watch.py``."""
+        in ``_apply_guard.py``."""
         parent_apply = super()._apply  # type: ignore[misc]  # nn.Module's, through the FSDP<Orig> class
-        return _watch.guard_apply(self, _get_fsdp_states(self), lambda: parent_apply(fn, recurse))  # type: ignore[arg-type,return-value]  # self is an nn.Module
+        return _apply_guard.guard_apply(self, _get_fsdp_states(self), lambda: parent_apply(fn, recurse))  # type: ignore[arg-type,return-value]  # self is an nn.Module
 
     def _states(self, recurse: bool) -> List[_FSDPState]:
         state = self._fsdp_state()

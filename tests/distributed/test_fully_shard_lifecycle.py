@@ -428,6 +428,15 @@ def _model_changed_after_fully_shard(change: str) -> None:
     elif change == "submodule added":
         model.blocks[0].adapter = nn.Linear(6, 6)
         expected = "'blocks.0.adapter'"
+    elif change == "submodule cast":  # a plain submodule: FSDPModule._apply does not see it
+        model.blocks[0].fc1.half()
+        expected = "['blocks.0.fc1.weight', 'blocks.0.fc1.bias'] of fully_shard(blocks.0) no longer share storage"
+    elif change == "data assigned":
+        model.blocks[1].fc2.weight.data = model.blocks[1].fc2.weight.detach().clone()
+        expected = "['blocks.1.fc2.weight'] of fully_shard(blocks.1) no longer share storage"
+    elif change == "vector_to_parameters":  # assigns each parameter's .data
+        torch.nn.utils.vector_to_parameters(torch.nn.utils.parameters_to_vector(model.parameters()), model.parameters())
+        expected = "no longer share storage"
     else:  # a container without parameters around a managed module: not a change
         model.blocks[0].fc1 = nn.Sequential(model.blocks[0].fc1)
         model(local_rows(inputs, rank)).sum().backward()
@@ -442,8 +451,11 @@ def _model_changed_after_fully_shard(change: str) -> None:
 
 def test_model_changes_after_fully_shard_raise_at_next_forward() -> None:
     """A parameter reassigned, or a submodule with parameters added, after fully_shard would
-    be silently left out of training: the next forward raises naming the FQN. Wrapping a
-    managed module in a container without parameters is allowed."""
+    be silently left out of training, and so would a parameter whose ``.data`` was replaced (a
+    plain submodule cast with ``.half()``, ``p.data = ...``, torch's ``vector_to_parameters``:
+    the forward kept computing on the flat shard, the optimizer updated the new tensor): the
+    next forward raises naming the FQN. Wrapping a managed module in a container without
+    parameters is allowed."""
     run_distributed(_all_world_sizes_entry, 2, "changes", timeout=120)
 
 
@@ -564,7 +576,8 @@ _GRIDS: Dict[str, Callable[[], None]] = {
     "unshard": lambda: run_subtests(_unshard_params_when_idle, {"situation": [
         "after eval forward", "after failed forward", "after failed backward"]}),
     "changes": lambda: run_subtests(_model_changed_after_fully_shard, {"change": [
-        "parameter reassigned", "submodule added", "wrapped"]}),
+        "parameter reassigned", "submodule added", "wrapped", "submodule cast", "data assigned",
+        "vector_to_parameters"]}),
     "casts": lambda: run_subtests(_cast_or_move_after_fully_shard, {"call": [
         "half", "double", "bfloat16", "to(float64)", "block.half", "to_empty"]}),
 }
