@@ -87,7 +87,8 @@ def guard_apply(module: nn.Module, states: Iterable["_FSDPState"], apply: Callab
         "gathers from: the forward would keep computing on the old values and the optimizer would update copies "
         f"nothing reads. The module is unchanged (parameters {', '.join(dtypes)}, on {managed[0][0].device}). Cast or "
         "move the model before fully_shard (device_id= moves it there); for low-precision compute use "
-        "mixed_precision=MixedPrecision(param_dtype=...).")
+        "mixed_precision=MixedPrecision(param_dtype=...). A model built on the meta device needs no to_empty() "
+        "afterwards: fully_shard materialized it (param_init_fn=, or each module's reset_parameters()).")
 
 
 def _moved(p: torch.Tensor, before: torch.Tensor) -> bool:
