@@ -1,32 +1,31 @@
-"""Casts and moves of a fully sharded module: ``model.half()``, ``.to(dtype)``, ``.cuda()``,
-``.to_empty()`` (``nn.Module._apply``).
+"""Casts and moves of a fully sharded or replicated module: ``model.half()``, ``.to(dtype)``,
+``.cuda()``, ``.to_empty()`` (``nn.Module._apply``).
 
 Each sharded original parameter is a view of its flat shard; ``_apply`` gives parameters new
 storage (it swaps ``.data``, or the objects), which would cut them loose: the forward would go on
 computing on the shards and the optimizer would update copies nothing reads, so training would
-silently do nothing. :func:`guard_apply` (behind ``FSDPModule._apply``) runs the call and, if it
-cut any managed parameter loose, puts the module back as it was and raises; a call that leaves
+silently do nothing. Under ``replicate`` the gradient buckets and hooks were built for the
+parameters as they were, and a cast leaves the gradients unaveraged. :func:`guard_apply` (behind
+``FSDPModule._apply`` and ``ReplicateModule._apply``) runs the call and, if it cut any managed
+parameter loose, puts the module back as it was and raises; a call that leaves
 every parameter where it is (``model.to(<its own device>)``, ``.float()`` on float32) is
 allowed. fully_shard's own initialization (``param_init_fn`` calling ``to_empty`` on a parent of
 sharded children) puts parameters back itself and runs unchecked (:func:`applying_during_init`).
-Only the outermost fully sharded module of a call checks, so names are relative to the module
-the user called. A plain submodule cast on its own (``model.blocks[0].fc1.half()``) is not seen
+The outermost annotated module of a call checks every nested one's parameters too, so names are
+relative to the module the user called. A plain submodule cast on its own (``model.blocks[0].fc1.half()``) is not seen
 here; the next forward catches it (see [Note: Detached parameters] in ``_runtime_utils.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
 from ._flat_param import set_grad_of_any_shape
 from ._torch_compat import set_module_tensor
-
-if TYPE_CHECKING:
-    from ._common_utils import _FSDPState
 
 __all__ = ["guard_apply", "applying_during_init"]
 
@@ -48,24 +47,25 @@ _Saved = Tuple[nn.Module, List[Tuple[str, Any]], List[Tuple[str, Any]]]  # modul
 _Tensors = Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]  # p, .data, .grad, .grad.data
 
 
-def guard_apply(module: nn.Module, states: Iterable["_FSDPState"], apply: Callable[[], nn.Module]) -> nn.Module:
-    """Run ``apply()`` (``nn.Module._apply`` on ``module``, a fully sharded module whose subtree
-    holds ``states``); if it gave any of their original parameters new storage, dtype, device or
-    object, put every parameter (object, ``.data``, ``.grad``) and buffer of the subtree back and
-    raise ``RuntimeError`` naming them. See "Casts and moves" above."""
+def guard_apply(module: nn.Module, apply: Callable[[], nn.Module]) -> nn.Module:
+    """Run ``apply()`` (``nn.Module._apply`` on ``module``, a fully sharded or replicated
+    module). Every annotated module of its subtree names the parameters it manages
+    (``_guarded_params()``); if the call gave any of them new storage, dtype, device or object,
+    put every parameter (object, ``.data``, ``.grad``) and buffer of the subtree back and raise
+    ``RuntimeError`` naming them (relative to ``module``) with the owning API's advice. Only the
+    outermost annotated module of a call checks (it sees every nested one's parameters)."""
     if _depth["init"] or _depth["apply"]:  # init, or inside an outer guarded call
         return apply()
-    managed = [(p, slot) for s in states if s.handle is not None
-               for g in s.handle.groups for p, slot in zip(g.orig_params, g.flat_param._param_infos)]
-    if not managed:
+    owners: Dict[int, Any] = {id(p): m for m in module.modules() if hasattr(m, "_guarded_params")
+                              for p in getattr(m, "_guarded_params")()}
+    if not owners:
         return apply()
-    order = {id(p): (i, n) for i, (n, p) in reversed(list(enumerate(module.named_parameters(remove_duplicate=False))))}
     saved: List[_Saved] = [(m, list(m.named_parameters(recurse=False, remove_duplicate=False)),
                             list(m.named_buffers(recurse=False, remove_duplicate=False))) for m in module.modules()]
     tensors: Dict[int, _Tensors] = {}
     for _, slots, _ in saved:
         for _, p in slots:
-            if p is not None and id(p) not in tensors:
+            if id(p) not in tensors:
                 tensors[id(p)] = (p, p.data, p.grad, None if p.grad is None else p.grad.data)
     _depth["apply"] += 1
     try:
@@ -75,20 +75,19 @@ def guard_apply(module: nn.Module, states: Iterable["_FSDPState"], apply: Callab
         raise
     finally:
         _depth["apply"] -= 1
-    cut = [n for _, n in sorted(order.get(id(p), (len(order), slot.param_name)) for p, slot in managed
-                                if getattr(slot.module, slot.param_name, None) is not p or _moved(p, tensors[id(p)][1]))]
-    if not cut:
+    cut_ids = {id(p) for m, slots, _ in saved for name, p in slots
+               if id(p) in owners and (getattr(m, name, None) is not p or _moved(tensors[id(p)][0], tensors[id(p)][1]))}
+    if not cut_ids:
         return result
+    cut = [(n, p) for n, p in module.named_parameters(remove_duplicate=False) if id(p) in cut_ids]  # model order
     _put_back(saved, tensors)
-    dtypes = sorted({str(p.dtype).replace("torch.", "") for p, _ in managed})
+    owner = owners[id(cut[0][1])]
+    first = cut[0][1]
     raise RuntimeError(
-        f"{type(module).__name__}._apply (.to(), .half(), .cuda(), ...): it would give {cut[:3]}"
-        f"{' and others' if len(cut) > 3 else ''} new storage, cutting them loose from the flat shards fully_shard "
-        "gathers from: the forward would keep computing on the old values and the optimizer would update copies "
-        f"nothing reads. The module is unchanged (parameters {', '.join(dtypes)}, on {managed[0][0].device}). Cast or "
-        "move the model before fully_shard (device_id= moves it there); for low-precision compute use "
-        "mixed_precision=MixedPrecision(param_dtype=...). A model built on the meta device needs no to_empty() "
-        "afterwards: fully_shard materialized it (param_init_fn=, or each module's reset_parameters()).")
+        f"{type(module).__name__}._apply (.to(), .half(), .cuda(), ...): it would give {[n for n, _ in cut[:3]]}"
+        f"{' and others' if len(cut) > 3 else ''} new storage, cutting them loose from {owner._apply_what}: "
+        f"{owner._apply_advice} The module is unchanged (parameters {str(first.dtype).replace('torch.', '')}, "
+        f"on {first.device}).")
 
 
 def _moved(p: torch.Tensor, before: torch.Tensor) -> bool:

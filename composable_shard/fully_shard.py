@@ -49,13 +49,24 @@ class FSDPModule(_NoCopyMixin):
             raise RuntimeError(f"{type(self).__name__} has no fully_shard state")
         return state  # type: ignore[no-any-return]
 
+    _apply_what = "the flat shards fully_shard gathers from"
+    _apply_advice = ("the forward would keep computing on the old values and the optimizer would update copies "
+                     "nothing reads. Cast or move the model before fully_shard (device_id= moves it there); for "
+                     "low-precision compute use mixed_precision=MixedPrecision(param_dtype=...). A model built on "
+                     "the meta device needs no to_empty() afterwards: fully_shard materialized it (param_init_fn=, "
+                     "or each module's reset_parameters()).")
+
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "FSDPModule":
         """Behind ``.to()``, ``.half()``, ``.cuda()``, ``.float()`` ...: a call that would give a
         sharded parameter new storage (a cast, a move) raises and leaves the module unchanged;
-        one that changes nothing (``.to(<its own device>)``) is allowed. See "Casts and moves"
-        in ``_apply_guard.py``."""
+        one that changes nothing (``.to(<its own device>)``) is allowed. See ``_apply_guard.py``."""
         parent_apply = super()._apply  # type: ignore[misc]  # nn.Module's, through the FSDP<Orig> class
-        return _apply_guard.guard_apply(self, _get_fsdp_states(self), lambda: parent_apply(fn, recurse))  # type: ignore[arg-type,return-value]  # self is an nn.Module
+        return _apply_guard.guard_apply(self, lambda: parent_apply(fn, recurse))  # type: ignore[arg-type,return-value]  # self is an nn.Module
+
+    def _guarded_params(self) -> List[torch.Tensor]:
+        """The original parameters of this module's own handle (for ``_apply_guard``)."""
+        handle = self._fsdp_state().handle
+        return [p for g in handle.groups for p in g.orig_params] if handle is not None else []
 
     def _states(self, recurse: bool) -> List[_FSDPState]:
         state = self._fsdp_state()

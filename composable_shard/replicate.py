@@ -38,14 +38,14 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from typing import Dict, Iterable, List, Optional, Protocol, Sequence, Set, Tuple, Union, cast
+from typing import Callable, Dict, Iterable, List, Optional, Protocol, Sequence, Set, Tuple, Union, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from . import _collectives
+from . import _apply_guard, _collectives
 from ._common_utils import WeakGroup, WeakHook
 from ._validation import (check_dense_gradients, check_device_id, check_mixed_precision, check_modules,
                           check_process_group, check_real)
@@ -136,6 +136,22 @@ class ReplicateModule(_NoCopyMixin):
     """Methods a module gains from :func:`replicate` (its class becomes ``Replicate<Orig>``)."""
 
     _api_name = "replicate"
+
+    _apply_what = "the gradient buckets replicate built for them"
+    _apply_advice = ("their gradients would no longer be averaged across ranks (each rank would keep its own). "
+                     "Cast or move the model before replicate (device_id= moves it there).")
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "ReplicateModule":
+        """Behind ``.to()``, ``.half()``, ``.cuda()`` ...: a cast or move of a managed parameter
+        raises and leaves the module unchanged (gradient buckets, their dtype and device, and the
+        hooks were built for the parameters as they were); ``.to(<its own device>)`` is allowed.
+        See ``_apply_guard.py``."""
+        parent_apply = super()._apply  # type: ignore[misc]  # nn.Module's, through the Replicate<Orig> class
+        return _apply_guard.guard_apply(self, lambda: parent_apply(fn, recurse))  # type: ignore[arg-type,return-value]  # self is an nn.Module
+
+    def _guarded_params(self) -> List[torch.Tensor]:
+        """The parameters this module's replicate manages (for ``_apply_guard``)."""
+        return list(_state_of(self).params)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """``False``: backward passes communicate nothing and gradients accumulate locally;

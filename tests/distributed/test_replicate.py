@@ -397,15 +397,57 @@ def _mismatch_and_device_subtest() -> None:
         _replicated(model).register_comm_hook(None, comm_hooks.allreduce_hook)
 
 
+def _cast_after_replicate_subtest(call: str) -> None:
+    """``.double()`` / ``.half()`` / ``.to(torch.float64)`` after replicate, between backward and
+    optimizer step: refused with every parameter, gradient and buffer as it was. Before, the
+    call went through and the next backward's gradients were each rank's own, never averaged
+    (measured on a two-layer net: off from local training's by up to 2.0). ``.to("cpu")`` is
+    allowed; the next
+    steps equal local training. A replicated child under a fully sharded root is guarded by the
+    root's call too."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    ours, _, local = _three_models(False)
+    optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, local)]
+    casts: Dict[str, Callable[[], Any]] = {"double": ours.double, "half": ours.half,
+                                           "to(float64)": lambda: ours.to(torch.float64)}
+    for step in range(3):
+        _loss(ours, *_batch(step, rank)).backward()
+        _local_loss(local, step, world_size, False).backward()
+        if step == 1:
+            before = [(n, id(p), p.detach().clone(), p.grad.clone(), p.untyped_storage().data_ptr())  # type: ignore[union-attr]  # after backward
+                      for n, p in ours.named_parameters()]
+            with pytest.raises(RuntimeError, match=r"new storage, cutting them loose from the gradient buckets"):
+                casts[call]()
+            for (n, i, v, g, ptr), (n2, p) in zip(before, ours.named_parameters()):
+                assert (n, i, ptr) == (n2, id(p), p.untyped_storage().data_ptr()), (call, n)
+                assert p.dtype == v.dtype and torch.equal(p, v) and torch.equal(p.grad, g), (call, n)  # type: ignore[arg-type]  # set
+            ours.to("cpu")
+        _assert_grads(ours, local, 1e-5, f"[{call}] step {step} vs local")
+        for optim in optims:
+            optim.step()
+            optim.zero_grad()
+    from composable_shard import fully_shard
+    torch.manual_seed(0)
+    mixed = nn.Sequential(Net(), nn.Linear(DIM_OUT, DIM_OUT))
+    replicate(mixed[0])
+    fully_shard(mixed)
+    mixed_casts: Dict[str, Callable[[], Any]] = {"double": mixed.double, "half": mixed.half,
+                                                 "to(float64)": lambda: mixed.to(torch.float64)}
+    with pytest.raises(RuntimeError, match=r"\['0.inp.weight', '0.inp.bias', '0.mid.weight'\] and others new storage"):
+        mixed_casts[call]()
+    assert all(p.dtype == torch.float32 for p in mixed.parameters())
+
+
 def _rank_errors() -> None:
     _rank_errors_and_identity()
     _frozen_and_skipped_subtest()
     _mismatch_and_device_subtest()
+    run_subtests(_cast_after_replicate_subtest, {"call": ["double", "half", "to(float64)"]})
 
 
 def test_errors_identity_and_skipped_parameters() -> None:
     """Class Replicate<Orig> with unchanged FQNs; replicate twice, on a fully_shard-managed
     module (nothing changed), deepcopy, a second comm hook, a comm hook after backward and
     ranks with different models all raise; frozen, ignored and fully_shard-managed
-    parameters are skipped."""
+    parameters are skipped; casts after replicate are refused (see ``_cast_after_replicate_subtest``)."""
     run_distributed(_rank_errors, 2)
