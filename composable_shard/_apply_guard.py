@@ -91,6 +91,9 @@ def guard_apply(module: nn.Module, apply: Callable[[], nn.Module]) -> nn.Module:
 
 
 def _moved(p: torch.Tensor, before: torch.Tensor) -> bool:
+    """Does ``p`` no longer look at what ``before`` (its ``.data`` before the call, an alias of
+    the same storage) looks at? Both storage addresses are read now: a call that moves the
+    storage itself in place (``share_memory()``) keeps the parameter attached."""
     return (p.dtype != before.dtype or p.device != before.device or p.shape != before.shape
             or p.storage_offset() != before.storage_offset()
             or p.untyped_storage().data_ptr() != before.untyped_storage().data_ptr())

@@ -473,7 +473,8 @@ def _cast_or_move_after_fully_shard(call: str) -> None:
     parameters, with every parameter (object, storage, value, .grad) and buffer as it was. Before,
     the call went through and the next steps trained nothing: the forward computed on the flat
     shards while the optimizer updated the cast copies. ``.to(<its own device>)`` and ``.float()``
-    on float32 change nothing and are allowed. Training afterwards equals local training."""
+    on float32 change nothing and are allowed, and so is ``share_memory()`` (it moves each storage
+    in place). Training afterwards equals local training."""
     model, reference = _shard(make_model()), make_model()
     model.register_buffer("counter", torch.zeros(3))
     reference.register_buffer("counter", torch.zeros(3))
@@ -504,6 +505,7 @@ def _cast_or_move_after_fully_shard(call: str) -> None:
             model.to("cpu")  # its own device: allowed, changes nothing
             model.float()
             assert [(n, i, ptr) for n, i, _, _, ptr in _snapshot_tensors(model)] == [(n, i, p) for n, i, _, _, p in after]
+            model.share_memory()  # moves each storage in place: parameters stay views of their shards
         _assert_grads_equal(model, reference, f"[{call}] step {step}")
         optim.step()
         ref_optim.step()
