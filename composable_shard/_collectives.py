@@ -158,11 +158,13 @@ def _group_size(group: Optional[dist.ProcessGroup]) -> int:
 
 
 def all_gather_into(
-    output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup], *, tag: str = ""
+    output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup], *, tag: str = "", match: int = 0
 ) -> Pending:
     """All-gather ``input`` (this rank's shard) into ``output`` (W shards, rank order), async.
 
-    ``output`` must be contiguous with ``W * input.numel()`` elements; no copies are made."""
+    ``output`` must be contiguous with ``W * input.numel()`` elements; no copies are made.
+    ``match`` (a handle's index, the same on every rank) keeps gloo from pairing this gather
+    with another handle's (see [Note: Collectives on gloo])."""
     world_size = _group_size(group)
     _report("all_gather", input.numel() * input.element_size(), world_size, tag, input)
     if world_size == 1:
@@ -170,17 +172,18 @@ def all_gather_into(
             output.copy_(input)
         return Pending(None, output, "all_gather", tag=tag)
     if _is_gloo(group) and input.device.type == "cpu":
-        return Pending(_gloo_all_gather(output, input, group), output, "all_gather", tag=tag)
+        return Pending(_gloo_all_gather(output, input, group, _p2p_tag(_TAG_ALL_GATHER, match)), output, "all_gather",
+                       tag=tag)
     work = _all_gather_single(output, input, group=group, async_op=True)
     return Pending(work, output, "all_gather", tag=tag)
 
 
 def reduce_scatter_into(
-    output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup], *, tag: str = ""
+    output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup], *, tag: str = "", match: int = 0
 ) -> Pending:
     """Sum-reduce ``input`` (W equal chunks) across the group; chunk ``rank`` lands in
     ``output``. Async. The caller divides for averaging. ``input`` is the caller's scratch:
-    its contents are undefined afterwards.
+    its contents are undefined afterwards. ``match`` as for :func:`all_gather_into`.
 
     On gloo it runs point to point (see [Note: Collectives on gloo])."""
     world_size = _group_size(group)
@@ -190,7 +193,7 @@ def reduce_scatter_into(
             output.copy_(input)
         return Pending(None, output, "reduce_scatter", tag=tag)
     if _is_gloo(group) and input.device.type == "cpu":
-        return _gloo_reduce_scatter(output, input, group, tag)
+        return _gloo_reduce_scatter(output, input, group, tag, _p2p_tag(_TAG_REDUCE_SCATTER, match))
     work = _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True)
     return Pending(work, output, "reduce_scatter", tag=tag)
 
@@ -220,8 +223,18 @@ def _is_gloo(group: Optional[dist.ProcessGroup]) -> bool:
 # all-gather during a reduction) pair correctly; each kind has its own tag, outside the slot
 # space gloo's collectives use. Receives are posted before sends, so a message finds its buffer
 # waiting (about 10% less CPU per exchange in the same measurement).
+# The runtime passes each handle's index as ``match``, and the tag carries it: gloo then pairs a
+# rank's gather of one handle only with the peers' gathers of the same handle. Ranks that run
+# handles in different orders (a block skipped or reordered on one rank) would otherwise exchange
+# shards of different, equally sized handles and go on with wrong parameters and gradients,
+# silently; with the tag they wait, and the process group's timeout raises naming the handle.
 _TAG_ALL_GATHER = 0x6373_0001
 _TAG_REDUCE_SCATTER = 0x6373_0002
+
+
+def _p2p_tag(kind: int, match: int) -> int:
+    """Distinct per kind (1 and 2 mod 4) and per ``match``; stays below 2**31."""
+    return kind + 4 * (match % (1 << 24))
 
 
 class _Works:
@@ -246,18 +259,20 @@ def _peers(group: Optional[dist.ProcessGroup]) -> Tuple[int, List[Tuple[int, int
     return rank, [(r, dist.get_global_rank(group, r) if group is not None else r) for r in range(world_size) if r != rank]
 
 
-def _gloo_all_gather(output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup]) -> _Works:
+def _gloo_all_gather(output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup],
+                     p2p_tag: int = _TAG_ALL_GATHER) -> _Works:
     """See [Note: Collectives on gloo]."""
     rank, peers = _peers(group)
     chunks = output.view(len(peers) + 1, -1)
     if chunks[rank].data_ptr() != input.data_ptr():
         chunks[rank].copy_(input)
-    works = [dist.irecv(chunks[peer], src=global_peer, group=group, tag=_TAG_ALL_GATHER) for peer, global_peer in peers]
-    works += [dist.isend(input, dst=global_peer, group=group, tag=_TAG_ALL_GATHER) for _, global_peer in peers]
+    works = [dist.irecv(chunks[peer], src=global_peer, group=group, tag=p2p_tag) for peer, global_peer in peers]
+    works += [dist.isend(input, dst=global_peer, group=group, tag=p2p_tag) for _, global_peer in peers]
     return _Works(works)
 
 
-def _gloo_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup], tag: str) -> Pending:
+def _gloo_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup], tag: str,
+                         p2p_tag: int = _TAG_REDUCE_SCATTER) -> Pending:
     """See [Note: Collectives on gloo]."""
     rank, peers = _peers(group)
     chunks = input.view(len(peers) + 1, -1)
@@ -266,8 +281,8 @@ def _gloo_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Optio
         work = dist.all_reduce(input, op=dist.ReduceOp.SUM, group=group, async_op=True)
         return Pending(work, output, "reduce_scatter", tag=tag, then=lambda: output.copy_(mine))
     peer, global_peer = peers[0]
-    works = [dist.irecv(output, src=global_peer, group=group, tag=_TAG_REDUCE_SCATTER),
-             dist.isend(chunks[peer], dst=global_peer, group=group, tag=_TAG_REDUCE_SCATTER)]
+    works = [dist.irecv(output, src=global_peer, group=group, tag=p2p_tag),
+             dist.isend(chunks[peer], dst=global_peer, group=group, tag=p2p_tag)]
     return Pending(_Works(works), output, "reduce_scatter", tag=tag, then=lambda: output.add_(mine))
 
 

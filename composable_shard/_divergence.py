@@ -14,7 +14,9 @@ so on a difference every rank raises the same error naming the modules and the r
     the layout of every handle once at lazy init (a digest; the full description only on a
     mismatch);
   * later iterations: each rank compares its forward order with the recorded one locally and
-    warns once on a change (no communication);
+    warns once on a change (no communication); on gloo a gather or reduction carries its
+    handle's index in its point-to-point tag, so ranks that diverged wait instead of exchanging
+    shards of different handles (see [Note: Collectives on gloo]);
   * debug mode (``COMPOSABLE_SHARD_DEBUG=1``, or ``TORCH_DISTRIBUTED_DEBUG=DETAIL``): every
     iteration, before every all-gather and before every reduction (with the gradient-sync flag),
     and when recovering from a backward that raised.

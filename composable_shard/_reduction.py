@@ -74,7 +74,8 @@ class Reduction:
             if state.world_size > 1 else grad  # allocated on the compute stream, which frees it
         with streams.run_on(streams.reduce_scatter):
             if state.world_size > 1:
-                self.pending = _collectives.reduce_scatter_into(output, grad, state.process_group, tag=self.handle.fqn)
+                self.pending = _collectives.reduce_scatter_into(output, grad, state.process_group, tag=self.handle.fqn,
+                                                                match=self.handle.index + 1)
             else:
                 self._replicate(grad)
             self.event = streams.record(streams.reduce_scatter)

@@ -192,7 +192,8 @@ def unshard(state: _FSDPState, handle: FlatParamHandle) -> None:
                 output.copy_(shard)
                 group.pending_unshard = _collectives.Pending(None, output, "all_gather", tag=handle.fqn)
             else:
-                group.pending_unshard = _collectives.all_gather_into(output, shard, state.process_group, tag=handle.fqn)
+                group.pending_unshard = _collectives.all_gather_into(output, shard, state.process_group, tag=handle.fqn,
+                                                                     match=handle.index + 1)
         event = streams.record(streams.all_gather)
     for group in handle.groups:
         if group.pending_unshard is not None:

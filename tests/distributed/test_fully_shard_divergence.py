@@ -9,6 +9,7 @@ process inside gloo.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from datetime import timedelta
 from typing import Any, List
@@ -158,14 +159,20 @@ def test_debug_mode_checks_every_iteration() -> None:
 
 
 # ---------------------------------------------------------------------------- what only times out
-def _timeout_names_the_collective() -> None:
-    rank = dist.get_rank()
+def _routed_with_short_timeout() -> _Routed:
+    """``_Routed(True)`` sharded on a process group whose collectives time out after 3 s."""
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=3))
     torch.manual_seed(0)
     model = _Routed(True)
     for block in model.blocks:
         fully_shard(block, process_group=group)
     fully_shard(model, process_group=group)
+    return model
+
+
+def _timeout_names_the_collective() -> None:
+    rank = dist.get_rank()
+    model = _routed_with_short_timeout()
     _step(model)
     model.set_requires_gradient_sync(rank != 0)  # rank 0 skips the reductions rank 1 waits for
     if rank == 1:
@@ -182,6 +189,27 @@ def test_unagreed_divergence_times_out_naming_the_collective() -> None:
     unmatched: its wait fails after the process group's timeout with a message naming the
     collective and the handle, and pointing to COMPOSABLE_SHARD_DEBUG."""
     run_distributed(_timeout_names_the_collective, 2, timeout=90)
+
+
+def _order_diverges_later() -> None:
+    rank = dist.get_rank()
+    model = _routed_with_short_timeout()
+    _step(model)  # the first iteration: ranks agree on the order
+    model.zero_grad()
+    model.order = [0, 1] if rank == 0 else [1, 0]
+    with pytest.warns(UserWarning, match="forward order changed") if rank == 1 else contextlib.nullcontext():
+        _expect_error(lambda: _step(model), f"the all_gather of 'blocks.{rank}' did not complete on rank {rank}",
+                      "COMPOSABLE_SHARD_DEBUG=1")
+    dist.barrier()
+
+
+def test_order_diverging_after_the_first_iteration_times_out_instead_of_mixing_shards() -> None:
+    """Blocks of equal shapes run in a different order on one rank after the first iteration,
+    without debug mode: each gather waits for the peers' gather of the same handle (the handle
+    rides in gloo's point-to-point tag), so every rank fails after the process group's timeout
+    naming its handle. Before, rank 0's gather of 'blocks.0' paired with rank 1's of 'blocks.1':
+    both ranks finished the step on parameters assembled from two different blocks, silently."""
+    run_distributed(_order_diverges_later, 2, timeout=90)
 
 
 _ = List  # typing re-export guard for older interpreters
