@@ -374,8 +374,9 @@ def _ownership_error(root: nn.Module, fqn: str, owner: _Owner, walk: _Walk) -> V
             f"Annotate children before their parents (fully_shard({path}) first, then the ancestor), or do not "
             f"annotate {path!r} separately: the ancestor's handle already shards it.")
     return ValueError(
-        f"{api}: parameter {fqn!r} is the same nn.Parameter as {owner.fqn!r} of {type(owner.module).__name__}, "
-        "which an earlier fully_shard call owns; two modules annotated separately cannot share a parameter. Apply "
+        f"{api}: parameter {fqn!r} of this {type(root).__name__} is the same nn.Parameter as {owner.fqn!r} of the "
+        f"{type(owner.module).__name__} an earlier fully_shard call sharded (each name relative to its own module); "
+        "two modules annotated separately cannot share a parameter. Apply "
         "fully_shard to their lowest common ancestor (the innermost module containing both) instead of to each of "
         "them, or untie the parameter.")
 

@@ -77,7 +77,8 @@ def _errors() -> None:
     model = Tied()
     fully_shard(model.enc)
     before = _snapshot(model)
-    _expect(lambda: fully_shard(model.dec), ValueError, "fully_shard(Sequential)", "'0.weight'", "'1.weight'",
+    _expect(lambda: fully_shard(model.dec), ValueError, "fully_shard(Sequential)",
+            "'0.weight' of this Sequential", "'1.weight' of the FSDPSequential", "each name relative to its own module",
             "annotated separately", "lowest common ancestor")
     _assert_unchanged(before, model)
 
