@@ -154,6 +154,7 @@ class FlatGroup:
     grads_before_views: List[Optional[torch.Tensor]] = field(default_factory=list)  # per orig param: .grad before that
     landing_grad: Optional[torch.Tensor] = None  # offloaded: this backward's gradient shard being copied to the CPU
     landing_event: Optional[Any] = None  # CUDA: recorded after that copy was issued (None on CPU)
+    forward_grad_due: bool = False  # a grad-mode forward's views may still bring their gradient (see [Note: Reentrant arrivals])
 
     @property
     def sharded_grad(self) -> Optional[torch.Tensor]:
@@ -215,11 +216,14 @@ class _SplitBackwardHook:
     were used; and the handle's ``before_unsharded_grad`` callback runs (the runtime releases
     earlier reductions' buffers there, before this one is allocated)."""
 
-    def __init__(self, handle: "FlatParamHandle", group: FlatGroup) -> None:
+    def __init__(self, handle: "FlatParamHandle", group: FlatGroup, from_forward: bool) -> None:
         self.handle = handle
         self.group = group
+        self.from_forward = from_forward  # the split a grad-mode forward made (not a backward's or a recomputation's)
 
     def __call__(self, grad_outputs: Tuple[Optional[torch.Tensor], ...]) -> None:
+        if self.from_forward:
+            self.group.forward_grad_due = False
         used = self.group.used
         for i in range(len(used)):
             if grad_outputs[i] is not None:
@@ -429,11 +433,13 @@ class FlatParamHandle:
     def _version_sum(group: FlatGroup) -> int:
         return sum(tensor_version(p) for p in group.orig_params)
 
-    def use_unsharded_views(self) -> None:
+    def use_unsharded_views(self, forward: bool = False) -> None:
         """Install full-shape views of the unsharded buffers in the module slots.
         Pre: every group's unsharded buffer is filled. A parameter frozen after fully_shard
         gets a view that does not require grad; each view's use in backward is recorded in
-        ``group.used`` (a parameter no backward reached keeps ``.grad = None``)."""
+        ``group.used`` (a parameter no backward reached keeps ``.grad = None``). ``forward``:
+        made by a forward with grad enabled, whose gradient the runtime waits for (see
+        [Note: Reentrant arrivals] in ``_runtime_utils.py``)."""
         for group in self.groups:
             fp = group.flat_param
             with torch.enable_grad():  # see [Note: Views made in backward]
@@ -445,7 +451,9 @@ class FlatParamHandle:
             for sinfo in fp._shared_param_infos:
                 set_module_tensor(sinfo.module, sinfo.param_name, views[sinfo.prim_param_index])
             if pieces and pieces[0].grad_fn is not None:
-                pieces[0].grad_fn.register_prehook(_SplitBackwardHook(self, group))
+                pieces[0].grad_fn.register_prehook(_SplitBackwardHook(self, group, forward))
+                if forward:
+                    group.forward_grad_due = True
         self.is_unsharded = True
 
     def use_sharded_views(self) -> None:

@@ -36,7 +36,8 @@ it and the handle's backward still needs them. Exec order, prefetch, the root's 
 state and the reshard-after-forward are untouched, so post-backward still counts one gradient
 arrival per group: a non-reentrant recomputation's graph is never differentiated (the original
 forward's views carry the gradient), and a reentrant one's is the only graph through the
-handle. The post-hook also runs when ``torch.utils.checkpoint`` stops the recomputation early
+handle. A reentrant recomputation of a plain submodule inside a fully sharded module (no hook
+of ours runs for it) adds an arrival of its own: see [Note: Reentrant arrivals]. The post-hook also runs when ``torch.utils.checkpoint`` stops the recomputation early
 with an exception; it then does the same.
 Both post-hooks run even when the forward raised (``always_call``): fully_shard then puts its
 handle back to IDLE, and the root puts every handle back, so nothing of a failed forward stays.
@@ -200,11 +201,12 @@ def unshard(state: _FSDPState, handle: FlatParamHandle) -> None:
             group.pending_unshard.event = event
 
 
-def wait_unshard(state: _FSDPState, handle: FlatParamHandle) -> None:
-    """Unshard ``handle`` if needed, wait for its all-gathers, and install unsharded views."""
+def wait_unshard(state: _FSDPState, handle: FlatParamHandle, forward: bool = False) -> None:
+    """Unshard ``handle`` if needed, wait for its all-gathers, and install unsharded views
+    (``forward``: for a grad-mode forward, see ``FlatParamHandle.use_unsharded_views``)."""
     unshard(state, handle)
     _wait_gathers(handle)
-    handle.use_unsharded_views()
+    handle.use_unsharded_views(forward=forward)
 
 
 def _wait_gathers(handle: FlatParamHandle) -> None:
@@ -268,7 +270,7 @@ def _pre_forward(state: _FSDPState, module: nn.Module, args: Tuple[Any, ...], kw
     first_use = _record_exec_order(state, handle)
     if handle.is_stale():  # kept from an earlier step; the shards changed since
         reshard_handle(state, handle, free=True)
-    wait_unshard(state, handle)
+    wait_unshard(state, handle, forward=torch.is_grad_enabled())
     if first_use and state.forward_prefetch and _root_of(state).exec_order_recorded:
         _prefetch_forward(state, handle)
     return args, kwargs
@@ -557,6 +559,8 @@ def _post_backward(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup)
     if handle.training_state not in (HandleTrainingState.BACKWARD_PRE, HandleTrainingState.BACKWARD_POST):
         raise RuntimeError(f"handle of {handle.fqn or '<root>'!r}: expected BACKWARD_PRE/BACKWARD_POST, found "
                            f"{handle.training_state.name} in post_backward (did backward run without forward?)")
+    if group.forward_grad_due:  # a reentrant recomputation's part: it stays in .grad (see [Note: Reentrant arrivals])
+        return
     root = _root_of(state)
     unsharded_grad = handle.take_unsharded_grad(group)
     group.grad_ready = True
@@ -581,11 +585,35 @@ def _finalize_backward(root: _FSDPState) -> None:
     for handles this backward did not reach, wait every reduction, attach gradients, reshard
     every handle, reset per-iteration state. Post: all handles IDLE, all states IDLE."""
     _collectives.trace("finalize_backward", root.fqn)
+    _take_deferred_arrivals(root)
     _reduce_leftover_unsynced(root)
     finish_reductions(root)
     attach_reduced_grads(root)
     _reset_after_backward(root)
     root.exec_order_recorded = True
+
+
+def _take_deferred_arrivals(root: _FSDPState) -> None:
+    """[Note: Reentrant arrivals]  A handle's gradient normally arrives once per backward: every
+    use of its views, in forward and in a non-reentrant recomputation, is in the one graph, so
+    autograd sums them before the leaf's post-accumulate-grad hook runs. A reentrant
+    recomputation (``torch.utils.checkpoint(use_reentrant=True)``, the default of Hugging Face's
+    ``gradient_checkpointing_enable()``) of a module inside a fully sharded module runs a nested
+    backward of its own, so its part of the gradient arrives separately, before the forward's
+    part (when the fully sharded module itself is recomputed, its forward ran without grad and
+    the recomputation's arrival is the only one). Reducing and resharding at that first arrival
+    lost one part, and a second recomputation then ran on sharded parameters. So while a
+    grad-mode forward's views may still bring their gradient (``group.forward_grad_due``, cleared
+    by that split's backward pre-hook), an arrival only accumulates in the leaf's ``.grad``; the
+    forward's arrival reduces the sum. A group whose forward part never came (its forward views
+    fed nothing that needed a gradient) is reduced here, at the end of backward, in handle order
+    (the same on every rank)."""
+    for handle in root._all_handles:
+        for group in handle.groups:
+            if group.forward_grad_due:
+                group.forward_grad_due = False
+                if group.padded_unsharded_flat.grad is not None and not group.grad_ready:
+                    _post_backward(root.handle_states[id(handle)], handle, group)
 
 
 def _reduce_leftover_unsynced(root: _FSDPState) -> None:
@@ -611,6 +639,7 @@ def _reset_after_backward(root: _FSDPState) -> None:
             h.needs_pre_backward = True
             for g in h.groups:
                 g.grad_ready = False
+                g.forward_grad_due = False
         s.training_state = TrainingState.IDLE
     root.final_callback_queued = False
 

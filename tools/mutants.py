@@ -229,6 +229,9 @@ MUTANTS: List[Mutant] = [
     _m("p2p_tag_without_handle", "gloo pairs a gather with the peers' gather of another handle (mixed shards)",
        _COLLECTIVES, "    return kind + 4 * (match % (1 << 24))", "    return kind",
        f"{_DIVERGENCE_TESTS}::test_order_diverging_after_the_first_iteration_times_out_instead_of_mixing_shards"),
+    _m("reentrant_arrival_reduced_early", "a reentrant recomputation's part of a handle's gradient is reduced on its own",
+       _RUNTIME, "    if group.forward_grad_due:  # a reentrant", "    if False:  # a reentrant",
+       "tests/distributed/test_hf_models.py::test_hf_decoders[activation_checkpointing]"),
     # ---------------------------------------------------------------- misuse between steps
     _m("called_while_sharded_unchecked", "a module called while its owner is sharded computes on 1-D slices",
        _RUNTIME, "            if holder is not module:", "            if holder is not module and False:",
