@@ -164,6 +164,14 @@ class FlatGroup:
             return self.reduced_grad
         return self.sharded_grad_ref() if self.sharded_grad_ref is not None else None
 
+    def registrations(self) -> List[Tuple[nn.Module, str, str, int]]:
+        """Every slot holding one of the group's original parameters, tied second registrations
+        included: ``(module, module name relative to the fully sharded module, parameter name,
+        index into orig_params)``."""
+        fp = self.flat_param
+        return ([(i.module, i.module_name, i.param_name, k) for k, i in enumerate(fp._param_infos)]
+                + [(s.module, s.module_name, s.param_name, s.prim_param_index) for s in fp._shared_param_infos])
+
     @property
     def requires_grad(self) -> bool:
         """True if some original parameter requires grad (as of the last refresh)."""

@@ -689,9 +689,7 @@ def _param_holders(handle: FlatParamHandle) -> List[Tuple[str, nn.Module]]:
     with its name relative to the fully sharded module."""
     holders: Dict[int, Tuple[str, nn.Module]] = {}
     for group in handle.groups:
-        fp = group.flat_param
-        for name, module in [(i.module_name, i.module) for i in fp._param_infos] + \
-                [(i.module_name, i.module) for i in fp._shared_param_infos]:
+        for module, name, _, _ in group.registrations():
             holders.setdefault(id(module), (name, module))
     return list(holders.values())
 
@@ -757,9 +755,6 @@ def _track_modules(state: _FSDPState, module: nn.Module) -> None:
     handle = state.handle
     if handle is not None:
         for group in handle.groups:
-            fp = group.flat_param
-            for p, info in zip(group.orig_params, fp._param_infos):
-                slots.setdefault(id(info.module), {})[info.param_name] = p
-            for sinfo in fp._shared_param_infos:
-                slots.setdefault(id(sinfo.module), {})[sinfo.param_name] = group.orig_params[sinfo.prim_param_index]
+            for holder, _, name, index in group.registrations():
+                slots.setdefault(id(holder), {})[name] = group.orig_params[index]
     _watch.track(state, owned_modules(state, module), slots)

@@ -101,10 +101,7 @@ def register_state_dict_hooks(state: _FSDPState) -> None:
     owner.__dict__[_OWNER_KEY] = state
     _install_hooks(owner)
     for group in (handle.groups if handle is not None else []):
-        fp = group.flat_param
-        places = [(info.module, info.param_name, i) for i, info in enumerate(fp._param_infos)]
-        places += [(s.module, s.param_name, s.prim_param_index) for s in fp._shared_param_infos]
-        for module, name, index in places:
+        for module, _, name, index in group.registrations():
             _registry(module)[name] = Managed(state, group, index)
 
 
