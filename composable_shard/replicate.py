@@ -28,6 +28,17 @@ The first backward records the order the hooks fired in; at the end of the first
 backward rank 0 broadcasts its order and every rank rebuilds the same buckets from it, once.
 Gradients that are slot views move to the new buffers.
 
+[Note: Parameters unfrozen later]  A parameter frozen (``requires_grad=False``) when replicate
+runs gets no bucket slot and no hook. If it is unfrozen later (progressive unfreezing, a head
+trained first), the next forward of the replicated module adopts it: it joins the managed
+parameters in registration order, the hooks are registered again and the buckets are planned
+again (and rebuilt once more from the next synced backward's gradient-ready order). No
+collective runs at adoption, so a forward only some ranks run (an evaluation on rank 0) is
+harmless; every rank must unfreeze the same parameters before its next backward, as every rank
+must hold the same model. Without adoption its gradient would stay each rank's own, silently
+(torch's DDP behaves that way). A backward that reaches such a parameter without a forward of
+the replicated module first (a submodule called directly) raises at its end instead.
+
 Limits: one gradient accumulation per parameter per backward (reentrant checkpointing is not
 supported); buffers are broadcast at init only (DDP's ``broadcast_buffers=False``); a rank whose
 backward gives no managed parameter a gradient while others do would leave them waiting.
@@ -38,7 +49,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from typing import Callable, Dict, Iterable, List, Optional, Protocol, Sequence, Set, Tuple, Union, cast
+from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Sequence, Set, Tuple, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -127,6 +138,9 @@ class _ReplicateState(_State):
         self.used_since_sync: List[bool] = []  # per parameter: got a gradient since the last sync
         self.backward: Optional[_BackwardPass] = None  # the backward in progress, None when idle
         self.hook_handles: List[RemovableHandle] = []  # post-accumulate-grad hooks
+        self.frozen: List[Tuple[str, nn.Parameter]] = []  # not managed yet: frozen at replicate (see [Note: Parameters unfrozen later])
+        self.position: Dict[int, int] = {}  # id of a managed or frozen parameter -> its registration position
+        self.api: str = ""  # "replicate(<class name>)", for messages
 
     def describe(self) -> str:
         return f"replicate (of the module with parameters {', '.join(self.param_names[:3])}{', ...' if len(self.param_names) > 3 else ''})"
@@ -212,7 +226,8 @@ def replicate(
         device_id: an int (CUDA index) or device to move the module to first.
         ignored_modules: subtrees whose parameters are neither broadcast nor reduced.
             Subtrees managed by ``fully_shard`` or ``replicate`` are skipped too, as are
-            frozen (``requires_grad=False``) parameters.
+            frozen (``requires_grad=False``) parameters until they are unfrozen (see
+            [Note: Parameters unfrozen later]).
         bucket_cap_mb: the size of a bucket's flat buffer (MiB, in the reduce dtype).
         mixed_precision: only ``effective_reduce_dtype`` is used: the dtype of the all-reduce.
     """
@@ -234,9 +249,16 @@ def replicate(
     if device is not None:
         module.to(device)
     names, params = _managed_params(module, skipped)
+    candidates = [(n, cast(nn.Parameter, t)) for n, t in _module_states(module, skipped) if isinstance(t, nn.Parameter)]
     _broadcast_module_states(_module_states(module, skipped), process_group)
     make_subclass(module, "Replicate", ReplicateModule)
-    _init_state(_state_of(module), process_group, names, params, int(bucket_cap_mb * _MB), reduce_dtype)
+    state = _state_of(module)
+    state.api = api
+    state.position = {id(p): k for k, (_, p) in enumerate(candidates)}
+    state.frozen = [(n, p) for n, p in candidates if not p.requires_grad]
+    _init_state(state, process_group, names, params, int(bucket_cap_mb * _MB), reduce_dtype)
+    if state.frozen:
+        module.register_forward_pre_hook(WeakHook(_adopt_unfrozen, state))
     return module
 
 
@@ -382,11 +404,37 @@ def _init_state(
     state.bucket_cap_bytes, state.reduce_dtype = bucket_cap_bytes, reduce_dtype
     state.used_since_sync = [False] * len(params)
     _install_buckets(state, _build_buckets(state, list(reversed(range(len(params))))))
+    _register_grad_hooks(state)
+
+
+def _register_grad_hooks(state: _ReplicateState) -> None:
+    for handle in state.hook_handles:
+        handle.remove()
     state.hook_handles = [
         # see [Note: Hooks on tensors hold weakly]
         p.register_post_accumulate_grad_hook(WeakHook(functools.partial(_on_grad_ready, param_index=i), state))
-        for i, p in enumerate(params)
+        for i, p in enumerate(state.params)
     ]
+
+
+def _adopt_unfrozen(state: _ReplicateState, module: nn.Module, args: Tuple[Any, ...]) -> None:
+    """Forward pre-hook, registered only when some parameter was frozen at replicate: manage
+    the ones unfrozen since (see [Note: Parameters unfrozen later])."""
+    unfrozen = [(n, p) for n, p in state.frozen if p.requires_grad]
+    if not unfrozen or state.backward is not None:
+        return
+    check_dense_gradients(state.api, module.named_modules(), {id(p) for _, p in unfrozen},
+                          "replicate's buckets cannot reduce (torch's DDP can; replicate reduces dense gradients only)")
+    _check_one_device(module, state.params + [p for _, p in unfrozen])
+    used = {id(p): u for p, u in zip(state.params, state.used_since_sync)}
+    managed = sorted(list(zip(state.param_names, state.params)) + unfrozen, key=lambda np: state.position[id(np[1])])
+    state.param_names, state.params = [n for n, _ in managed], [p for _, p in managed]
+    state.used_since_sync = [used.get(id(p), False) for p in state.params]
+    state.frozen = [(n, p) for n, p in state.frozen if not p.requires_grad]
+    _install_buckets(state, _build_buckets(state, list(reversed(range(len(state.params))))))
+    _register_grad_hooks(state)
+    state.ready_order, state.num_rebuilds = [], 0
+    logger.debug("replicate: adopted %d unfrozen parameter(s): %s", len(unfrozen), [n for n, _ in unfrozen])
 
 
 def _build_buckets(state: _ReplicateState, order: Sequence[int]) -> List[_Bucket]:
@@ -535,12 +583,25 @@ def _end_backward(state: _ReplicateState) -> None:
     if backward is None or not backward.syncs:
         return
     with torch.profiler.record_function("replicate::end_backward"):
+        _check_no_unmanaged_grads(state)
         _launch_remaining(state, backward)
         is_used = _all_reduce_used(state)
         _write_back(state, is_used)
         state.used_since_sync = [False] * len(state.params)
         if state.num_rebuilds == 0:
             _rebuild_buckets(state)
+
+
+def _check_no_unmanaged_grads(state: _ReplicateState) -> None:
+    """A parameter unfrozen after replicate that got a gradient before a forward of the
+    replicated module adopted it would keep each rank's own gradient: raise, naming it."""
+    missed = [n for n, p in state.frozen if p.requires_grad and p.grad is not None]
+    if missed:
+        raise RuntimeError(
+            f"{state.api}: parameter(s) {missed} were frozen when replicate was applied and have been unfrozen "
+            "since, but this backward reached them before a forward of the replicated module could start "
+            "averaging their gradients (a submodule called directly?). Their .grad holds this rank's gradient "
+            "only. Run the forward through the replicated module itself after unfreezing.")
 
 
 def _launch_remaining(state: _ReplicateState, backward: _BackwardPass) -> None:

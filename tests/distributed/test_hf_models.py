@@ -159,16 +159,22 @@ def _training(kind: str, how: str, strategy: ShardingStrategy) -> None:
     _train(_shard(_build(kind), how, strategy=strategy), _build(kind), 3, f"[{kind}/{how}/{strategy.name}]")
 
 
-def _freeze(kind: str) -> None:
-    """Embedding and first block frozen after fully_shard for two steps, then unfrozen."""
-    model, reference = _shard(_build(kind), "manual"), _build(kind)
+def _freeze(kind: str, api: str) -> None:
+    """fully_shard: embedding and first block frozen after sharding for two steps, then
+    unfrozen. replicate: frozen when replicate runs, unfrozen, frozen and unfrozen again, so
+    the unfrozen ones are parameters replicate did not manage at first (before, their gradients
+    stayed each rank's own: silently not averaged)."""
+    model, reference = _build(kind), _build(kind)
+    frozen_at = (1, 2) if api == "fully_shard" else (0, 2)
 
     def between(step: int) -> None:
         for m in (model, reference):
-            _embedding(m).requires_grad_(step not in (1, 2))
-            _blocks(m)[0].requires_grad_(step not in (1, 2))
+            _embedding(m).requires_grad_(step not in frozen_at)
+            _blocks(m)[0].requires_grad_(step not in frozen_at)
 
-    _train(model, reference, 4, f"[{kind}/freeze]", between)
+    between(0)
+    model = _shard(model, "manual" if api == "fully_shard" else "replicate")
+    _train(model, reference, 4, f"[{kind}/freeze/{api}]", between)
 
 
 def _tied_under_policy() -> None:
@@ -571,7 +577,7 @@ _SCENARIOS: Dict[str, Callable[[], None]] = {
                                                   "strategy": [ShardingStrategy.FULL_SHARD,
                                                                ShardingStrategy.SHARD_GRAD_OP]}),
                          run_subtests(_accumulation_bf16_against_fsdp2, {"kind": ["gpt2", "llama"]})),
-    "lifecycle": lambda: (run_subtests(_freeze, {"kind": ["gpt2", "llama"]}),
+    "lifecycle": lambda: (run_subtests(_freeze, {"kind": ["gpt2", "llama"], "api": ["fully_shard", "replicate"]}),
                           run_subtests(_failed_backward, {"kind": ["gpt2", "llama"]}),
                           _unused_head(), _bounded_memory()),
     "composable": lambda: (_tied_under_policy(), run_subtests(_meta_init, {"kind": ["gpt2", "llama"]})),

@@ -451,3 +451,70 @@ def test_errors_identity_and_skipped_parameters() -> None:
     ranks with different models all raise; frozen, ignored and fully_shard-managed
     parameters are skipped; casts after replicate are refused (see ``_cast_after_replicate_subtest``)."""
     run_distributed(_rank_errors, 2)
+
+
+def _unfrozen_later_subtest(cap_mb: float) -> None:
+    """``mid`` and ``inp.weight`` frozen when replicate runs; ``mid`` unfrozen before step 1,
+    ``out.bias`` (managed from the start) frozen for step 2, ``inp.weight`` unfrozen before
+    step 3. Every gradient equals local training's at every step, and the buckets cover the
+    adopted parameters in reverse registration order. Before, an unfrozen parameter's gradient
+    stayed each rank's own (torch DDP does the same): at W=2 mid.weight.grad was off from local
+    training's by 0.07 at step 1."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    _, _, ours = _three_models(False)
+    _, _, local = _three_models(False)
+    freeze: Dict[int, List[Tuple[str, bool]]] = {
+        0: [("mid", False), ("inp.weight", False)], 1: [("mid", True)],
+        2: [("out.bias", False)], 3: [("inp.weight", True), ("out.bias", True)]}
+
+    def apply(step: int) -> None:
+        for model in (ours, local):
+            for name, trainable in freeze.get(step, []):
+                (model.mid if name == "mid" else model.get_parameter(name)).requires_grad_(trainable)
+
+    apply(0)
+    replicate(ours, bucket_cap_mb=cap_mb)
+    assert _state(ours).param_names == ["inp.bias", "out.weight", "out.bias"]
+    optims = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ours, local)]
+    for step in range(5):
+        if step:
+            apply(step)
+        _loss(ours, *_batch(step, rank)).backward()
+        _local_loss(local, step, world_size, False).backward()
+        _assert_grads(ours, local, 1e-5, f"[cap {cap_mb}] step {step} vs local")
+        for optim in optims:
+            optim.step()
+            optim.zero_grad()
+        _assert_params(ours, local, 1e-5, f"[cap {cap_mb}] step {step} vs local")
+    state = _state(ours)
+    assert state.param_names == ["inp.weight", "inp.bias", "mid.weight", "mid.bias", "out.weight", "out.bias"]
+    assert sorted(i for b in state.buckets for i in b.param_indices) == list(range(6)), state.buckets
+    for name, p in ours.named_parameters():
+        assert_close_ranks(p, name)
+
+
+def _unfrozen_reached_directly_subtest() -> None:
+    """A parameter unfrozen after replicate whose gradient comes from a backward that never ran
+    the replicated module's forward (its submodules called directly): the backward raises,
+    naming it, instead of leaving each rank's own gradient."""
+    torch.manual_seed(0)
+    model = Net()
+    model.mid.requires_grad_(False)
+    replicate(model)
+    model.mid.requires_grad_(True)
+    x, y = _batch(0, dist.get_rank())
+    loss = F.mse_loss(model.out(F.relu(model.mid(F.relu(model.inp(x))))), y)
+    with pytest.raises(RuntimeError, match=r"\['mid.weight', 'mid.bias'\] were frozen when replicate was applied"):
+        loss.backward()
+
+
+def _rank_unfrozen() -> None:
+    run_subtests(_unfrozen_later_subtest, {"cap_mb": [TINY_CAP_MB, DEFAULT_CAP_MB]})
+    _unfrozen_reached_directly_subtest()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_parameters_unfrozen_after_replicate_are_averaged(world_size: int) -> None:
+    """Parameters frozen when replicate runs and unfrozen later (progressive unfreezing) have
+    their gradients averaged from the next forward on; see ``_unfrozen_later_subtest``."""
+    run_distributed(_rank_unfrozen, world_size)
