@@ -31,8 +31,9 @@ Gradients that are slot views move to the new buffers.
 [Note: Parameters unfrozen later]  A parameter frozen (``requires_grad=False``) when replicate
 runs gets no bucket slot and no hook. If it is unfrozen later (progressive unfreezing, a head
 trained first), the next forward of the replicated module adopts it: it joins the managed
-parameters in registration order, the hooks are registered again and the buckets are planned
-again (and rebuilt once more from the next synced backward's gradient-ready order). No
+parameters in registration order (managed ones frozen since leave them), the hooks are
+registered again and the buckets are planned again (and rebuilt once more from the next synced
+backward's gradient-ready order). No
 collective runs at adoption, so a forward only some ranks run (an evaluation on rank 0) is
 harmless; every rank must unfreeze the same parameters before its next backward, as every rank
 must hold the same model. Without adoption its gradient would stay each rank's own, silently
@@ -427,10 +428,11 @@ def _adopt_unfrozen(state: _ReplicateState, module: nn.Module, args: Tuple[Any, 
                           "replicate's buckets cannot reduce (torch's DDP can; replicate reduces dense gradients only)")
     _check_one_device(module, state.params + [p for _, p in unfrozen])
     used = {id(p): u for p, u in zip(state.params, state.used_since_sync)}
-    managed = sorted(list(zip(state.param_names, state.params)) + unfrozen, key=lambda np: state.position[id(np[1])])
+    candidates = sorted(list(zip(state.param_names, state.params)) + state.frozen, key=lambda np: state.position[id(np[1])])
+    managed = [(n, p) for n, p in candidates if p.requires_grad]
     state.param_names, state.params = [n for n, _ in managed], [p for _, p in managed]
     state.used_since_sync = [used.get(id(p), False) for p in state.params]
-    state.frozen = [(n, p) for n, p in state.frozen if not p.requires_grad]
+    state.frozen = [(n, p) for n, p in candidates if not p.requires_grad]  # managed ones frozen since leave too
     _install_buckets(state, _build_buckets(state, list(reversed(range(len(state.params))))))
     _register_grad_hooks(state)
     state.ready_order, state.num_rebuilds = [], 0

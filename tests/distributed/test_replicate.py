@@ -454,10 +454,11 @@ def test_errors_identity_and_skipped_parameters() -> None:
 
 
 def _unfrozen_later_subtest(cap_mb: float) -> None:
-    """``mid`` and ``inp.weight`` frozen when replicate runs; ``mid`` unfrozen before step 1,
-    ``out.bias`` (managed from the start) frozen for step 2, ``inp.weight`` unfrozen before
-    step 3. Every gradient equals local training's at every step, and the buckets cover the
-    adopted parameters in reverse registration order. Before, an unfrozen parameter's gradient
+    """``mid`` and ``inp.weight`` frozen when replicate runs; ``mid`` unfrozen before step 1;
+    ``out.bias`` (managed from the start) frozen and ``inp.weight`` unfrozen in the same gap
+    before step 2 (the re-plan must leave the newly frozen one out: registering its hook raised);
+    ``mid.weight`` frozen for step 3; everything trainable at step 4. Every gradient equals local
+    training's at every step, and the buckets cover every managed parameter once. Before, an unfrozen parameter's gradient
     stayed each rank's own (torch DDP does the same): at W=2 mid.weight.grad was off from local
     training's by 0.07 at step 1."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -465,7 +466,8 @@ def _unfrozen_later_subtest(cap_mb: float) -> None:
     _, _, local = _three_models(False)
     freeze: Dict[int, List[Tuple[str, bool]]] = {
         0: [("mid", False), ("inp.weight", False)], 1: [("mid", True)],
-        2: [("out.bias", False)], 3: [("inp.weight", True), ("out.bias", True)]}
+        2: [("out.bias", False), ("inp.weight", True)], 3: [("mid.weight", False)],
+        4: [("out.bias", True), ("mid.weight", True)]}
 
     def apply(step: int) -> None:
         for model in (ours, local):
