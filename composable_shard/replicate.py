@@ -585,13 +585,13 @@ def _end_backward(state: _ReplicateState) -> None:
     if backward is None or not backward.syncs:
         return
     with torch.profiler.record_function("replicate::end_backward"):
-        _check_no_unmanaged_grads(state)
         _launch_remaining(state, backward)
         is_used = _all_reduce_used(state)
         _write_back(state, is_used)
         state.used_since_sync = [False] * len(state.params)
         if state.num_rebuilds == 0:
             _rebuild_buckets(state)
+        _check_no_unmanaged_grads(state)  # last: the buckets are settled for the next backward
 
 
 def _check_no_unmanaged_grads(state: _ReplicateState) -> None:

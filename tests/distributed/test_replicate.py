@@ -498,7 +498,8 @@ def _unfrozen_later_subtest(cap_mb: float) -> None:
 def _unfrozen_reached_directly_subtest() -> None:
     """A parameter unfrozen after replicate whose gradient comes from a backward that never ran
     the replicated module's forward (its submodules called directly): the backward raises,
-    naming it, instead of leaving each rank's own gradient."""
+    naming it, instead of leaving each rank's own gradient; the next step through the module is
+    averaged (the same gradients on every rank)."""
     torch.manual_seed(0)
     model = Net()
     model.mid.requires_grad_(False)
@@ -508,6 +509,11 @@ def _unfrozen_reached_directly_subtest() -> None:
     loss = F.mse_loss(model.out(F.relu(model.mid(F.relu(model.inp(x))))), y)
     with pytest.raises(RuntimeError, match=r"\['mid.weight', 'mid.bias'\] were frozen when replicate was applied"):
         loss.backward()
+    model.zero_grad()
+    _loss(model, x, y).backward()  # through the replicated module: adopted, and the buckets were left settled
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        assert_close_ranks(p.grad, f"{name}.grad")
 
 
 def _rank_unfrozen() -> None:
