@@ -74,6 +74,7 @@ logger = logging.getLogger("composable_shard")
 _BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024  # init broadcast bound, as DDP's
 _MB = 1024 * 1024
 _FIRST_BUCKET_BYTES = 1 * _MB  # the first bucket closes early, so an all-reduce starts soon into backward
+_SPARSE_WHY = "replicate's buckets cannot reduce (torch's DDP can; replicate reduces dense gradients only)"
 
 
 class _Waitable(Protocol):
@@ -243,15 +244,16 @@ def replicate(
     device = _resolve_device(device_id)
     skipped = _skipped_subtrees(module, ignored_modules)
     check_dense_gradients(api, _kept_modules(module, skipped), {id(p) for p in _managed_params(module, skipped)[1]},
-                          "replicate's buckets cannot reduce (torch's DDP can; replicate reduces dense gradients only)")
+                          _SPARSE_WHY)
     if device is None:
         _check_one_device(module, _managed_params(module, skipped)[1])
     _check_same_on_all_ranks(module, skipped, process_group)
     if device is not None:
         module.to(device)
     names, params = _managed_params(module, skipped)
-    candidates = [(n, cast(nn.Parameter, t)) for n, t in _module_states(module, skipped) if isinstance(t, nn.Parameter)]
-    _broadcast_module_states(_module_states(module, skipped), process_group)
+    states = _module_states(module, skipped)
+    candidates = [(n, cast(nn.Parameter, t)) for n, t in states if isinstance(t, nn.Parameter)]
+    _broadcast_module_states(states, process_group)
     make_subclass(module, "Replicate", ReplicateModule)
     state = _state_of(module)
     state.api = api
@@ -424,8 +426,7 @@ def _adopt_unfrozen(state: _ReplicateState, module: nn.Module, args: Tuple[Any, 
     unfrozen = [(n, p) for n, p in state.frozen if p.requires_grad]
     if not unfrozen or state.backward is not None:
         return
-    check_dense_gradients(state.api, module.named_modules(), {id(p) for _, p in unfrozen},
-                          "replicate's buckets cannot reduce (torch's DDP can; replicate reduces dense gradients only)")
+    check_dense_gradients(state.api, module.named_modules(), {id(p) for _, p in unfrozen}, _SPARSE_WHY)
     _check_one_device(module, state.params + [p for _, p in unfrozen])
     used = {id(p): u for p, u in zip(state.params, state.used_since_sync)}
     candidates = sorted(list(zip(state.param_names, state.params)) + state.frozen, key=lambda np: state.position[id(np[1])])
