@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, List, Optional, Tuple
@@ -42,6 +43,41 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+TRAINING_HINT = ("Ranks that run different handles, or run backward or set_requires_gradient_sync differently, "
+                 "leave collectives unmatched; rerun with COMPOSABLE_SHARD_DEBUG=1 to find where the ranks diverge.")
+
+
+def collective_call_hint(api: str, instead: str) -> str:
+    """What to check when a collective of a user-called API (a state dict, ``unshard_params``)
+    does not complete: typically one rank called it alone (``if rank == 0: ...``), so it waited
+    for the others until the process group's timeout. ``instead``: how to get the same on one rank."""
+    return (f"{api} is collective: every rank of the process group must call it, in the same order; "
+            f"a call made on one rank only (under `if rank == 0:`) waits for the others until the process "
+            f"group's timeout. {instead}")
+
+
+# Seconds a user-called collective (one with a ``hint``: a state dict, ``unshard_params``) may
+# wait before a warning says why it may never complete. The process group's timeout (gloo's
+# default: 30 minutes) still decides when it fails; the warning only says so much earlier.
+STUCK_WARNING_AFTER_S = 60.0
+
+
+@contextlib.contextmanager
+def _warn_while_stuck(pending: "Pending") -> Iterator[None]:
+    """Warn (from a timer thread) if the wait inside lasts over ``STUCK_WARNING_AFTER_S``."""
+    after = STUCK_WARNING_AFTER_S
+    message = (f"composable_shard: rank {dist.get_rank()} has waited {after:.0f} s for the {pending.kind} of "
+               f"{pending.tag or '<root>'!r}; it fails at the process group's timeout if a rank never joins. "
+               f"{pending.hint}")
+    timer = threading.Timer(after, warnings.warn, args=(message, RuntimeWarning))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
 @dataclass
 class Pending:
     """An issued collective: ``wait()`` blocks (CPU) or orders the current stream (CUDA)
@@ -53,22 +89,23 @@ class Pending:
     event: Optional[Any] = None  # CUDA: event recorded on the issuing stream (None on CPU)
     tag: str = ""  # the handle (or bucket) the collective is for, for error messages
     then: Optional[Callable[[], Any]] = None  # runs once after the work completed (fills ``output``)
+    hint: str = ""  # what to check when it does not complete (default: TRAINING_HINT)
+    watch: bool = True  # with a hint: warn once it has waited STUCK_WARNING_AFTER_S (a timer thread)
 
     def wait(self) -> torch.Tensor:
         """Wait for the collective; a failure or timeout is re-raised naming what was pending."""
         if self.work is not None:
             work, self.work = self.work, None
             try:
-                work.wait()
+                with _warn_while_stuck(self) if self.hint and self.watch else contextlib.nullcontext():
+                    work.wait()
                 if self.then is not None:
                     self.then()
                     self.then = None
             except RuntimeError as e:
                 raise RuntimeError(
                     f"composable_shard: the {self.kind} of {self.tag or '<root>'!r} did not complete on rank "
-                    f"{dist.get_rank()}: {e}. Ranks that run different handles, or run backward or "
-                    "set_requires_gradient_sync differently, leave collectives unmatched; rerun with "
-                    "COMPOSABLE_SHARD_DEBUG=1 to find where the ranks diverge."
+                    f"{dist.get_rank()}: {e}. {self.hint or TRAINING_HINT}"
                 ) from e
         return self.output
 
@@ -158,24 +195,27 @@ def _group_size(group: Optional[dist.ProcessGroup]) -> int:
 
 
 def all_gather_into(
-    output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup], *, tag: str = "", match: int = 0
+    output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup], *, tag: str = "", match: int = 0,
+    hint: str = "",
 ) -> Pending:
     """All-gather ``input`` (this rank's shard) into ``output`` (W shards, rank order), async.
 
     ``output`` must be contiguous with ``W * input.numel()`` elements; no copies are made.
     ``match`` (a handle's index, the same on every rank) keeps gloo from pairing this gather
-    with another handle's (see [Note: Collectives on gloo])."""
+    with another handle's (see [Note: Collectives on gloo]). ``hint``: the advice of the error
+    raised if it does not complete (default :data:`TRAINING_HINT`), also warned once it has
+    waited :data:`STUCK_WARNING_AFTER_S`."""
     world_size = _group_size(group)
     _report("all_gather", input.numel() * input.element_size(), world_size, tag, input)
     if world_size == 1:
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
-        return Pending(None, output, "all_gather", tag=tag)
+        return Pending(None, output, "all_gather", tag=tag, hint=hint)
     if _is_gloo(group) and input.device.type == "cpu":
         return Pending(_gloo_all_gather(output, input, group, _p2p_tag(_TAG_ALL_GATHER, match)), output, "all_gather",
-                       tag=tag)
+                       tag=tag, hint=hint)
     work = _all_gather_single(output, input, group=group, async_op=True)
-    return Pending(work, output, "all_gather", tag=tag)
+    return Pending(work, output, "all_gather", tag=tag, hint=hint)
 
 
 def reduce_scatter_into(
@@ -287,14 +327,16 @@ def _gloo_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Optio
 
 
 def all_reduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], *, tag: str = "",
-               op: Any = dist.ReduceOp.SUM) -> Pending:
-    """Reduce ``tensor`` in place across the group (sum unless ``op`` says otherwise), async."""
+               op: Any = dist.ReduceOp.SUM, hint: str = "", watch: bool = True) -> Pending:
+    """Reduce ``tensor`` in place across the group (sum unless ``op`` says otherwise), async.
+    ``hint`` as for :func:`all_gather_into`; ``watch=False`` skips its warning timer (about
+    0.2 ms a call, too much for a call made every step)."""
     world_size = _group_size(group)
     _report("all_reduce", tensor.numel() * tensor.element_size(), world_size, tag, tensor)
     if world_size == 1:
-        return Pending(None, tensor, "all_reduce", tag=tag)
+        return Pending(None, tensor, "all_reduce", tag=tag, hint=hint, watch=watch)
     work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
-    return Pending(work, tensor, "all_reduce", tag=tag)
+    return Pending(work, tensor, "all_reduce", tag=tag, hint=hint, watch=watch)
 
 
 def broadcast(tensor: torch.Tensor, src_rank: int, group: Optional[dist.ProcessGroup], *, tag: str = "") -> None:
@@ -321,7 +363,7 @@ def exchange(values: List[int], group: Optional[dist.ProcessGroup], *, tag: str 
     return everyone.view(world_size, -1).cpu().tolist()  # type: ignore[no-any-return]  # list of lists of int
 
 
-def all_gather_json(obj: Any, group: Optional[dist.ProcessGroup], *, tag: str = "") -> List[Any]:
+def all_gather_json(obj: Any, group: Optional[dist.ProcessGroup], *, tag: str = "", hint: str = "") -> List[Any]:
     """Every rank's ``obj`` (plain data: lists, tuples, dicts with string keys, strings,
     numbers, booleans, None), decoded the same way for every rank including this one (tuples
     come back as lists). Synchronous; init-time and error paths only.
@@ -338,12 +380,14 @@ def all_gather_json(obj: Any, group: Optional[dist.ProcessGroup], *, tag: str = 
     payload = torch.frombuffer(bytearray(encoded), dtype=torch.uint8).to(device)
     length = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
     lengths = torch.empty(world_size, dtype=torch.int64, device=device)
-    _all_gather_single(lengths, length, group=group)
+    Pending(_all_gather_single(lengths, length, group=group, async_op=True), lengths, "all_gather_json", tag=tag,
+            hint=hint).wait()
     longest = int(lengths.max().item())
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[: payload.numel()].copy_(payload)
     everyone = torch.empty(world_size * longest, dtype=torch.uint8, device=device)
-    _all_gather_single(everyone, padded, group=group)
+    Pending(_all_gather_single(everyone, padded, group=group, async_op=True), everyone, "all_gather_json", tag=tag,
+            hint=hint).wait()
     rows = everyone.view(world_size, longest).cpu()
     return [json.loads(bytes(rows[r, : int(lengths[r])].tolist()).decode("utf-8")) for r in range(world_size)]
 

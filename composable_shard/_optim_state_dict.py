@@ -163,6 +163,12 @@ def get_optimizer_state_dict(module: nn.Module, optim: torch.optim.Optimizer, *,
     return {"state": state, "param_groups": groups}
 
 
+_OPTIM_HINT = _collectives.collective_call_hint(
+    "`get_optimizer_state_dict(full=True)`",
+    "Call it on every rank with `rank0_only=True` and save on rank 0, or save the sharded form "
+    "(`full=False`) from every rank.")
+
+
 def _gather_states(state: Dict[str, Dict[str, Any]], managed: Dict[str, Managed], params: List[torch.Tensor],
                    fqns: List[str]) -> None:
     """Replace each sharded parameter's slice-shaped states by full tensors, one all-gather
@@ -170,7 +176,8 @@ def _gather_states(state: Dict[str, Dict[str, Any]], managed: Dict[str, Managed]
     local_kinds = {f: sorted((k, str(v.dtype)) for k, v in state.get(f, {}).items() if _is_sliced(v, p))
                    for f, p in zip(fqns, params) if f in managed}
     world = dist.is_available() and dist.is_initialized()
-    everyone = _collectives.all_gather_json(local_kinds, None, tag="optim_state_kinds") if world else [local_kinds]
+    everyone = (_collectives.all_gather_json(local_kinds, None, tag="optim_state_kinds", hint=_OPTIM_HINT)
+                if world else [local_kinds])
     kinds: Dict[str, Dict[str, str]] = {}
     for per_rank in everyone:
         for f, pairs in per_rank.items():
@@ -189,7 +196,7 @@ def _gather_states(state: Dict[str, Dict[str, Any]], managed: Dict[str, Managed]
             for index, f in members.items():
                 value = state.get(f, {}).get(name)
                 locals_[index] = value if isinstance(value, torch.Tensor) else None
-            fulls = full_values(where.state, group, locals_, dtype, tag=f"optim_state:{name}")
+            fulls = full_values(where.state, group, locals_, dtype, tag=f"optim_state:{name}", hint=_OPTIM_HINT)
             for index, f in members.items():
                 if name in kinds[f]:
                     state.setdefault(f, {})[name] = fulls[index]

@@ -276,21 +276,29 @@ def _scratch(like: torch.Tensor, numel: int, device: torch.device) -> torch.Tens
     return buffer[:numel]
 
 
+_STATE_DICT_HINT = _collectives.collective_call_hint(
+    "Taking a full state dict (`state_dict()`, `get_model_state_dict`, Hugging Face's `save_pretrained`)",
+    "To write it from one rank, call it on every rank and write on one: "
+    "`model.save_pretrained(path, is_main_process=rank == 0)` on every rank, or "
+    "`get_model_state_dict(model, rank0_only=True)` on every rank and `torch.save` on rank 0.")
+
+
 def _gather_flat(state: _FSDPState, shard: torch.Tensor, padded_numel: int, tag: str,
-                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 out: Optional[torch.Tensor] = None, hint: str = _STATE_DICT_HINT) -> torch.Tensor:
     """The padded full flat tensor whose chunk ``rank`` is ``shard`` on each rank of the shard
-    group (``shard`` itself for a group of one), in ``out`` if given."""
+    group (``shard`` itself for a group of one), in ``out`` if given. ``hint``: the advice of
+    the error raised if a rank never joins (see :func:`_collectives.collective_call_hint`)."""
     if state.world_size == 1:
         return shard
     if shard.device != state.compute_device:  # offloaded shards: collectives run on the compute device
         shard = shard.to(state.compute_device)
     full = torch.empty(padded_numel, dtype=shard.dtype, device=shard.device) if out is None else out
-    _collectives.all_gather_into(full, shard.contiguous(), state.process_group, tag=tag).wait()
+    _collectives.all_gather_into(full, shard.contiguous(), state.process_group, tag=tag, hint=hint).wait()
     return full
 
 
 def full_values(state: _FSDPState, group: FlatGroup, local_values: List[Optional[torch.Tensor]],
-                dtype: torch.dtype, tag: str) -> List[torch.Tensor]:
+                dtype: torch.dtype, tag: str, hint: str = _STATE_DICT_HINT) -> List[torch.Tensor]:
     """Full tensors of per-parameter local slices laid out like ``group``'s shard (e.g. an
     optimizer state): one all-gather for the group. ``None`` contributes zeros."""
     fp = group.flat_param
@@ -298,7 +306,7 @@ def full_values(state: _FSDPState, group: FlatGroup, local_values: List[Optional
     for value, s in zip(local_values, fp._shard_slices):
         if value is not None and s.numel:
             local[s.shard_start:s.shard_start + s.numel].copy_(value.reshape(-1))
-    full = _gather_flat(state, local, group.padded_numel, tag)
+    full = _gather_flat(state, local, group.padded_numel, tag, hint=hint)
     offsets = param_offsets(fp._numels)
     return [full[o:o + n].view(shape).clone() for o, n, shape in zip(offsets, fp._numels, fp._shapes)]
 

@@ -138,6 +138,11 @@ def _selected_states(module: nn.Module, recurse: bool) -> List[_FSDPState]:
     return [state]
 
 
+_UNSHARD_HINT = _collectives.collective_call_hint(
+    "`unshard_params`", "To see the full parameters on rank 0 only, enter `unshard_params(model, rank0_only=True)` "
+    "on every rank.")
+
+
 def _gather(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup, writeback: bool, with_grads: bool) -> _Summoned:
     shard = handle.on_compute_device(group.flat_param.data)
     padded = group.padded_numel
@@ -146,7 +151,8 @@ def _gather(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup, writeb
         saved = None if writeback else shard.clone()
     else:
         full = torch.empty(padded, dtype=shard.dtype, device=shard.device)
-        _collectives.all_gather_into(full, shard, state.process_group, tag=f"summon:{handle.fqn}").wait()
+        _collectives.all_gather_into(full, shard, state.process_group, tag=f"summon:{handle.fqn}",
+                                     hint=_UNSHARD_HINT).wait()
         saved = None
     saved_grads = [p.grad for p in group.orig_params]
     full_grad, on_some_rank = _gather_grad(state, handle, group) if with_grads else (None, [])
@@ -159,7 +165,7 @@ def _gather_grad(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup) -
     shard = group.flat_param.data
     has = torch.tensor([p.grad is not None for p in group.orig_params], dtype=torch.int32, device=handle.compute_device)
     if state.world_size > 1:
-        _collectives.all_reduce(has, state.process_group, tag="summon_has_grad").wait()
+        _collectives.all_reduce(has, state.process_group, tag="summon_has_grad", hint=_UNSHARD_HINT).wait()
     on_some_rank = [bool(v) for v in has.tolist()]
     if not any(on_some_rank):
         return None, on_some_rank
@@ -171,7 +177,8 @@ def _gather_grad(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup) -
         return local, on_some_rank
     local = handle.on_compute_device(local)
     full = torch.empty(group.padded_numel, dtype=local.dtype, device=local.device)
-    _collectives.all_gather_into(full, local, state.process_group, tag=f"summon_grad:{handle.fqn}").wait()
+    _collectives.all_gather_into(full, local, state.process_group, tag=f"summon_grad:{handle.fqn}",
+                                 hint=_UNSHARD_HINT).wait()
     return full, on_some_rank
 
 

@@ -203,6 +203,10 @@ def _finish_target(module: nn.Module, state: _FSDPState) -> None:
     apply_mixed_precision(state, module)
 
 
+_CLIP_HINT = _collectives.collective_call_hint(
+    "`clip_grad_norm_`", "Every rank needs the global norm: call it on every rank after the same backward.")
+
+
 def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip the gradients of every parameter of ``module`` by their total norm, computed over
     all shards on all ranks (parameters outside fully sharded modules count once). Returns the
@@ -234,7 +238,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     groups = {id(s.process_group): s.process_group for s in states if s.process_group is not None and s.world_size > 1}
     for group in groups.values():
         op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
-        _collectives.all_reduce(local, group, tag="clip_grad_norm", op=op).wait()
+        _collectives.all_reduce(local, group, tag="clip_grad_norm", op=op, hint=_CLIP_HINT, watch=False).wait()
     other = _norm_accumulate(other_grads, norm_type, device)
     if norm_type == float("inf"):
         total = torch.maximum(local, other)

@@ -246,6 +246,9 @@ MUTANTS: List[Mutant] = [
        f"{PACKAGE}/_apply_guard.py", '    if _depth["init"] or _depth["apply"]:', "    if True:",
        "tests/distributed/test_fully_shard_lifecycle.py::test_casts_and_moves_after_fully_shard_are_refused_and_change_nothing",
        f"{_REPLICATE_TESTS}::test_errors_identity_and_skipped_parameters"),
+    _m("collective_call_hint_dropped", "a state dict taken on one rank only times out blaming the training step",
+       f"{PACKAGE}/_state_dict.py", "state.process_group, tag=tag, hint=hint).wait()", "state.process_group, tag=tag).wait()",
+       "tests/distributed/test_fully_shard_divergence.py::test_collective_call_made_on_one_rank_says_so"),
     # ---------------------------------------------------------------- replicate
     _m("replicate_bucket_not_scaled", "replicate sums bucket gradients instead of averaging",
        _REPLICATE, "else 1.0 / state.world_size", "else 1.0", f"{_REPLICATE_TESTS}::test_parity_with_ddp_and_local[2]"),

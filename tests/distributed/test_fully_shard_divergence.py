@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from datetime import timedelta
 from typing import Any, List
 
@@ -19,7 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from composable_shard import fully_shard, unshard_params
+from composable_shard import clip_grad_norm_, fully_shard, get_model_state_dict, unshard_params
+from composable_shard import _collectives
 from tests._harness import run_distributed, run_subtests
 from tests._models import zip_same
 
@@ -210,6 +212,50 @@ def test_order_diverging_after_the_first_iteration_times_out_instead_of_mixing_s
     naming its handle. Before, rank 0's gather of 'blocks.0' paired with rank 1's of 'blocks.1':
     both ranks finished the step on parameters assembled from two different blocks, silently."""
     run_distributed(_order_diverges_later, 2, timeout=90)
+
+
+def _called_on_rank_0_only(call: str) -> None:
+    rank = dist.get_rank()
+    _collectives.STUCK_WARNING_AFTER_S = 0.5  # the group times out after 3 s
+    model = _routed_with_short_timeout()
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    _step(model)
+    optim.step()
+
+    def enter_unshard_params() -> None:
+        with unshard_params(model):
+            pass
+
+    fn, api, instead = {
+        "state_dict": (model.state_dict, "Taking a full state dict", "is_main_process=rank == 0"),
+        "get_model_state_dict": (lambda: get_model_state_dict(model), "Taking a full state dict",
+                                 "get_model_state_dict(model, rank0_only=True)"),
+        "unshard_params": (enter_unshard_params, "`unshard_params` is collective", "rank0_only=True"),
+        "clip_grad_norm_": (lambda: clip_grad_norm_(model, 1.0), "`clip_grad_norm_` is collective", "on every rank"),
+    }[call]
+    if rank == 0:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _expect_error(fn, "did not complete on rank 0", api, "on one rank only", instead)
+        stuck = [str(w.message) for w in caught if "has waited 0 s" in str(w.message)]
+        if call == "clip_grad_norm_":  # called every step: no warning timer, the error only
+            assert not stuck, stuck
+        else:
+            assert stuck and api in stuck[0] and instead in stuck[0], [str(w.message) for w in caught]
+    dist.barrier()  # on the default group: rank 1 waits here until rank 0 has seen its error
+
+
+def test_collective_call_made_on_one_rank_says_so() -> None:
+    """``if rank == 0: model.state_dict()`` (what ``save_pretrained`` does) and the other calls
+    that gather or reduce across ranks, made on rank 0 alone: a warning names the call as
+    collective and says what to do instead once it has waited ``STUCK_WARNING_AFTER_S`` (not
+    for ``clip_grad_norm_``, called every step), and the process group's timeout raises saying
+    the same. Before, the error blamed the training
+    step (ranks running different handles) and nothing was said until the timeout.
+    ``get_optimizer_state_dict`` gives the same advice; it starts with an exchange on the
+    default group, whose timeout is too long to wait for here."""
+    run_distributed(run_subtests, 2, _called_on_rank_0_only,
+                    {"call": ["state_dict", "get_model_state_dict", "unshard_params", "clip_grad_norm_"]}, timeout=120)
 
 
 _ = List  # typing re-export guard for older interpreters

@@ -565,6 +565,46 @@ def _safetensors_export(kind: str) -> None:
         shutil.rmtree(base[0])
 
 
+def _save_pretrained(kind: str) -> None:
+    """``save_pretrained`` called on the sharded model itself: on every rank (writing on rank 0)
+    it saves the full model, which from_pretrained loads equal to the sharded one; on rank 0
+    alone (the usual single-process idiom) it cannot complete (the state dict is gathered), and
+    the error and an earlier warning say so and what to call instead."""
+    from datetime import timedelta
+
+    from composable_shard import _collectives
+
+    rank = dist.get_rank()
+    model = _shard(_build(kind), "manual")
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _local_loss(model, _ids(0)).backward()
+    optim.step()
+    expected = get_model_state_dict(model)
+    path = [tempfile.mkdtemp(prefix="cs_hf_save_") if rank == 0 else ""]
+    dist.broadcast_object_list(path)
+    model.save_pretrained(path[0], is_main_process=rank == 0)
+    dist.barrier()
+    loaded = _model_class(kind).from_pretrained(path[0])
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, expected[name]), (kind, name)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(path[0])
+
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=3))
+    model = _shard(_build(kind), "manual", process_group=group)
+    _collectives.STUCK_WARNING_AFTER_S = 0.5
+    if rank == 0:
+        target = tempfile.mkdtemp(prefix="cs_hf_save_")
+        with pytest.warns(RuntimeWarning, match="has waited 0 s") as caught:
+            with pytest.raises(RuntimeError, match="did not complete on rank 0") as raised:
+                model.save_pretrained(target)
+        for message in (str(raised.value), str(caught[0].message)):
+            assert "is collective" in message and "is_main_process=rank == 0" in message, message
+        shutil.rmtree(target)
+    dist.barrier()  # on the default group: rank 1 waits here until rank 0 has seen its error
+
+
 _SCENARIOS: Dict[str, Callable[[], None]] = {
     "activation_checkpointing": lambda: (
         run_subtests(_activation_checkpointing, {"kind": ["gpt2", "llama", "qwen2", "bert"], "way": _AC_WAYS}),
@@ -583,7 +623,8 @@ _SCENARIOS: Dict[str, Callable[[], None]] = {
     "composable": lambda: (_tied_under_policy(), run_subtests(_meta_init, {"kind": ["gpt2", "llama"]})),
     "replicate": lambda: run_subtests(_replicated, {"kind": ["gpt2", "llama"], "way": _REPLICATE_WAYS}),
     "checkpoint": lambda: (run_subtests(_checkpoint, {"kind": ["gpt2", "llama"]}),
-                           run_subtests(_safetensors_export, {"kind": ["gpt2", "llama"]})),
+                           run_subtests(_safetensors_export, {"kind": ["gpt2", "llama"]}),
+                           run_subtests(_save_pretrained, {"kind": ["gpt2", "llama"]})),
 }
 
 
