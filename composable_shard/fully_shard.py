@@ -238,7 +238,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     groups = {id(s.process_group): s.process_group for s in states if s.process_group is not None and s.world_size > 1}
     for group in groups.values():
         op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
-        _collectives.all_reduce(local, group, tag="clip_grad_norm", op=op, hint=_CLIP_HINT, watch=False).wait()
+        _collectives.all_reduce(local, group, tag="clip_grad_norm", op=op, hint=_CLIP_HINT).wait()
     other = _norm_accumulate(other_grads, norm_type, device)
     if norm_type == float("inf"):
         total = torch.maximum(local, other)

@@ -174,13 +174,18 @@ def _routed_with_short_timeout() -> _Routed:
 
 def _timeout_names_the_collective() -> None:
     rank = dist.get_rank()
+    _collectives.STUCK_WARNING_AFTER_S = 0.5  # the group times out after 3 s
     model = _routed_with_short_timeout()
     _step(model)
     model.set_requires_gradient_sync(rank != 0)  # rank 0 skips the reductions rank 1 waits for
     if rank == 1:
-        message = _expect_error(lambda: _step(model), "reduce_scatter of", "did not complete",
-                                "COMPOSABLE_SHARD_DEBUG=1")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            message = _expect_error(lambda: _step(model), "reduce_scatter of", "did not complete",
+                                    "COMPOSABLE_SHARD_DEBUG=1")
         assert any(name in message for name in ("'blocks.0'", "'blocks.1'", "'<root>'")), message
+        stuck = [str(w.message) for w in caught if "rank 1 has waited" in str(w.message)]
+        assert len(stuck) == 1 and "reduce_scatter of" in stuck[0] and "COMPOSABLE_SHARD_DEBUG=1" in stuck[0], stuck
     else:
         _step(model)
     dist.barrier()  # on the default group: rank 0 waits here until rank 1 has seen its error
@@ -188,8 +193,9 @@ def _timeout_names_the_collective() -> None:
 
 def test_unagreed_divergence_times_out_naming_the_collective() -> None:
     """Without debug mode, gradient sync switched off on one rank leaves a reduce-scatter
-    unmatched: its wait fails after the process group's timeout with a message naming the
-    collective and the handle, and pointing to COMPOSABLE_SHARD_DEBUG."""
+    unmatched: once it has waited ``STUCK_WARNING_AFTER_S`` a warning (one) names the collective
+    and points to COMPOSABLE_SHARD_DEBUG, and its wait fails after the process group's timeout
+    with a message naming the collective and the handle, and pointing there too."""
     run_distributed(_timeout_names_the_collective, 2, timeout=90)
 
 
@@ -237,20 +243,16 @@ def _called_on_rank_0_only(call: str) -> None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             _expect_error(fn, "did not complete on rank 0", api, "on one rank only", instead)
-        stuck = [str(w.message) for w in caught if "has waited 0 s" in str(w.message)]
-        if call == "clip_grad_norm_":  # called every step: no warning timer, the error only
-            assert not stuck, stuck
-        else:
-            assert stuck and api in stuck[0] and instead in stuck[0], [str(w.message) for w in caught]
+        stuck = [str(w.message) for w in caught if "rank 0 has waited" in str(w.message)]
+        assert stuck and api in stuck[0] and instead in stuck[0], [str(w.message) for w in caught]
     dist.barrier()  # on the default group: rank 1 waits here until rank 0 has seen its error
 
 
 def test_collective_call_made_on_one_rank_says_so() -> None:
     """``if rank == 0: model.state_dict()`` (what ``save_pretrained`` does) and the other calls
     that gather or reduce across ranks, made on rank 0 alone: a warning names the call as
-    collective and says what to do instead once it has waited ``STUCK_WARNING_AFTER_S`` (not
-    for ``clip_grad_norm_``, called every step), and the process group's timeout raises saying
-    the same. Before, the error blamed the training
+    collective and says what to do instead once it has waited ``STUCK_WARNING_AFTER_S``, and
+    the process group's timeout raises saying the same. Before, the error blamed the training
     step (ranks running different handles) and nothing was said until the timeout.
     ``get_optimizer_state_dict`` gives the same advice; it starts with an exchange on the
     default group, whose timeout is too long to wait for here."""
