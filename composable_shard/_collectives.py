@@ -73,8 +73,13 @@ STUCK_WARNING_AFTER_S = 60.0
 
 @dataclass
 class _Wait:
+    """A blocking wait in progress. Strings only: a reference to the collective's tensors here
+    would keep them alive in the watchdog thread after the wait (the last one it looked at)."""
+
     since: float
-    pending: "Pending"
+    kind: str
+    tag: str
+    hint: str
     warned: bool = False
 
 
@@ -95,11 +100,10 @@ def _watch_forever() -> None:
 
 
 def _report_stuck(wait: _Wait, now: float) -> None:
-    pending = wait.pending
     rank = dist.get_rank() if dist.is_initialized() else "?"
-    message = (f"composable_shard: rank {rank} has waited {now - wait.since:.0f} s for the {pending.kind} "
-               f"of {pending.tag or '<root>'!r}; it fails at the process group's timeout if a rank never joins. "
-               f"{pending.hint or TRAINING_HINT}")
+    message = (f"composable_shard: rank {rank} has waited {now - wait.since:.0f} s for the {wait.kind} "
+               f"of {wait.tag or '<root>'!r}; it fails at the process group's timeout if a rank never joins. "
+               f"{wait.hint or TRAINING_HINT}")
     try:
         warnings.warn(message, RuntimeWarning)
     except Exception:  # warnings made errors: the watchdog thread must live on, so print it
@@ -128,7 +132,7 @@ def _wait_watched(work: Any, pending: "Pending") -> None:
     if not _WATCHDOG:
         _start_watchdog()
     ident = threading.get_ident()
-    _WAITING[ident] = _Wait(time.monotonic(), pending)
+    _WAITING[ident] = _Wait(time.monotonic(), pending.kind, pending.tag, pending.hint)
     try:
         work.wait()
     finally:

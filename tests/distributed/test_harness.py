@@ -168,7 +168,10 @@ def test_rank_dying_without_exception_reports_exit_code() -> None:
 
 def _peer_error_before_the_death() -> None:
     """Rank 1 raises gloo's peer-loss error at once; rank 0 exits silently 0.5 s later: the
-    order in which a killed rank's peer can be seen (see _lost_a_peer), made deterministic."""
+    order in which a killed rank's peer can be seen (see _lost_a_peer), made deterministic. The
+    barrier first: without it, rank 1 could exit while rank 0 was still connecting to it, and
+    rank 0 then failed inside init with a peer-loss error of its own (seen once under load)."""
+    dist.barrier()
     if dist.get_rank() == 1:
         raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1234: Connection reset by peer")
     time.sleep(0.5)
