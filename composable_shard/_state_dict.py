@@ -298,9 +298,10 @@ def _gather_flat(state: _FSDPState, shard: torch.Tensor, padded_numel: int, tag:
 
 
 def full_values(state: _FSDPState, group: FlatGroup, local_values: List[Optional[torch.Tensor]],
-                dtype: torch.dtype, tag: str, hint: str = _STATE_DICT_HINT) -> List[torch.Tensor]:
+                dtype: torch.dtype, tag: str, hint: str) -> List[torch.Tensor]:
     """Full tensors of per-parameter local slices laid out like ``group``'s shard (e.g. an
-    optimizer state): one all-gather for the group. ``None`` contributes zeros."""
+    optimizer state): one all-gather for the group. ``None`` contributes zeros. ``hint`` names
+    the calling API for the error if a rank never joins (as for :func:`_gather_flat`)."""
     fp = group.flat_param
     local = torch.zeros(fp.numel(), dtype=dtype, device=fp.device)
     for value, s in zip(local_values, fp._shard_slices):
