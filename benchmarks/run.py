@@ -7,7 +7,7 @@
 
     options: [--world W ...] (alias --world-size W) [--blocks B ...] [--steps 10] [--warmup 3]
              [--batch 4] [--contenders local,ddp,torch_fsdp1,torch_fsdp2,fully_shard,replicate]
-             [--local-on all|rank0] [--checkpoint] [--compile aot_eager|inductor]
+             [--local-on all|rank0] [--checkpoint] [--compile aot_eager|inductor] [--forward-prefetch]
              [--memory on|off] [--memory-steps 2] [--json PATH] [--check] [--workload cpu|gpu]
              [--profile fully_shard,torch_fsdp2 [--profiler cprofile|torch] [--profile-steps 3]
               [--profile-top 30] [--profile-dump DIR]]
@@ -175,7 +175,7 @@ def _activation_checkpointing(name: str, model: nn.Module) -> None:
 
 
 def build_contender(name: str, blocks: int, world_size: int, mesh: Any, activation_checkpointing: bool = False,
-                    compile_backend: str = "") -> Contender:
+                    compile_backend: str = "", forward_prefetch: bool = False) -> Contender:
     torch.manual_seed(INIT_SEED)
     model = GPT(blocks=blocks)
     module: nn.Module = model
@@ -199,8 +199,8 @@ def build_contender(name: str, blocks: int, world_size: int, mesh: Any, activati
     elif name == "fully_shard":
         from composable_shard import fully_shard
         for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, forward_prefetch=forward_prefetch)
+        fully_shard(model, forward_prefetch=forward_prefetch)
     elif name == "replicate":
         rep, why = import_replicate()
         if rep is None:
@@ -356,7 +356,7 @@ def _worker(rank: int, args: argparse.Namespace, cfg: Dict[str, Any], names: Lis
         mesh = init_device_mesh("cpu", (W,))
     load_start = list(os.getloadavg())
     t_build = time.perf_counter()
-    cs = [build_contender(n, blocks, W, mesh, args.checkpoint, args.compile) for n in names]
+    cs = [build_contender(n, blocks, W, mesh, args.checkpoint, args.compile, args.forward_prefetch) for n in names]
     t_build = time.perf_counter() - t_build
     for c in cs:
         c.info["param_bytes"] = param_bytes(c)
@@ -417,7 +417,7 @@ def _worker(rank: int, args: argparse.Namespace, cfg: Dict[str, Any], names: Lis
         result = dict(cfg, **{
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__, "batch_per_rank": args.batch,
             "seq": SEQ, "warmup": args.warmup, "steps": args.steps, "activation_checkpointing": args.checkpoint,
-            "compile": args.compile, "local_on": args.local_on, "cpus": os.cpu_count(),
+            "forward_prefetch": args.forward_prefetch, "compile": args.compile, "local_on": args.local_on, "cpus": os.cpu_count(),
             "timing_s": {"build_s": t_build, "warmup_s": t_warm, "timed_s": t_timed, "loadavg_start": load_start,
                          "loadavg_end": list(os.getloadavg())},
             "contenders": rows,
@@ -495,7 +495,7 @@ def memory_worker(rank: int, args: argparse.Namespace, cfg: Dict[str, Any], so_p
             gc.collect()
             dist.barrier()
             before = ca.live()
-            c = build_contender(name, cfg["blocks"], W, mesh, args.checkpoint, args.compile)
+            c = build_contender(name, cfg["blocks"], W, mesh, args.checkpoint, args.compile, args.forward_prefetch)
             peaks, starts = [], []
             for i in range(n_steps):
                 tokens, targets = batches[i]
@@ -660,7 +660,9 @@ def print_report(result: Dict[str, Any]) -> None:
     mem = result.get("memory") or {}
     mem_rows = mem.get("contenders", {})
     variant = "".join([", activation checkpointing per block" if result["activation_checkpointing"] else "",
-                       f", torch.compile per block ({result['compile']})" if result["compile"] else ""])
+                       f", torch.compile per block ({result['compile']})" if result["compile"] else "",
+                       ", fully_shard(..., forward_prefetch=True) (the opt-in; API.md's default is False)"
+                       if result.get("forward_prefetch") else ""])
     print(f"\n==== W={W}, {result['blocks']} blocks{variant} ====")
     print(f"workload: GPT blocks={result['blocks']} width=256 vocab={VOCAB} seq={result['seq']} "
           f"batch={result['batch_per_rank']}/rank, W={W} gloo, {result['warmup']} warm-up + {result['steps']} timed "
@@ -773,7 +775,9 @@ def summarize_checks(results: List[Dict[str, Any]], failures: List[str]) -> List
     missed += failures
     n = sum(1 for r in results for c in r["checks"] if c["checked"])
     print(f"\n==== check: {n - len(missed) + len(failures)} of {n} checked figures met"
-          + (f", {len(failures)} configuration(s) failed to run" if failures else "") + " ====")
+          + (f", {len(failures)} configuration(s) failed to run" if failures else "")
+          + (" (fully_shard built with forward_prefetch=True, not API.md's default)"
+             if any(r.get("forward_prefetch") for r in results) else "") + " ====")
     for m in missed:
         print(f"  MISSED {m}")
     return missed
@@ -817,6 +821,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="run `local` on every rank at once (default) or on rank 0 only")
     p.add_argument("--checkpoint", action="store_true",
                    help="activation checkpointing on every block, for every contender")
+    p.add_argument("--forward-prefetch", action="store_true",
+                   help="build our fully_shard contender with forward_prefetch=True (API.md's opt-in; the default "
+                        "and the standard workload leave it False); the report says so")
     p.add_argument("--compile", default="", metavar="BACKEND",
                    help="torch.compile every block after the API is applied (e.g. aot_eager, inductor); "
                         "torch_fsdp1 is left out (its blocks are wrappers)")
