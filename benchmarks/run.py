@@ -295,8 +295,9 @@ def expected_layout(blocks: int, world_size: int) -> Dict[str, Any]:
         "reduce_scatter": {"count": 0 if W == 1 else len(handles),
                            "bytes": 0 if W == 1 else sum(4 * chunk[f] * W for f in handles),
                            "per_handle": {} if W == 1 else {f: 1 for f in handles}},
-        "all_reduce": {"count": 0 if W == 1 else 1, "bytes": 0 if W == 1 else 4 * n_tensors},  # used-parameter mask
-        "replicate_all_reduce_bytes": 4 * numel + 4 * n_tensors,
+        # the used-parameter mask, and two integers agreeing on the optimizer steps ([Note: Step agreement])
+        "all_reduce": {"count": 0 if W == 1 else 1, "bytes": 0 if W == 1 else 4 * (n_tensors + 2)},
+        "replicate_all_reduce_bytes": 4 * numel + 4 * (n_tensors + 2),
     }
 
 

@@ -173,6 +173,7 @@ class _FSDPState(_State):
         self.check_order: bool = True  # agree across ranks before each all-gather (first iteration, debug)
         self.debug_checks: bool = False  # COMPOSABLE_SHARD_DEBUG: agree before every collective, every step
         self.seen_changes_epoch: int = 0  # _watch.changes_epoch() when this root last checked for changes
+        self.step_counter: Optional[Any] = None  # root only: _watch.StepCounter of every handle's parameters
         # -- any state --
         self.model_change: Optional[str] = None  # a structure change made after fully_shard (raised at forward)
         self.streams: Optional["Streams"] = None  # CUDA streams shared by the tree (no-ops on CPU)

@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import _collectives
+from . import _collectives, _watch
 from ._common_utils import _FSDPState
 from ._flat_param import FlatGroup, FlatParamHandle
 from ._streams import Streams
@@ -176,11 +176,13 @@ def discard_reductions(root: _FSDPState) -> None:
     root.pending_reductions = []
 
 
-def attach_reduced_grads(root: _FSDPState) -> None:
+def attach_reduced_grads(root: _FSDPState) -> Optional[str]:
     """Give original parameters their ``.grad`` views after the reductions of a synced
     backward. Whether a parameter got a gradient on *some* rank is agreed on with one small
     all-reduce per process-group pair (a parameter unused everywhere keeps ``.grad = None``, as
-    in local training; one used on another rank gets the averaged gradient)."""
+    in local training; one used on another rank gets the averaged gradient). The same
+    all-reduce agrees on the optimizer steps taken since the last one ([Note: Step agreement] in
+    ``_watch.py``): returns the error to raise if the ranks differ, else ``None``."""
     batches: Dict[Tuple[int, int], List[Tuple[_FSDPState, FlatParamHandle, FlatGroup]]] = OrderedDict()
     for handle in root._all_handles:
         state = root.handle_states[id(handle)]
@@ -189,19 +191,35 @@ def attach_reduced_grads(root: _FSDPState) -> None:
                 handle.land_offloaded_grad(group)
                 key = (id(state.process_group), id(state.replicate_group))
                 batches.setdefault(key, []).append((state, handle, group))
+    disagreement: Optional[str] = None
+    steps = root.step_counter.take() if batches and root.step_counter is not None else []
     for members in batches.values():
-        used = _used_anywhere(members[0][0], [u for _, _, g in members for u in g.used])
+        local = [u for _, _, g in members for u in g.used]
+        used, num_ranks = _used_anywhere(members[0][0], local + steps)
+        if num_ranks > 1 and steps and disagreement is None:
+            disagreement = _watch.StepCounter.disagreement(steps, used[len(local):], num_ranks, "fully_shard", _SKIPPED)
         offset = 0
         for _, handle, group in members:
-            handle.attach_grads(group, used[offset:offset + len(group.orig_params)])
+            handle.attach_grads(group, [bool(u) for u in used[offset:offset + len(group.orig_params)]])
             offset += len(group.orig_params)
+    return disagreement
 
 
-def _used_anywhere(state: _FSDPState, local: List[bool]) -> List[bool]:
+_SKIPPED = ("Each rank updates its own slice of every parameter, so the slices of the ranks that did not step were "
+            "left behind: the model is now one that no single process would have computed. torch.amp.GradScaler "
+            "skips steps this way (it looks at this rank's gradient slices only); use "
+            "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler, which decides on all ranks' gradients "
+            "together.")
+
+
+def _used_anywhere(state: _FSDPState, local: List[int]) -> Tuple[List[int], int]:
+    """``local`` summed over the shard and replicate groups, and the number of ranks summed."""
     groups = [g for g in (state.process_group, state.replicate_group) if g is not None and dist.get_world_size(g) > 1]
     if not groups or not local:
-        return local
+        return local, 1
     mask = torch.tensor(local, dtype=torch.int32, device=state.compute_device)
+    num_ranks = 1
     for group in groups:
         _collectives.all_reduce(mask, group, tag="used_params").wait()
-    return [bool(v) for v in mask.tolist()]
+        num_ranks *= dist.get_world_size(group)
+    return [int(v) for v in mask.tolist()], num_ranks

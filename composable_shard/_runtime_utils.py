@@ -173,6 +173,7 @@ def lazy_init(state: _FSDPState) -> None:
         s.streams = state.streams
     state.debug_checks = _divergence.debug_mode()
     state.seen_changes_epoch = -1  # check for model changes made before the first forward too
+    state.step_counter = _watch.StepCounter(p for h in state._all_handles for g in h.groups for p in g.orig_params)
     _divergence.check_layout_across_ranks(state)
 
 
@@ -588,9 +589,11 @@ def _finalize_backward(root: _FSDPState) -> None:
     _take_deferred_arrivals(root)
     _reduce_leftover_unsynced(root)
     finish_reductions(root)
-    attach_reduced_grads(root)
+    steps_disagree = attach_reduced_grads(root)
     _reset_after_backward(root)
     root.exec_order_recorded = True
+    if steps_disagree is not None:  # raised last: the model is consistent and idle
+        raise RuntimeError(steps_disagree)
 
 
 def _take_deferred_arrivals(root: _FSDPState) -> None:

@@ -28,6 +28,22 @@
   epoch is gathered again (:func:`optimizer_epoch`). In-place writes through ``param.data``
   (``p.data.copy_(...)``) are seen by neither; use ``unshard_params(writeback=True)`` or in-place
   ops on the parameter instead. (Assigning ``param.data = ...`` is caught at the next forward.)
+* **Optimizer steps on some ranks only.** See [Note: Step agreement].
+
+[Note: Step agreement]  Every rank must step its optimizer as often as the others. Under
+``fully_shard`` each rank updates a different slice of every parameter, so a step skipped on one
+rank leaves that rank's slices behind: the model becomes one that no single process would have
+computed, and nothing fails. ``torch.amp.GradScaler`` does exactly that (it skips the step when
+*this rank's* gradient slices overflow; torch's ``ShardedGradScaler`` agrees on it across
+ranks), and so does ``if torch.isfinite(loss): optimizer.step()`` on a per-rank loss. Under
+``replicate`` the replicas drift apart the same way. So each synced backward's used-parameter
+all-reduce (which both APIs already run) carries two more integers: ``d``, the number of steps
+the optimizers holding this module's parameters took on this rank since the last check, and
+``d * d``. Summed over ``n`` ranks, ``n * sum(d * d) == sum(d) ** 2`` exactly when every rank has
+the same ``d``, so every rank sees the same verdict and raises the same error, with no extra
+collective (:class:`StepCounter`). ``d`` is capped at 255 so the sums stay exact in int32.
+Optimizers that hold none of the module's parameters are not counted: a rank may train a model
+of its own.
 
 [Note: Tracked modules]  Every module of a fully sharded module's subtree that is not ignored,
 not managed by ``replicate`` and not inside a nested fully sharded module is tracked with the
@@ -39,19 +55,19 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Set
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch.nn as nn
 from torch.nn.modules.module import (register_module_module_registration_hook,
                                      register_module_parameter_registration_hook)
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook
 
 from .contract import _get_registry
 
 if TYPE_CHECKING:
     from ._common_utils import _FSDPState
 
-__all__ = ["track", "raise_on_model_change", "optimizer_epoch", "changes_epoch"]
+__all__ = ["track", "raise_on_model_change", "optimizer_epoch", "changes_epoch", "StepCounter"]
 
 
 @dataclass
@@ -64,6 +80,7 @@ class _Tracked:
 _tracked: "weakref.WeakKeyDictionary[nn.Module, _Tracked]" = weakref.WeakKeyDictionary()
 _counters = {"optimizer_epoch": 0, "changes_epoch": 0}
 _installed: List[Any] = []  # the global hook handles, installed once
+_step_counters: "weakref.WeakSet[StepCounter]" = weakref.WeakSet()  # alive with their module's state
 
 
 def _install() -> None:
@@ -152,6 +169,55 @@ def _untracked_params(submodule: nn.Module) -> List[str]:
 
 def _on_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     _counters["optimizer_epoch"] += 1
+    for counter in list(_step_counters):
+        counter.count(optimizer)
+
+
+_MAX_STEPS_AGREED = 255  # d * d summed over ranks stays exact in int32 up to 33,000 ranks
+
+
+class StepCounter:
+    """The optimizer steps taken on one module's parameters, agreed across ranks once per synced
+    backward ([Note: Step agreement]). An optimizer counts if one of its parameter groups holds
+    one of ``params``; which optimizers do is cached per optimizer until its groups change size."""
+
+    def __init__(self, params: Iterable[Any]) -> None:
+        _install()
+        self.param_ids: Set[int] = {id(p) for p in params}
+        self.holds: "weakref.WeakKeyDictionary[Optimizer, Tuple[Tuple[int, int], bool]]" = weakref.WeakKeyDictionary()
+        self.pending: int = 0  # steps since the last take(); counted as they happen, so an
+        # optimizer freed at different times on different ranks changes nothing
+        _step_counters.add(self)
+
+    def count(self, optimizer: Optimizer) -> None:
+        """Called for every optimizer step in the process: count it if it holds our parameters."""
+        groups = optimizer.param_groups
+        size = (len(groups), sum(len(g["params"]) for g in groups))
+        cached = self.holds.get(optimizer)
+        if cached is None or cached[0] != size:
+            cached = (size, any(id(p) in self.param_ids for g in groups for p in g["params"]))
+            self.holds[optimizer] = cached
+        if cached[1]:
+            self.pending += 1
+
+    def take(self) -> List[int]:
+        """``[d, d * d]`` for the used-parameter all-reduce: ``d`` steps since the last call."""
+        d = min(self.pending, _MAX_STEPS_AGREED)
+        self.pending = 0
+        return [d, d * d]
+
+    @staticmethod
+    def disagreement(mine: Sequence[int], summed: Sequence[int], num_ranks: int, api: str, consequence: str) -> Optional[str]:
+        """The error message if the ranks' ``d`` (``mine`` from :meth:`take`, ``summed`` over
+        ``num_ranks`` ranks) differ, else ``None``. ``consequence``: what a skipped step did."""
+        total, squares = summed
+        if num_ranks * squares == total * total:
+            return None
+        return (f"{api}: the optimizer(s) holding this model's parameters stepped {mine[0]} time(s) on this rank "
+                f"since the last synchronized backward, but {total / num_ranks:g} times on average over the "
+                f"{num_ranks} ranks. {consequence} Every rank must call optimizer.step() together; a step guarded "
+                "by a per-rank condition (`if torch.isfinite(loss):` on this rank's loss) must agree on the "
+                "condition first (all_reduce it).")
 
 
 def raise_on_model_change(states: Iterable["_FSDPState"]) -> None:

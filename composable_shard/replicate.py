@@ -57,7 +57,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from . import _apply_guard, _collectives
+from . import _apply_guard, _collectives, _watch
 from ._common_utils import WeakGroup, WeakHook
 from ._validation import (check_dense_gradients, check_device_id, check_mixed_precision, check_modules,
                           check_process_group, check_real)
@@ -143,6 +143,7 @@ class _ReplicateState(_State):
         self.frozen: List[Tuple[str, nn.Parameter]] = []  # not managed yet: frozen at replicate (see [Note: Parameters unfrozen later])
         self.position: Dict[int, int] = {}  # id of a managed or frozen parameter -> its registration position
         self.api: str = ""  # "replicate(<class name>)", for messages
+        self.step_counter: Optional[_watch.StepCounter] = None  # optimizer steps, agreed per sync ([Note: Step agreement])
 
     def describe(self) -> str:
         return f"replicate (of the module with parameters {', '.join(self.param_names[:3])}{', ...' if len(self.param_names) > 3 else ''})"
@@ -260,6 +261,7 @@ def replicate(
     state.position = {id(p): k for k, (_, p) in enumerate(candidates)}
     state.frozen = [(n, p) for n, p in candidates if not p.requires_grad]
     _init_state(state, process_group, names, params, int(bucket_cap_mb * _MB), reduce_dtype)
+    state.step_counter = _watch.StepCounter(p for _, p in candidates)
     if state.frozen:
         module.register_forward_pre_hook(WeakHook(_adopt_unfrozen, state))
     return module
@@ -587,12 +589,14 @@ def _end_backward(state: _ReplicateState) -> None:
         return
     with torch.profiler.record_function("replicate::end_backward"):
         _launch_remaining(state, backward)
-        is_used = _all_reduce_used(state)
+        is_used, steps_disagree = _all_reduce_used(state)
         _write_back(state, is_used)
         state.used_since_sync = [False] * len(state.params)
         if state.num_rebuilds == 0:
             _rebuild_buckets(state)
-        _check_no_unmanaged_grads(state)  # last: the buckets are settled for the next backward
+        _check_no_unmanaged_grads(state)  # the buckets are settled for the next backward
+        if steps_disagree is not None:
+            raise RuntimeError(steps_disagree)
 
 
 def _check_no_unmanaged_grads(state: _ReplicateState) -> None:
@@ -619,10 +623,19 @@ def _launch_remaining(state: _ReplicateState, backward: _BackwardPass) -> None:
     backward.next_launch = len(state.buckets)
 
 
-def _all_reduce_used(state: _ReplicateState) -> List[bool]:
-    """Per parameter: did any rank give it a gradient since the last sync."""
-    used = torch.tensor(state.used_since_sync, dtype=torch.int32, device=state.device)
-    return _collectives.all_reduce(used, state.process_group, tag="replicate::used_params").wait().bool().tolist()
+def _all_reduce_used(state: _ReplicateState) -> Tuple[List[bool], Optional[str]]:
+    """Per parameter: did any rank give it a gradient since the last sync. The same all-reduce
+    agrees on the optimizer steps taken since ([Note: Step agreement] in ``_watch.py``): the
+    error to raise if the ranks differ, else ``None``."""
+    steps = state.step_counter.take() if state.step_counter is not None else [0, 0]
+    used = torch.tensor(state.used_since_sync + steps, dtype=torch.int32, device=state.device)
+    summed = _collectives.all_reduce(used, state.process_group, tag="replicate::used_params").wait().tolist()
+    n = len(state.used_since_sync)
+    disagreement = _watch.StepCounter.disagreement(steps, summed[n:], state.world_size, state.api, _REPLICAS_DRIFT)
+    return [bool(v) for v in summed[:n]], disagreement
+
+
+_REPLICAS_DRIFT = "The replicas now differ: from here on each rank trains a different model."
 
 
 @torch.no_grad()

@@ -249,6 +249,12 @@ MUTANTS: List[Mutant] = [
     _m("collective_call_hint_dropped", "a state dict taken on one rank only times out blaming the training step",
        f"{PACKAGE}/_state_dict.py", "state.process_group, tag=tag, hint=hint).wait()", "state.process_group, tag=tag).wait()",
        "tests/distributed/test_fully_shard_divergence.py::test_collective_call_made_on_one_rank_says_so"),
+    _m("step_disagreement_ignored", "an optimizer step skipped on one rank (GradScaler) goes unreported",
+       f"{PACKAGE}/_watch.py", "if num_ranks * squares == total * total:", "if True:",
+       f"{_DIVERGENCE_TESTS}::test_optimizer_stepped_on_some_ranks_raises"),
+    _m("step_counter_counts_every_optimizer", "an optimizer of a rank's own model counts as one of the model's",
+       f"{PACKAGE}/_watch.py", "any(id(p) in self.param_ids for g in groups for p in g[\"params\"])", "True",
+       f"{_DIVERGENCE_TESTS}::test_optimizer_stepped_on_some_ranks_raises"),
     # ---------------------------------------------------------------- replicate
     _m("replicate_bucket_not_scaled", "replicate sums bucket gradients instead of averaging",
        _REPLICATE, "else 1.0 / state.world_size", "else 1.0", f"{_REPLICATE_TESTS}::test_parity_with_ddp_and_local[2]"),

@@ -99,7 +99,8 @@ def _expected(api: str, rank: int, world_size: int) -> Dict[str, Any]:
     numels = _handle_numels()
     total = sum(numels.values())
     trainable_params = len(list(Net().parameters()))
-    used_params = [INT32 * trainable_params]  # one int32 per trainable original parameter
+    # one int32 per trainable original parameter, and two for the optimizer steps ([Note: Step agreement])
+    used_params = [INT32 * (trainable_params + 2)]
     chunk = {fqn: math.ceil(n / world_size) for fqn, n in numels.items()}  # elements per rank
     if api == "replicate":
         return {

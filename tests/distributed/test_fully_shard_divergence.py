@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from composable_shard import clip_grad_norm_, fully_shard, get_model_state_dict, unshard_params
+from composable_shard import ShardingStrategy, clip_grad_norm_, fully_shard, get_model_state_dict, replicate, unshard_params
 from composable_shard import _collectives
 from tests._harness import run_distributed, run_subtests
 from tests._models import zip_same
@@ -258,6 +258,84 @@ def test_collective_call_made_on_one_rank_says_so() -> None:
     default group, whose timeout is too long to wait for here."""
     run_distributed(run_subtests, 2, _called_on_rank_0_only,
                     {"call": ["state_dict", "get_model_state_dict", "unshard_params", "clip_grad_norm_"]}, timeout=120)
+
+
+# ---------------------------------------------------------------------------- optimizer steps
+def _stepped_model(api: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = _Routed(same_shapes=False)
+    if api == "replicate":
+        return replicate(model)
+    kwargs: Any = {}
+    if api == "hybrid":  # 2 x 2: the agreement is summed over the shard group, then across replicas
+        from torch.distributed.device_mesh import init_device_mesh
+        kwargs = {"mesh": init_device_mesh("cpu", (2, 2)), "strategy": ShardingStrategy.HYBRID_SHARD}
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    return fully_shard(model, **kwargs)
+
+
+def _steps_on_some_ranks(api: str, cause: str) -> None:
+    rank = dist.get_rank()
+    model = _stepped_model(api)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(0)
+    own = nn.Linear(3, 3)  # a model of rank 0's own, stepped on rank 0 alone: not counted
+    own_optim = torch.optim.SGD(own.parameters(), lr=0.1)
+    scaler = None
+    if cause in ("grad_scaler", "sharded_grad_scaler"):
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        scaler = torch.amp.GradScaler("cpu") if cause == "grad_scaler" else ShardedGradScaler("cpu")
+    for step in range(2):  # both ranks step in step 0
+        torch.manual_seed(rank)
+        loss = model(torch.randn(2, 6)).sum()
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        if rank == 0:
+            own(torch.randn(2, 3)).sum().backward()
+            own_optim.step()
+        if scaler is None:
+            if cause == "rank_condition" and step == 1 and rank == 1:
+                continue  # `if torch.isfinite(loss): optim.step()` with a loss that is inf on rank 1
+            optim.step()
+        else:
+            # an overflow that lands in rank 1's slice of the gradients only
+            grads = [p.grad for p in model.parameters() if p.grad is not None and p.grad.numel() > 0]
+            if step == 1 and rank == 1:
+                grads[0].view(-1)[0] = float("inf")
+            scaler.step(optim)
+            scaler.update()
+        optim.zero_grad()
+    if cause == "sharded_grad_scaler":  # every rank skipped step 1 together: nothing to report
+        _step(model)
+        return
+    fragments = ["stepped 0 time(s)" if rank == 1 else "stepped 1 time(s)",
+                 f"times on average over the {dist.get_world_size()} ranks", "must call optimizer.step() together"]
+    fragments.append("The replicas now differ" if api == "replicate" else "ShardedGradScaler")
+    _expect_error(lambda: _step(model), *fragments)
+    # The error came after the backward finished: once the ranks step together, training goes on.
+    optim.zero_grad()
+    _step(model)
+    optim.step()
+    optim.zero_grad()
+    _step(model)
+
+
+def test_optimizer_stepped_on_some_ranks_raises() -> None:
+    """An optimizer step skipped on one rank (``torch.amp.GradScaler`` seeing an overflow in that
+    rank's gradient slices; a per-rank condition) used to leave that rank's slices behind (or,
+    under replicate, the replicas apart) silently: the next synced backward now raises on every
+    rank saying why and what to use instead, from the used-parameter all-reduce (no extra
+    collective). torch's ``ShardedGradScaler`` (skipping on every rank) and an optimizer of a
+    rank's own model are not reported."""
+    run_distributed(run_subtests, 2, _steps_on_some_ranks,
+                    {"api": ["fully_shard", "replicate"],
+                     "cause": ["rank_condition", "grad_scaler", "sharded_grad_scaler"]}, timeout=120)
+
+
+def test_optimizer_stepped_on_some_ranks_raises_under_hybrid_sharding() -> None:
+    """The same at W=4 on a 2 x 2 mesh: the agreement sums over both groups."""
+    run_distributed(run_subtests, 4, _steps_on_some_ranks, {"api": ["hybrid"], "cause": ["rank_condition"]},
+                    timeout=120)
 
 
 _ = List  # typing re-export guard for older interpreters

@@ -268,8 +268,9 @@ def _float16_loss_scaling() -> None:
     rank's slice only, so the skip-or-step decision must be taken by every rank together.
     torch's ShardedGradScaler (which all-reduces the overflow flag) does that on our gradients:
     every rank skips the overflowing step with the same new scale, and the next step equals
-    SGD on the local fp32 model's gradient (float16 tolerance). torch.amp.GradScaler would let
-    the rank without the overflow step alone (see docs/api.md, MixedPrecision)."""
+    SGD on the local fp32 model's gradient (float16 tolerance). torch.amp.GradScaler lets the
+    ranks without the overflow step alone (see docs/api.md, MixedPrecision): the next backward
+    raises on every rank."""
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # torch's, a documented recipe
 
     world_size = dist.get_world_size()
@@ -303,6 +304,24 @@ def _float16_loss_scaling() -> None:
     with unshard_params(model):
         torch.testing.assert_close(model.w.detach(), expected, atol=2e-3, rtol=0)
         assert not torch.equal(model.w.detach(), start), "the step without overflow must update"
+
+    # torch.amp.GradScaler on the same overflow: the ranks whose slices stayed finite step alone.
+    # That used to go on silently; the next synced backward now raises on every rank, naming the
+    # cure ([Note: Step agreement] in _watch.py).
+    model = fully_shard(_Weights(), mixed_precision=MixedPrecision(param_dtype=torch.float16))
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    plain = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    plain.scale(model(overflow).float()).backward()
+    plain.step(optim)
+    plain.update()
+    optim.zero_grad()
+    try:
+        plain.scale(model(mine).float()).backward()
+    except RuntimeError as e:
+        assert world_size > 1 and "ShardedGradScaler" in str(e) and "stepped 0 time(s)" in str(e) \
+            if dist.get_rank() == world_size - 1 else "stepped 1 time(s)" in str(e), e
+    else:
+        assert world_size == 1, "a step skipped on one rank only went unreported"
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])

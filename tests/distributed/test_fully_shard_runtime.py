@@ -285,9 +285,10 @@ def _prefetch_order(strategy: ShardingStrategy, forward_prefetch: bool, backward
     assert gathers_seen == expected_gathers, (what, gathers_seen, expected_gathers)
     assert reduces_seen == expected_reduces, (what, reduces_seen, expected_reduces)
     # Plus one small all-reduce agreeing on which parameters got a gradient on some rank: one
-    # int32 per trainable original parameter (3 blocks x 6, scale 1, tied emb/head 1).
+    # int32 per trainable original parameter (3 blocks x 6, scale 1, tied emb/head 1), and two
+    # agreeing on the optimizer steps.
     used = [r for r in rec.records if r.kind == "all_reduce"]
-    assert [(r.tag, r.nbytes) for r in used] == [("used_params", 4 * (3 * 6 + 1 + 1))], (what, used)
+    assert [(r.tag, r.nbytes) for r in used] == [("used_params", 4 * (3 * 6 + 1 + 1 + 2))], (what, used)
     assert {r.kind for r in rec.records} == {"all_gather", "reduce_scatter", "all_reduce"}, (what, rec.records)
 
 
