@@ -26,10 +26,12 @@ counts (bytes this rank sends into each collective):
   reduce_scatter  input = the padded unsharded gradient in the reduce dtype, once, if W > 1
   all_reduce      the reduced shard across replicas, once, if R > 1 (NO_SHARD: the whole gradient)
   used flags      per root and (shard group, replicate group) pair, one all_reduce of 4 bytes per
-                  original parameter of the groups that require grad, in each of the two groups
+                  original parameter of the groups that require grad, plus 8 (the optimizer-step
+                  agreement, [Note: Step agreement] in ``_watch.py``), in each of the two groups
                   that has more than one rank ("which parameters got a gradient anywhere")
   replicate       one all_reduce per bucket (together the gradients' bytes in the reduce dtype),
-                  plus one of 4 bytes per parameter (used flags); recorded even at one rank
+                  plus one of 4 bytes per parameter and 8 more (used flags and the step
+                  agreement); recorded even at one rank
   The first iteration adds small agreement exchanges (``exchange``, ``all_gather_json``) and
   ``clip_grad_norm_`` one all_reduce of 4 bytes per shard group: neither is counted here.
 
@@ -61,6 +63,7 @@ __all__ = ["describe", "ShardingDescription", "ModuleRow"]
 _KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 _KEPT_FROM_FORWARD_TO_BACKWARD = {ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2}
 _STEP_BYTES = 4  # AdamW's float32 ``step`` tensor per parameter; also one used flag (int32)
+_STEP_AGREEMENT = 2  # int32s appended to every used-flags all_reduce ([Note: Step agreement] in _watch.py)
 
 
 @dataclass(frozen=True)
@@ -364,7 +367,7 @@ def _description(model: nn.Module, world: int, planned: bool, handles: Dict[int,
         flags[h.flag_key] = flags.get(h.flag_key, 0) + sum(g.num_params for g in h.groups if g.requires_grad)
         flag_groups[h.flag_key] = (h.shard_world > 1) + (h.replicate_world > 1)
     count = sum(flag_groups[k] for k, n in flags.items() if n)
-    nbytes = sum(flag_groups[k] * n * _STEP_BYTES for k, n in flags.items())
+    nbytes = sum(flag_groups[k] * (n + _STEP_AGREEMENT) * _STEP_BYTES for k, n in flags.items() if n)
     return ShardingDescription(world, planned, tuple(rows), (count, nbytes))
 
 
@@ -400,7 +403,8 @@ def _handle_row(h: _HandleInfo) -> ModuleRow:
 
 def _replicate_row(fqn: str, state: _ReplicateState) -> ModuleRow:
     bucket_bytes = sum(b.nbytes for b in state.buckets)
-    collectives = {"all_reduce": (len(state.buckets) + 1, bucket_bytes + _STEP_BYTES * len(state.params))}
+    collectives = {"all_reduce": (len(state.buckets) + 1,
+                                  bucket_bytes + _STEP_BYTES * (len(state.params) + _STEP_AGREEMENT))}
     return _full_row(fqn, "replicate", "replicate", state.params, state.reduce_dtype, bucket_bytes, collectives)
 
 

@@ -207,9 +207,8 @@ def attach_reduced_grads(root: _FSDPState) -> Optional[str]:
 
 _SKIPPED = ("Each rank updates its own slice of every parameter, so the slices of the ranks that did not step were "
             "left behind: the model is now one that no single process would have computed. torch.amp.GradScaler "
-            "skips steps this way (it looks at this rank's gradient slices only); use "
-            "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler, which decides on all ranks' gradients "
-            "together.")
+            "skips steps this way (it looks at this rank's gradient slices only); use torch's ShardedGradScaler "
+            "(the sharded_grad_scaler module of its FSDP package), which decides on all ranks' gradients together.")
 
 
 def _used_anywhere(state: _FSDPState, local: List[int]) -> Tuple[List[int], int]:

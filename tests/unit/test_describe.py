@@ -63,7 +63,7 @@ def test_plan_follows_shard_arithmetic(world: int) -> None:
     assert block.collectives == {"all_gather": (2, 8 * _ceil(40, world)), "reduce_scatter": (1, 4 * world * _ceil(40, world))}
     assert root.collectives == {"all_gather": (2, 4 * (_ceil(35, world) + _ceil(18, world))),
                                 "reduce_scatter": (1, 4 * world * _ceil(18, world))}
-    assert d.flag_collectives == (1, 4 * 10)
+    assert d.flag_collectives == (1, 4 * (10 + 2))  # a used flag per trainable parameter, 2 for the step agreement
 
 
 def test_strategies_mixed_precision_and_ignored() -> None:
@@ -74,7 +74,7 @@ def test_strategies_mixed_precision_and_ignored() -> None:
     assert zero2.collective_count("all_gather") == 4 and zero2.collective_count("reduce_scatter") == 3
     no_shard = describe(net, world_size=2, policy=ModuleWrapPolicy({Blk}), strategy=ShardingStrategy.NO_SHARD)
     assert no_shard.collective_count("all_gather") == 0 and no_shard.param_bytes == 4 * (53 + 80)
-    assert no_shard.collective_bytes("all_reduce") == 4 * (18 + 80) + 4 * 10
+    assert no_shard.collective_bytes("all_reduce") == 4 * (18 + 80) + 4 * (10 + 2)
     bf16 = describe(net, world_size=2, policy=ModuleWrapPolicy({Blk}), mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
     full = describe(net, world_size=2, policy=ModuleWrapPolicy({Blk}))
     for kind in ("all_gather", "reduce_scatter"):
