@@ -55,7 +55,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from . import _collectives
 from ._optim_state_dict import get_optimizer_state_dict, param_groups_by_fqn, set_optimizer_state_dict
 from ._state_dict import get_model_state_dict, set_model_state_dict
-from ._torch_compat import object_collectives_without_numpy
+from ._torch_compat import object_collectives_without_numpy, unwrap_compiled
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "export_safetensors", "SafeFileSystemReader",
            "SafeLoadPlanner", "UnsafeCheckpointError"]
@@ -272,6 +272,7 @@ def save_checkpoint(path: str, model: nn.Module, optim: Optional[torch.optim.Opt
         model: the model (sharded any way, or plain).
         optim: its optimizer, or None.
     """
+    model = unwrap_compiled(model)  # torch.compile's wrapper: the names without its prefix
     path = os.path.abspath(os.fspath(path))
     api = "save_checkpoint"
     tmp = _claim_new_directory(path, api, "a published checkpoint is never written into. Save each checkpoint to a "
@@ -298,6 +299,7 @@ def load_checkpoint(path: str, model: nn.Module, optim: Optional[torch.optim.Opt
         model: the model to load into (sharded any way, or plain).
         optim: its optimizer (built on the model's parameters), or None.
     """
+    model = unwrap_compiled(model)  # torch.compile's wrapper: the names without its prefix
     path = os.path.abspath(os.fspath(path))
     _raise_from_rank0(_verify(path) if _rank() == 0 else "", "load_checkpoint")
     error = ""
@@ -370,6 +372,7 @@ def export_safetensors(path: str, model: nn.Module) -> None:
 
         export_safetensors("export/final", model)
     """
+    model = unwrap_compiled(model)  # torch.compile's wrapper: the names without its prefix
     path = os.path.abspath(os.fspath(path))
     api = "export_safetensors"
     missing = ""

@@ -54,6 +54,7 @@ import torch.nn as nn
 from . import _init_utils, _shard_math
 from ._common_utils import _FSDPState
 from ._mixed_precision import full_precision_classes
+from ._torch_compat import unwrap_compiled
 from .api import BackwardPrefetch, MixedPrecision, ShardingStrategy
 from .contract import _get_module_state
 from .replicate import _ReplicateState
@@ -208,6 +209,7 @@ def describe(model: nn.Module, *, world_size: Optional[int] = None, policy: Any 
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"describe: model must be an nn.Module, got {type(model).__name__}")
+    model = unwrap_compiled(model)  # torch.compile's wrapper: the names without its prefix
     if _is_managed(model):
         if world_size is not None or policy is not None or mixed_precision is not None or ignored_modules is not None \
                 or strategy is not ShardingStrategy.FULL_SHARD:

@@ -28,6 +28,7 @@ import torch.nn as nn
 from . import _collectives
 from ._sharded_tensor import ShardedSlice
 from ._state_dict import Managed, full_values, global_rank, local_slice, managed_params
+from ._torch_compat import unwrap_compiled
 
 __all__ = ["get_optimizer_state_dict", "set_optimizer_state_dict", "param_groups_by_fqn"]
 
@@ -130,6 +131,7 @@ def get_optimizer_state_dict(module: nn.Module, optim: torch.optim.Optimizer, *,
         cpu_offload: every tensor on the CPU.
         rank0_only: (full only) ranks other than 0 take part and get ``{}``.
     """
+    module = unwrap_compiled(module)  # torch.compile's wrapper: the names without its prefix
     api = "get_optimizer_state_dict"
     _check(api, module, optim)
     for name, flag in (("full", full), ("cpu_offload", cpu_offload), ("rank0_only", rank0_only)):
@@ -212,6 +214,7 @@ def set_optimizer_state_dict(module: nn.Module, optim: torch.optim.Optimizer, st
         dcp.load({"optim": osd}, checkpoint_id=path)
         set_optimizer_state_dict(model, optim, osd)
     """
+    module = unwrap_compiled(module)  # torch.compile's wrapper: the names without its prefix
     api = "set_optimizer_state_dict"
     _check(api, module, optim)
     if not isinstance(state_dict, Mapping) or set(state_dict) != {"state", "param_groups"}:

@@ -40,6 +40,7 @@ from ._flat_param import FlatGroup
 from ._shard_math import param_offsets
 from ._sharded_tensor import ShardedSlice
 from ._traversal_utils import _get_fsdp_states
+from ._torch_compat import unwrap_compiled
 from ._unshard_params import check_between_steps
 from .api import FullStateDictConfig, ShardedStateDictConfig, StateDictType
 
@@ -428,6 +429,7 @@ def get_model_state_dict(module: nn.Module, *, full: bool = True, cpu_offload: b
         cpu_offload: every tensor on the CPU.
         rank0_only: (full only) ranks other than 0 take part and get ``{}``.
     """
+    module = unwrap_compiled(module)  # torch.compile's wrapper: the names without its prefix
     if not isinstance(module, nn.Module):
         raise TypeError(f"get_model_state_dict: module must be an nn.Module, got {type(module).__name__}")
     for name, flag in (("full", full), ("cpu_offload", cpu_offload), ("rank0_only", rank0_only)):
@@ -459,6 +461,7 @@ def set_model_state_dict(module: nn.Module, state_dict: Mapping[str, Any], *, st
         dcp.load({"model": sd}, checkpoint_id=path)   # writes straight into the shards
         set_model_state_dict(model, sd)
     """
+    module = unwrap_compiled(module)  # torch.compile's wrapper: the names without its prefix
     if not isinstance(module, nn.Module):
         raise TypeError(f"set_model_state_dict: module must be an nn.Module, got {type(module).__name__}")
     if not isinstance(strict, bool):

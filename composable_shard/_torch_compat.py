@@ -17,6 +17,14 @@ versions checked (2.6, 2.11, 2.13).
   module through its compiled call, since the compiled graph saves other tensors than eager
   ``forward``. ``nn.Module.compile`` keeps the compiled call in ``module._compiled_call_impl``
   (None otherwise; unchanged in 2.6 through 2.13); no public accessor says whether it is set.
+* ``unwrap_compiled``: ``torch.compile(model)`` returns a wrapper module whose own
+  ``named_parameters()`` and ``state_dict()`` prefix every name with ``_orig_mod.``; a
+  checkpoint taken through it could not be loaded into the model without the wrapper (and back).
+  torch's own ``torch.distributed.checkpoint.state_dict`` helpers drop that prefix, and so do
+  ours: the state-dict and checkpoint entry points look through the wrapper. No public API
+  exposes the wrapped module: the wrapper is ``torch._dynamo.eval_frame.OptimizedModule`` and
+  holds it in ``_orig_mod`` (both unchanged in 2.6 through 2.13). Dynamo is not imported for
+  this: a module can only be such a wrapper if dynamo has been imported already.
 * ``make_wrapper_tensor``: the sharded state dict's values report a parameter's global shape
   while holding only this rank's elements (``_sharded_tensor.ShardedSlice``). A tensor whose
   metadata differs from its storage can only be made with ``torch.Tensor._make_wrapper_subclass``
@@ -37,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import sys
 from typing import Any, Callable, Iterator
 
 import torch
@@ -84,6 +93,16 @@ def make_wrapper_tensor(cls: Any, shape: "torch.Size", dtype: "torch.dtype", dev
 def is_compiled_module(module: "torch.nn.Module") -> bool:
     """True if ``module.compile()`` was called: calling the module runs the compiled graph."""
     return getattr(module, "_compiled_call_impl", None) is not None
+
+
+def unwrap_compiled(module: "torch.nn.Module") -> "torch.nn.Module":
+    """The module that ``torch.compile(module)`` wrapped (the names users and checkpoints know),
+    else ``module`` itself."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    wrapper = getattr(eval_frame, "OptimizedModule", None)
+    while wrapper is not None and isinstance(module, wrapper):
+        module = module._orig_mod  # type: ignore[assignment]  # private, see module docstring
+    return module
 
 
 def _numpy_importable() -> bool:

@@ -46,7 +46,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = "composable_shard"
-COPIED = (PACKAGE, "tests", "examples")  # directories the selected tests may need
+COPIED = (PACKAGE, "tests", "examples", "benchmarks")  # directories the selected tests may need (benchmarks.model)
 COPIED_FILES = ("pyproject.toml",)  # pytest's configuration (rootdir, addopts)
 TIMEOUT_S = 900  # per mutant; the harness's own per-test timeouts normally fire first
 
@@ -249,6 +249,9 @@ MUTANTS: List[Mutant] = [
     _m("collective_call_hint_dropped", "a state dict taken on one rank only times out blaming the training step",
        f"{PACKAGE}/_state_dict.py", "state.process_group, tag=tag, hint=hint).wait()", "state.process_group, tag=tag).wait()",
        "tests/distributed/test_fully_shard_divergence.py::test_collective_call_made_on_one_rank_says_so"),
+    _m("compile_wrapper_not_unwrapped", "a checkpoint taken through torch.compile's wrapper keeps its _orig_mod. names",
+       f"{PACKAGE}/_torch_compat.py", "        module = module._orig_mod  #", "        break  #",
+       "tests/distributed/test_compile.py::test_checkpoint_through_torch_compile_wrapper"),
     _m("step_disagreement_ignored", "an optimizer step skipped on one rank (GradScaler) goes unreported",
        f"{PACKAGE}/_watch.py", "if num_ranks * squares == total * total:", "if True:",
        f"{_DIVERGENCE_TESTS}::test_optimizer_stepped_on_some_ranks_raises"),

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from composable_shard import checkpoint, fully_shard, unshard_params
+from composable_shard import (checkpoint, fully_shard, get_model_state_dict, get_optimizer_state_dict, load_checkpoint,
+                              save_checkpoint, unshard_params)
 from tests._harness import run_distributed
 from tests._models import zip_same
 
@@ -154,3 +155,58 @@ def test_compile_with_activation_checkpointing() -> None:
     no recompile and the gradients of eager training (torch's composable checkpoint + FSDP2
     compiled the same way as the second reference)."""
     run_distributed(_compiled, 2, "benchmark", "aot_eager", True, timeout=600)
+
+
+# ---------------------------------------------------------------------------- the torch.compile wrapper
+def _checkpoint_through_wrapper() -> None:
+    import tempfile
+
+    rank = dist.get_rank()
+    model, loss, _ = _benchmark_model()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    compiled = torch.compile(model, backend="eager")  # a wrapper: its own names start with "_orig_mod."
+    optim = torch.optim.AdamW(compiled.parameters(), lr=1e-2)
+    for step in range(2):
+        loss(compiled, step, False).backward()
+        optim.step()
+        optim.zero_grad()
+    plain_names = [n for n, _ in model.named_parameters()]
+    state = get_model_state_dict(compiled)
+    assert [k for k in state if k in plain_names] == plain_names, list(state)[:3]
+    assert not [k for k in get_optimizer_state_dict(compiled, optim)["state"] if k.startswith("_orig_mod")]
+    path = [tempfile.mkdtemp(prefix="cs_compiled_") if rank == 0 else ""]
+    dist.broadcast_object_list(path)
+    save_checkpoint(f"{path[0]}/from_compiled", compiled, optim)
+    # ... resumes into the model without the wrapper, and a plain model's checkpoint into a wrapper
+    for source, wrap in (("from_compiled", False), ("from_plain", True)):
+        fresh, _, _ = _benchmark_model()
+        for block in fresh.blocks:
+            fully_shard(block)
+        fully_shard(fresh)
+        target = torch.compile(fresh, backend="eager") if wrap else fresh
+        fresh_optim = torch.optim.AdamW(target.parameters(), lr=1e-2)
+        load_checkpoint(f"{path[0]}/{source}", target, fresh_optim)
+        with unshard_params(model), unshard_params(fresh):
+            for p, q in zip_same(list(model.parameters()), list(fresh.parameters()), what=source):
+                assert torch.equal(p, q), source
+        for a, b in zip_same(list(optim.state.values()), list(fresh_optim.state.values()), what=f"{source} optim"):
+            assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"]), source
+        if not wrap:
+            save_checkpoint(f"{path[0]}/from_plain", fresh, fresh_optim)
+    dist.barrier()
+    if rank == 0:
+        import shutil
+
+        shutil.rmtree(path[0])
+
+
+def test_checkpoint_through_torch_compile_wrapper() -> None:
+    """``torch.compile(model)`` after ``fully_shard`` wraps the model in a module whose own names
+    carry an ``_orig_mod.`` prefix. A checkpoint saved through the wrapper used to keep the
+    prefix, so it could not be loaded into the model without the wrapper ("Missing key in
+    checkpoint state_dict"), nor a plain model's checkpoint into a wrapper. The state-dict and
+    checkpoint functions now look through it, as torch's DCP helpers do: either way the model
+    and AdamW state resume exactly."""
+    run_distributed(_checkpoint_through_wrapper, 2, timeout=300)
