@@ -84,7 +84,7 @@ from . import _shard_math
 from ._common_utils import HandleTrainingState, _set_fsdp_flattened
 from . import _watch
 from ._streams import Streams
-from ._torch_compat import set_module_tensor, tensor_version
+from ._torch_compat import has_grad_hooks, set_module_tensor, tensor_version
 
 __all__ = ["FlatParameter", "FlatParamHandle", "ParamInfo", "SharedParamInfo", "FlatGroup", "set_grad_of_any_shape"]
 
@@ -389,6 +389,12 @@ class FlatParamHandle:
                 if p.untyped_storage().data_ptr() != base:
                     detached.append(fqn)
         return detached
+
+    def hooked_params(self) -> List[str]:
+        """FQNs (relative to the owning module) of original parameters that carry gradient
+        hooks, which never run here (see :func:`_torch_compat.has_grad_hooks`)."""
+        return [fqn for group in self.groups for p, fqn in zip(group.orig_params, group.flat_param._fqns)
+                if has_grad_hooks(p)]
 
     # ------------------------------------------------------------------ queries
     @property

@@ -316,11 +316,15 @@ def _to_device(state: _FSDPState) -> Callable[[torch.Tensor], torch.Tensor]:
 def _follow_user_changes(root: _FSDPState) -> None:
     """``requires_grad`` flipped on original parameters (freeze/unfreeze) is honoured from this
     forward on. A parameter whose ``.data`` was replaced since fully_shard raises (see
-    [Note: Detached parameters])."""
+    [Note: Detached parameters]), and so does one carrying gradient hooks (see
+    :func:`_raise_hooked`)."""
     for handle in root._all_handles:
         detached = handle.detached_params()
         if detached:
             _raise_detached(root.handle_states[id(handle)], detached)
+        hooked = handle.hooked_params()
+        if hooked:
+            _raise_hooked(root.handle_states[id(handle)], hooked)
         for group in handle.refresh_requires_grad():
             _register_post_backward(root.handle_states[id(handle)], handle, group)
 
@@ -333,14 +337,34 @@ def _raise_detached(state: _FSDPState, fqns: List[str]) -> None:
     ``torch.nn.utils.vector_to_parameters``) is cut loose: the forward would compute on the old
     shard values and the optimizer would update a tensor nothing reads. The root checks every
     handle's parameters at each forward (one storage comparison per parameter) and raises."""
-    names = [f"{state.fqn}.{f}" if state.fqn else f for f in fqns]
     raise RuntimeError(
-        f"composable_shard: {names[:3]}{' and others' if len(names) > 3 else ''} of {state.describe()} no longer "
+        f"composable_shard: {_param_list(state, fqns)} of {state.describe()} no longer "
         "share storage with their flat shard: their .data was replaced after fully_shard (a cast or move of a "
         "submodule such as .half()/.to()/.cuda(), `param.data = ...`, torch.nn.utils.vector_to_parameters). "
         "The forward would compute on the old values and the optimizer would update the new tensors, which nothing "
         "reads. Cast or move the model before fully_shard; to overwrite values, write in place under "
         "torch.no_grad() or use `with unshard_params(model, writeback=True):`.")
+
+
+def _param_list(state: _FSDPState, fqns: List[str]) -> str:
+    """Up to three parameter FQNs (relative to the root), for messages."""
+    names = [f"{state.fqn}.{f}" if state.fqn else f for f in fqns]
+    return f"{names[:3]}{' and others' if len(names) > 3 else ''}"
+
+
+def _raise_hooked(state: _FSDPState, fqns: List[str]) -> None:
+    """A hook registered on an original parameter (``p.register_hook(fn)`` to mask or clip its
+    gradient, ``p.register_post_accumulate_grad_hook(fn)`` to step an optimizer in backward)
+    never runs under fully_shard: the forward computes on views of the unsharded flat buffer,
+    so autograd never reaches the original parameter. Training would go on without the hook,
+    silently. The root checks every handle's parameters at each forward and raises."""
+    raise RuntimeError(
+        f"composable_shard: {_param_list(state, fqns)} of {state.describe()} carry "
+        "gradient hooks (Tensor.register_hook or register_post_accumulate_grad_hook). Under fully_shard the forward "
+        "computes on views of the gathered flat parameter, so autograd never reaches the original parameters and "
+        "these hooks would never run. Remove them (handle.remove()). Instead, change gradients after backward "
+        "through .grad (this rank's slice; `unshard_params(model, with_grads=True)` shows full ones), step the "
+        "optimizer after backward, or manage this module with replicate, which runs parameter hooks.")
 
 
 def _cast_inputs(state: _FSDPState, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:

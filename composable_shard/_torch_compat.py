@@ -25,6 +25,12 @@ versions checked (2.6, 2.11, 2.13).
   exposes the wrapped module: the wrapper is ``torch._dynamo.eval_frame.OptimizedModule`` and
   holds it in ``_orig_mod`` (both unchanged in 2.6 through 2.13). Dynamo is not imported for
   this: a module can only be such a wrapper if dynamo has been imported already.
+* ``has_grad_hooks``: under ``fully_shard`` the original parameters are not in the autograd
+  graph (the forward computes on views of the unsharded flat buffer), so hooks registered on
+  them with ``Tensor.register_hook`` or ``register_post_accumulate_grad_hook`` would never run,
+  silently; the root refuses them at the next forward. No public API lists a tensor's hooks:
+  they live in ``Tensor._backward_hooks`` and ``Tensor._post_accumulate_grad_hooks`` (``None``
+  until one is registered, an empty dict once all are removed; unchanged in 2.6 through 2.13).
 * ``make_wrapper_tensor``: the sharded state dict's values report a parameter's global shape
   while holding only this rank's elements (``_sharded_tensor.ShardedSlice``). A tensor whose
   metadata differs from its storage can only be made with ``torch.Tensor._make_wrapper_subclass``
@@ -93,6 +99,11 @@ def make_wrapper_tensor(cls: Any, shape: "torch.Size", dtype: "torch.dtype", dev
 def is_compiled_module(module: "torch.nn.Module") -> bool:
     """True if ``module.compile()`` was called: calling the module runs the compiled graph."""
     return getattr(module, "_compiled_call_impl", None) is not None
+
+
+def has_grad_hooks(tensor: "torch.Tensor") -> bool:
+    """True if a gradient hook or a post-accumulate-grad hook is registered on ``tensor``."""
+    return bool(tensor._backward_hooks) or bool(tensor._post_accumulate_grad_hooks)  # private, see module docstring
 
 
 def unwrap_compiled(module: "torch.nn.Module") -> "torch.nn.Module":

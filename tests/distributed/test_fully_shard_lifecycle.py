@@ -588,3 +588,42 @@ _GRIDS: Dict[str, Callable[[], None]] = {
 
 def _all_world_sizes_entry(name: str) -> None:
     _GRIDS[name]()
+
+
+# ---------------------------------------------------------------------------- hooks on parameters
+def _hooks_on_parameters(kind: str) -> None:
+    torch.manual_seed(0)
+    model = _shard(make_model())
+    torch.manual_seed(0)
+    reference = make_model()
+    _local_step(model, 0)
+    model.zero_grad()
+    param = model.blocks[1].fc1.weight  # type: ignore[union-attr, index]
+    seen: List[int] = []
+    if kind == "register_hook":  # e.g. masking or clipping this parameter's gradient
+        handle = param.register_hook(lambda g: g * 0)
+    else:  # e.g. an optimizer stepped in backward
+        handle = param.register_post_accumulate_grad_hook(lambda p: seen.append(1))
+    try:
+        _local_step(model, 1)
+    except RuntimeError as e:
+        assert "'blocks.1.fc1.weight'" in str(e) and "would never run" in str(e), e
+    else:
+        raise AssertionError(f"a {kind} hook on an original parameter, which never runs, was accepted")
+    assert not seen
+    # Nothing was left half-done: with the hook removed the model trains as a fresh one would.
+    handle.remove()
+    model.zero_grad()
+    _local_step(model, 1)
+    _global_step(reference, 1)
+    _assert_grads_equal(model, reference, kind)
+
+
+def test_hooks_on_original_parameters_are_refused() -> None:
+    """``p.register_hook(fn)`` and ``p.register_post_accumulate_grad_hook(fn)`` on an original
+    parameter never ran under fully_shard (the forward computes on views of the gathered flat
+    buffer, so autograd never reaches it): a gradient mask or an optimizer-in-backward was
+    skipped, silently. The next forward now raises naming the parameter, changes nothing, and
+    the model trains normally once the hook is removed."""
+    run_distributed(run_subtests, 2, _hooks_on_parameters, {"kind": ["register_hook", "post_accumulate_grad"]},
+                    timeout=60)
