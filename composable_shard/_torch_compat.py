@@ -1,5 +1,5 @@
 """The only uses of private torch APIs in composable_shard, each with why and the torch
-versions checked (2.6, 2.11, 2.13).
+versions checked (2.6, 2.11, 2.13, unless an entry says otherwise).
 
 * ``queue_backward_callback``: a callback that runs once when the current ``backward()``
   finishes is needed to wait for pending gradient reductions before ``backward()`` returns.
@@ -23,14 +23,15 @@ versions checked (2.6, 2.11, 2.13).
   torch's own ``torch.distributed.checkpoint.state_dict`` helpers drop that prefix, and so do
   ours: the state-dict and checkpoint entry points look through the wrapper. No public API
   exposes the wrapped module: the wrapper is ``torch._dynamo.eval_frame.OptimizedModule`` and
-  holds it in ``_orig_mod`` (both unchanged in 2.6 through 2.13). Dynamo is not imported for
+  holds it in ``_orig_mod`` (since torch 2.0; read in the 2.13 sources). Dynamo is not imported for
   this: a module can only be such a wrapper if dynamo has been imported already.
 * ``has_grad_hooks``: under ``fully_shard`` the original parameters are not in the autograd
   graph (the forward computes on views of the unsharded flat buffer), so hooks registered on
   them with ``Tensor.register_hook`` or ``register_post_accumulate_grad_hook`` would never run,
   silently; the root refuses them at the next forward. No public API lists a tensor's hooks:
   they live in ``Tensor._backward_hooks`` and ``Tensor._post_accumulate_grad_hooks`` (``None``
-  until one is registered, an empty dict once all are removed; unchanged in 2.6 through 2.13).
+  until one is registered, an empty dict once all are removed; the second since torch 2.1; read
+  in the 2.13 sources).
 * ``make_wrapper_tensor``: the sharded state dict's values report a parameter's global shape
   while holding only this rank's elements (``_sharded_tensor.ShardedSlice``). A tensor whose
   metadata differs from its storage can only be made with ``torch.Tensor._make_wrapper_subclass``
