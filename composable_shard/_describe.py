@@ -55,6 +55,7 @@ from . import _init_utils, _shard_math
 from ._common_utils import _FSDPState
 from ._mixed_precision import full_precision_classes
 from ._torch_compat import unwrap_compiled
+from ._watch import STEP_AGREEMENT_INTS
 from .api import BackwardPrefetch, MixedPrecision, ShardingStrategy
 from .contract import _get_module_state
 from .replicate import _ReplicateState
@@ -64,7 +65,6 @@ __all__ = ["describe", "ShardingDescription", "ModuleRow"]
 _KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 _KEPT_FROM_FORWARD_TO_BACKWARD = {ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2}
 _STEP_BYTES = 4  # AdamW's float32 ``step`` tensor per parameter; also one used flag (int32)
-_STEP_AGREEMENT = 2  # int32s appended to every used-flags all_reduce ([Note: Step agreement] in _watch.py)
 
 
 @dataclass(frozen=True)
@@ -369,7 +369,7 @@ def _description(model: nn.Module, world: int, planned: bool, handles: Dict[int,
         flags[h.flag_key] = flags.get(h.flag_key, 0) + sum(g.num_params for g in h.groups if g.requires_grad)
         flag_groups[h.flag_key] = (h.shard_world > 1) + (h.replicate_world > 1)
     count = sum(flag_groups[k] for k, n in flags.items() if n)
-    nbytes = sum(flag_groups[k] * (n + _STEP_AGREEMENT) * _STEP_BYTES for k, n in flags.items() if n)
+    nbytes = sum(flag_groups[k] * (n + STEP_AGREEMENT_INTS) * _STEP_BYTES for k, n in flags.items() if n)
     return ShardingDescription(world, planned, tuple(rows), (count, nbytes))
 
 
@@ -406,7 +406,7 @@ def _handle_row(h: _HandleInfo) -> ModuleRow:
 def _replicate_row(fqn: str, state: _ReplicateState) -> ModuleRow:
     bucket_bytes = sum(b.nbytes for b in state.buckets)
     collectives = {"all_reduce": (len(state.buckets) + 1,
-                                  bucket_bytes + _STEP_BYTES * (len(state.params) + _STEP_AGREEMENT))}
+                                  bucket_bytes + _STEP_BYTES * (len(state.params) + STEP_AGREEMENT_INTS))}
     return _full_row(fqn, "replicate", "replicate", state.params, state.reduce_dtype, bucket_bytes, collectives)
 
 

@@ -379,22 +379,21 @@ class FlatParamHandle:
         for p, s in zip(group.orig_params, group.flat_param._shard_slices):
             p.data = shard[s.shard_start:s.shard_start + s.numel]
 
-    def detached_params(self) -> List[str]:
-        """FQNs (relative to the owning module) of original parameters that no longer share
-        storage with their group's flat shard: their ``.data`` was replaced after fully_shard."""
+    def unusable_params(self) -> Tuple[List[str], List[str]]:
+        """FQNs (relative to the owning module) of original parameters the runtime cannot
+        follow, in one pass: ``(detached, hooked)``. Detached ones no longer share storage with
+        their group's flat shard (their ``.data`` was replaced after fully_shard); hooked ones
+        carry gradient hooks, which never run here (see :func:`_torch_compat.has_grad_hooks`)."""
         detached: List[str] = []
+        hooked: List[str] = []
         for group in self.groups:
             base = group.flat_param.untyped_storage().data_ptr()
             for p, fqn in zip(group.orig_params, group.flat_param._fqns):
                 if p.untyped_storage().data_ptr() != base:
                     detached.append(fqn)
-        return detached
-
-    def hooked_params(self) -> List[str]:
-        """FQNs (relative to the owning module) of original parameters that carry gradient
-        hooks, which never run here (see :func:`_torch_compat.has_grad_hooks`)."""
-        return [fqn for group in self.groups for p, fqn in zip(group.orig_params, group.flat_param._fqns)
-                if has_grad_hooks(p)]
+                if has_grad_hooks(p):
+                    hooked.append(fqn)
+        return detached, hooked
 
     # ------------------------------------------------------------------ queries
     @property

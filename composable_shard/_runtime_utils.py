@@ -319,10 +319,9 @@ def _follow_user_changes(root: _FSDPState) -> None:
     [Note: Detached parameters]), and so does one carrying gradient hooks (see
     :func:`_raise_hooked`)."""
     for handle in root._all_handles:
-        detached = handle.detached_params()
+        detached, hooked = handle.unusable_params()
         if detached:
             _raise_detached(root.handle_states[id(handle)], detached)
-        hooked = handle.hooked_params()
         if hooked:
             _raise_hooked(root.handle_states[id(handle)], hooked)
         for group in handle.refresh_requires_grad():

@@ -67,7 +67,8 @@ from .contract import _get_registry
 if TYPE_CHECKING:
     from ._common_utils import _FSDPState
 
-__all__ = ["track", "raise_on_model_change", "optimizer_epoch", "changes_epoch", "StepCounter"]
+__all__ = ["track", "raise_on_model_change", "optimizer_epoch", "changes_epoch", "StepCounter",
+           "STEP_AGREEMENT_INTS"]
 
 
 @dataclass
@@ -174,6 +175,7 @@ def _on_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
 
 
 _MAX_STEPS_AGREED = 255  # d * d summed over ranks stays exact in int32 up to 33,000 ranks
+STEP_AGREEMENT_INTS = 2  # what StepCounter.take() adds to a used-flags all-reduce: d and d * d
 
 
 class StepCounter:

@@ -253,7 +253,7 @@ MUTANTS: List[Mutant] = [
        f"{PACKAGE}/_torch_compat.py", "        module = module._orig_mod  #", "        break  #",
        "tests/distributed/test_compile.py::test_checkpoint_through_torch_compile_wrapper"),
     _m("param_hooks_not_refused", "a gradient hook on an original parameter is accepted and never runs",
-       f"{PACKAGE}/_flat_param.py", "                if has_grad_hooks(p)]", "                if False]",
+       f"{PACKAGE}/_flat_param.py", "                if has_grad_hooks(p):", "                if False:",
        "tests/distributed/test_fully_shard_lifecycle.py::test_hooks_on_original_parameters_are_refused"),
     _m("step_disagreement_ignored", "an optimizer step skipped on one rank (GradScaler) goes unreported",
        f"{PACKAGE}/_watch.py", "if num_ranks * squares == total * total:", "if True:",
