@@ -9,7 +9,9 @@ parameters as they were, and a cast leaves the gradients unaveraged. :func:`guar
 ``FSDPModule._apply`` and ``ReplicateModule._apply``) runs the call and, if it cut any managed
 parameter loose, puts the module back as it was and raises; a call that leaves
 every parameter where it is (``model.to(<its own device>)``, ``.float()`` on float32) is
-allowed. fully_shard's own initialization (``param_init_fn`` calling ``to_empty`` on a parent of
+allowed, and so is one that only copies parameters onto the device and dtype they already have
+(``.to("cpu:0")`` on the CPU, as ``accelerate`` moves models): the originals are put back and
+the call is a no-op. fully_shard's own initialization (``param_init_fn`` calling ``to_empty`` on a parent of
 sharded children) puts parameters back itself and runs unchecked (:func:`applying_during_init`).
 The outermost annotated module of a call checks every nested one's parameters too, so names are
 relative to the module the user called. A plain submodule cast on its own (``model.blocks[0].fc1.half()``) is not seen
@@ -79,8 +81,12 @@ def guard_apply(module: nn.Module, apply: Callable[[], nn.Module]) -> nn.Module:
                if id(p) in owners and (getattr(m, name, None) is not p or _moved(tensors[id(p)][0], tensors[id(p)][1]))}
     if not cut_ids:
         return result
+    copies_only = all(_same_place_copy(getattr(m, name), tensors[id(p)][1])
+                      for m, slots, _ in saved for name, p in slots if id(p) in cut_ids)
     cut = [(n, p) for n, p in module.named_parameters(remove_duplicate=False) if id(p) in cut_ids]  # model order
     _put_back(saved, tensors)
+    if copies_only:
+        return result  # e.g. .to("cpu:0") on the CPU: copies that change nothing; the originals are back
     owner = owners[id(cut[0][1])]
     first = cut[0][1]
     raise RuntimeError(
@@ -97,6 +103,14 @@ def _moved(p: torch.Tensor, before: torch.Tensor) -> bool:
     return (p.dtype != before.dtype or p.device != before.device or p.shape != before.shape
             or p.storage_offset() != before.storage_offset()
             or p.untyped_storage().data_ptr() != before.untyped_storage().data_ptr())
+
+
+def _same_place_copy(p: torch.Tensor, before: torch.Tensor) -> bool:
+    """Was ``p``'s new value (read while it is in place, before :func:`_put_back`) a copy
+    of ``before`` on the same device with the same dtype, shape and values? ``.to("cpu:0")`` on
+    CPU tensors copies them although ``cpu:0`` is the device they are on; such a call changes
+    nothing once the originals are put back, so it is a no-op rather than an error."""
+    return p.dtype == before.dtype and p.device == before.device and p.shape == before.shape and bool(torch.equal(p, before))
 
 
 def _put_back(saved: List[_Saved], tensors: Dict[int, _Tensors]) -> None:

@@ -82,6 +82,7 @@ import torch.nn as nn
 
 from . import _shard_math
 from ._common_utils import HandleTrainingState, _set_fsdp_flattened
+from ._interop import ShardedGrad, as_sharded_grad
 from . import _watch
 from ._streams import Streams
 from ._torch_compat import has_grad_hooks, set_module_tensor, tensor_version
@@ -189,7 +190,11 @@ def set_grad_of_any_shape(p: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
     if grad.shape == p.shape and grad.dtype == p.dtype and grad.device == p.device:
         p.grad = grad
     else:
-        p.grad = torch.empty((), dtype=p.dtype, device=p.device).expand(p.shape)
+        placeholder = torch.empty((), dtype=p.dtype, device=p.device).expand(p.shape)
+        if isinstance(grad, ShardedGrad):  # the object .grad shows keeps clipping's global norm
+            placeholder = placeholder.as_subclass(ShardedGrad)
+            placeholder._cs_source = grad._cs_source
+        p.grad = placeholder
         p.grad.data = grad
     return p.grad  # type: ignore[return-value]  # set above
 
@@ -609,15 +614,19 @@ class FlatParamHandle:
         group.reduced_grad = reduced
         group.reduced = True
 
-    def attach_grads(self, group: FlatGroup, used: Sequence[bool]) -> None:
+    def attach_grads(self, group: FlatGroup, used: Sequence[bool], shard_group: Any, collective_device: torch.device) -> None:
         """After a synced backward: each original parameter's ``.grad`` is its view of the
         sharded gradient if it requires grad and had a gradient before or got one on some rank
-        in this backward (``used``); otherwise ``None``, as local training leaves it."""
+        in this backward (``used``); otherwise ``None``, as local training leaves it. With a
+        ``shard_group`` (one of several ranks) the views are ShardedGrad tensors over it, so
+        torch's ``clip_grad_norm_`` sees the global norm ([Note: torch's clip_grad_norm_ on
+        sharded gradients] in ``_interop.py``)."""
         sharded_grad = group.reduced_grad
         for i, (p, s) in enumerate(zip(group.orig_params, group.flat_param._shard_slices)):
             keep = sharded_grad is not None and group.requires_grad_mask[i] and (group.had_grad[i] or used[i])
             if keep:
-                set_grad_of_any_shape(p, sharded_grad[s.shard_start:s.shard_start + s.numel])  # type: ignore[index]  # checked
+                view = sharded_grad[s.shard_start:s.shard_start + s.numel]  # type: ignore[index]  # checked
+                set_grad_of_any_shape(p, view if shard_group is None else as_sharded_grad(view, shard_group, collective_device))
             else:
                 p.grad = None
         group.sharded_grad_ref = weakref.ref(sharded_grad) if sharded_grad is not None else None

@@ -199,8 +199,10 @@ def attach_reduced_grads(root: _FSDPState) -> Optional[str]:
         if num_ranks > 1 and steps and disagreement is None:
             disagreement = _watch.StepCounter.disagreement(steps, used[len(local):], num_ranks, "fully_shard", _SKIPPED)
         offset = 0
-        for _, handle, group in members:
-            handle.attach_grads(group, [bool(u) for u in used[offset:offset + len(group.orig_params)]])
+        for state, handle, group in members:
+            shard_group = state.process_group if state.process_group is not None and state.world_size > 1 else None
+            handle.attach_grads(group, [bool(u) for u in used[offset:offset + len(group.orig_params)]],
+                                shard_group, state.compute_device)
             offset += len(group.orig_params)
     return disagreement
 

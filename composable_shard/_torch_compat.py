@@ -36,6 +36,17 @@ versions checked (2.6, 2.11, 2.13, unless an entry says otherwise).
   while holding only this rank's elements (``_sharded_tensor.ShardedSlice``). A tensor whose
   metadata differs from its storage can only be made with ``torch.Tensor._make_wrapper_subclass``
   (what ``DTensor`` is built on; same signature in 2.6 through 2.13).
+* ``plain_torch_function``, ``as_plain``: a sharded ``.grad`` is a tensor subclass whose
+  ``__torch_function__`` hands every operation but clipping's norms on to torch unchanged
+  (``_interop.ShardedGrad``, [Note: torch's clip_grad_norm_ on sharded gradients]). Running
+  an operation without re-entering the subclass and getting plain results is what
+  ``torch._C.DisableTorchFunctionSubclass`` does (the context torch's own
+  ``Tensor.__torch_function__`` and its "extending torch" documentation use; unchanged in 2.6
+  through 2.13); there is no public name for it.
+* ``FOREACH_NORM``: torch's ``clip_grad_norm_``/``get_total_norm`` take the norms of a
+  device's gradients with ``torch._foreach_norm`` when asked for ``foreach`` (and per tensor with
+  ``torch.linalg.vector_norm`` otherwise); ``_interop.ShardedGrad`` must recognise that call to
+  combine the norms over ranks. It has no public name (unchanged in 2.6 through 2.13).
 * ``object_collectives_without_numpy``: ``torch.distributed.checkpoint`` exchanges its plans and
   metadata with ``gather_object``/``broadcast_object_list``/``all_gather_object``, which decode
   what arrives with ``distributed_c10d._tensor_to_object`` through ``Tensor.numpy()``. The
@@ -59,7 +70,7 @@ import torch
 import torch.distributed.distributed_c10d as _c10d
 
 __all__ = ["queue_backward_callback", "set_module_tensor", "is_in_backward", "tensor_version", "make_wrapper_tensor",
-           "is_compiled_module", "object_collectives_without_numpy"]
+           "is_compiled_module", "object_collectives_without_numpy", "plain_torch_function", "as_plain", "FOREACH_NORM"]
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:
@@ -142,3 +153,20 @@ def object_collectives_without_numpy() -> Iterator[None]:
         yield
     finally:
         _c10d._tensor_to_object = original  # type: ignore[attr-defined]  # restored
+
+
+FOREACH_NORM = torch._foreach_norm  # private, see module docstring
+
+
+def plain_torch_function(func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """Run ``func`` as on plain tensors: no tensor subclass's ``__torch_function__`` runs inside,
+    and new results are plain tensors (what ``_interop.ShardedGrad`` hands every operation on
+    a gradient to)."""
+    with torch._C.DisableTorchFunctionSubclass():  # private, see module docstring
+        return func(*args, **kwargs)
+
+
+def as_plain(tensor: "torch.Tensor") -> "torch.Tensor":
+    """``tensor`` (maybe of a subclass) as a plain tensor sharing its storage, without running
+    the subclass's ``__torch_function__``."""
+    return plain_torch_function(torch.Tensor.as_subclass, (tensor, torch.Tensor), {})  # type: ignore[no-any-return]

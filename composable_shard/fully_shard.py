@@ -28,6 +28,7 @@ from ._validation import check_bool, check_fully_shard_arguments, check_real
 from ._runtime_utils import register_runtime_hooks, reshard_handle, wait_unshard
 from ._state_dict import check_model_state_dict, register_state_dict_hooks
 from ._streams import Streams
+from ._interop import ForeignWrapperGuard
 from ._subclass import _NoCopyMixin, make_subclass
 from ._traversal_utils import _get_fsdp_states
 from ._unshard_params import unshard_params
@@ -37,7 +38,7 @@ from .contract import _get_module_state, _register_api, contract
 __all__ = ["fully_shard", "FSDPModule", "clip_grad_norm_"]
 
 
-class FSDPModule(_NoCopyMixin):
+class FSDPModule(ForeignWrapperGuard, _NoCopyMixin):
     """Mixin of every fully sharded module (its class becomes ``FSDP<Orig>`` with bases
     ``(FSDPModule, Orig)``). ``copy.deepcopy``/pickle raise: use the state-dict APIs."""
 

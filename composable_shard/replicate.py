@@ -61,6 +61,7 @@ from . import _apply_guard, _collectives, _watch
 from ._common_utils import WeakGroup, WeakHook
 from ._validation import (check_dense_gradients, check_device_id, check_mixed_precision, check_modules,
                           check_process_group, check_real)
+from ._interop import ForeignWrapperGuard
 from ._subclass import _NoCopyMixin, make_subclass
 from ._torch_compat import queue_backward_callback
 from .api import MixedPrecision
@@ -149,7 +150,7 @@ class _ReplicateState(_State):
         return f"replicate (of the module with parameters {', '.join(self.param_names[:3])}{', ...' if len(self.param_names) > 3 else ''})"
 
 
-class ReplicateModule(_NoCopyMixin):
+class ReplicateModule(ForeignWrapperGuard, _NoCopyMixin):
     """Methods a module gains from :func:`replicate` (its class becomes ``Replicate<Orig>``)."""
 
     _api_name = "replicate"

@@ -299,6 +299,19 @@ MUTANTS: List[Mutant] = [
     _m("set_reshard_after_backward_always_recursive", "set_reshard_after_backward(flag, recurse=False) reaches children",
        _FULLY_SHARD, "for s in self._states(recurse):\n            s.reshard_after_backward",
        "for s in self._states(True):\n            s.reshard_after_backward", f"{_METHODS}[2]"),
+    # ---------------------------------------------------------------- interoperability
+    _m("torch_clip_sees_local_norm", "torch.nn.utils.clip_grad_norm_ clips each rank's slices by its own norm",
+       f"{PACKAGE}/_interop.py", "    return caller is not None and caller.f_globals.get(\"__name__\") == _CLIP_MODULE",
+       "    return False", "tests/distributed/test_interop.py::test_torch_clip_grad_norm_uses_the_global_norm[2]"),
+    _m("torch_clip_sums_norms_not_powers", "partial norms are summed instead of their p-th powers",
+       f"{PACKAGE}/_interop.py", "    return norms if math.isinf(order) or order == 0 else norms.pow(order)",
+       "    return norms", "tests/distributed/test_interop.py::test_torch_clip_grad_norm_uses_the_global_norm[2]"),
+    _m("foreign_wrappers_allowed", "DistributedDataParallel around a sharded model broadcasts rank 0's slices",
+       f"{PACKAGE}/_interop.py", "    if wrapper is None:\n        return", "    if True:\n        return",
+       "tests/distributed/test_interop.py::test_torch_data_parallel_wrappers_are_refused_at_construction"),
+    _m("same_device_copy_refused", ".to('cpu:0') on the CPU raises instead of being a no-op",
+       f"{PACKAGE}/_apply_guard.py", "    if copies_only:\n", "    if False:\n",
+       "tests/distributed/test_interop.py::test_moves_to_the_shards_own_device_are_no_ops"),
 ]
 
 
