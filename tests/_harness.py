@@ -191,6 +191,9 @@ def run_subtests(fn: Callable[..., None], grid: Mapping[str, Sequence[Any]], **f
     overlap = sorted(set(grid) & set(fixed))
     if overlap:
         raise ValueError(f"run_subtests: keys {overlap} are both in grid and fixed")
+    empty = [key for key, values in grid.items() if len(values) == 0]
+    if not grid or empty:  # a grid of no combination would run nothing and pass
+        raise ValueError(f"run_subtests: the grid has no combination (empty: {empty or 'the grid itself'})")
     for values in itertools.product(*grid.values()):
         combo = dict(zip(grid, values))
         try:

@@ -220,6 +220,9 @@ def test_subtests_validate_and_chain_without_process_group() -> None:
     with pytest.raises(SubtestError, match=r"subtest \{'a': 2\} failed: KeyError") as info:
         run_subtests(only_one, {"a": [1, 2]})
     assert isinstance(info.value.__cause__, KeyError)
+    for empty in ({}, {"a": [1], "b": []}):  # no combination: nothing would run, and it would pass
+        with pytest.raises(ValueError, match="no combination"):
+            run_subtests(lambda **kw: None, empty)
 
 
 def test_back_to_back_runs_get_fresh_ports(tmp_path: Path) -> None:

@@ -17,6 +17,26 @@ def _is_type_checking_block(node: ast.AST) -> bool:
     return isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
 
 
+_PACKAGE_NAME = "composable_shard"
+
+
+def _package_modules(node: ast.AST) -> List[str]:
+    """The package's top-level modules an import statement names, relative (``from . import
+    x``, ``from .x import y``) or absolute (``import composable_shard.x``, ``from
+    composable_shard import x``, ``from composable_shard.x import y``); [] for other imports."""
+    if isinstance(node, ast.ImportFrom):
+        if node.level == 1 or (node.level == 0 and node.module is not None
+                               and node.module.split(".")[0] == _PACKAGE_NAME):
+            inner = (node.module or "").split(".")[0 if node.level == 1 else 1:]
+            if inner and inner[0]:
+                return [inner[0]]
+            return [alias.name for alias in node.names]
+    if isinstance(node, ast.Import):
+        parts = [alias.name.split(".") for alias in node.names]
+        return [p[1] for p in parts if p[0] == _PACKAGE_NAME and len(p) > 1]
+    return []
+
+
 def _runtime_imports(tree: ast.Module) -> Set[str]:
     """Package modules imported at module level, outside ``if TYPE_CHECKING:``."""
     found: Set[str] = set()
@@ -24,11 +44,7 @@ def _runtime_imports(tree: ast.Module) -> Set[str]:
         if _is_type_checking_block(node):
             continue
         for sub in ast.walk(node):
-            if isinstance(sub, ast.ImportFrom) and sub.level == 1:
-                if sub.module:
-                    found.add(sub.module.split(".")[0])
-                else:
-                    found.update(alias.name for alias in sub.names)
+            found.update(_package_modules(sub))
     return found
 
 
@@ -37,9 +53,24 @@ def _imports_inside_functions(tree: ast.Module) -> List[int]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             for sub in ast.walk(node):
-                if isinstance(sub, ast.ImportFrom) and sub.level == 1:
+                if _package_modules(sub):
                     lines.append(sub.lineno)
     return lines
+
+
+def test_the_checks_see_every_form_of_package_import() -> None:
+    """Planted sources: each form of importing a package module is an edge (and, inside a
+    function, a hidden import); imports of other packages are not."""
+    forms = {"from . import _a": {"_a"}, "from ._a import f": {"_a"}, "from ._a.sub import f": {"_a"},
+             "import composable_shard._a": {"_a"}, "import composable_shard._a as m": {"_a"},
+             "from composable_shard import _a": {"_a"}, "from composable_shard._a import f": {"_a"},
+             "import torch.distributed": set(), "from torch import nn": set(), "import composable_shard": set()}
+    for source, expected in forms.items():
+        assert _runtime_imports(ast.parse(source)) == expected, source
+        hidden = _imports_inside_functions(ast.parse(f"def f():\n    {source}\n"))
+        assert hidden == ([2] if expected else []), source
+    typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from composable_shard._a import A\n"
+    assert _runtime_imports(ast.parse(typed)) == set()
 
 
 def _graph() -> Dict[str, Set[str]]:
