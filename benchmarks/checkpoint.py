@@ -2,7 +2,7 @@
 composable_shard's state-dict API against torch FSDP2's, side by side in one run.
 
     python benchmarks/checkpoint.py [--world-size 2] [--blocks 4] [--rounds 10] [--warmup 1]
-                                    [--no-fsync] [--dir DIR] [--json PATH] [--quick]
+                                    [--no-fsync] [--dir DIR] [--json PATH] [--quick] [--library DIR]
 
 ``--quick`` (a smoke run) is ``--warmup 1 --rounds 2``. Needs the counting CPU allocator of
 ``benchmarks/memory.py`` (a C++ compiler and ``pip install ninja``; built once, cached).
@@ -44,6 +44,13 @@ composable_shard's state-dict API against torch FSDP2's, side by side in one run
              gc.collect()) minus live at its start, which must be 0. Both contenders share each
              rank, so the absolute peak of one is reported as "alone" = its training state
              (parameters + AdamW state, memory.py's ``held_storages``) + extra.
+  ours only  each round also runs, for fully_shard only, the library's own ``save_checkpoint``
+             (checksums, atomic publish) and, after the same perturbation, ``load_checkpoint``
+             (verification, then an all-or-nothing load: it keeps a copy of the rank's own model
+             shard and optimizer state while it runs, see [Note: All-or-nothing loads]), then the
+             same verify; measured like save and load ("save_checkpoint", "load_checkpoint").
+             --library DIR imports composable_shard from DIR (e.g. a worktree of an earlier
+             commit): the before/after figures of a library change from one benchmark file.
   storage    DCP's default FileSystemWriter (one file per rank, fsync'ed; --no-fsync passes
              ``FileSystemWriter(path, sync_files=False)`` to both) under --dir (default: the
              system's temporary directory). Loads read files just written: the page cache.
@@ -79,6 +86,7 @@ CONTENDERS = ("fully_shard", "torch_fsdp2")
 OURS, THEIRS = CONTENDERS
 TARGET = 1.00  # every figure: fully_shard / torch_fsdp2 <= 1.00
 OPS = ("save", "load")
+CKPT_OPS = ("save_checkpoint", "load_checkpoint")  # the library's own API, fully_shard only
 LOSS_TOLERANCE = 1e-4
 
 
@@ -90,9 +98,9 @@ class Contender:
     model: torch.nn.Module
     optim: torch.optim.Optimizer
     reference: Dict[str, Any] = field(default_factory=dict)  # flattened, cloned full state dict
-    ms: Dict[str, List[float]] = field(default_factory=lambda: {op: [] for op in OPS})
-    extra: Dict[str, List[int]] = field(default_factory=lambda: {op: [] for op in OPS})
-    retained: Dict[str, List[int]] = field(default_factory=lambda: {op: [] for op in OPS})
+    ms: Dict[str, List[float]] = field(default_factory=lambda: {op: [] for op in OPS + CKPT_OPS})
+    extra: Dict[str, List[int]] = field(default_factory=lambda: {op: [] for op in OPS + CKPT_OPS})
+    retained: Dict[str, List[int]] = field(default_factory=lambda: {op: [] for op in OPS + CKPT_OPS})
     disk_bytes: List[int] = field(default_factory=list)
 
 
@@ -243,6 +251,16 @@ def one_round(c: Contender, path: str, fsync: bool, record: bool, rank: int) -> 
     dist.barrier()
     if rank == 0:
         shutil.rmtree(path)
+    if c.name == OURS:  # the library's own checkpoint API (no FSDP2 counterpart)
+        from composable_shard import load_checkpoint, save_checkpoint
+        published = path + "_published"
+        figures["save_checkpoint"] = measured(lambda: save_checkpoint(published, c.model, c.optim))
+        perturb(c)
+        figures["load_checkpoint"] = measured(lambda: load_checkpoint(published, c.model, c.optim))
+        verify(c, f"checkpoint {os.path.basename(published)}")
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(published)
     if record:
         for op, (ms, extra, retained) in figures.items():
             c.ms[op].append(ms)
@@ -333,6 +351,11 @@ def report_rank0(rank: int, args: argparse.Namespace, cs: List[Contender], info:
             row[f"{op}_extra_bytes"] = _spread(extra)
             row[f"{op}_retained_bytes"] = max(_over_ranks([float(x) for x in c.retained[op]], dist.ReduceOp.MAX))
             row[f"{op}_alone_bytes"] = info["held"][c.name] + max(extra)
+        for op in CKPT_OPS:
+            if c.ms[op]:  # the same contenders on every rank: every rank takes part
+                row[f"{op}_ms"] = _spread(c.ms[op])
+                row[f"{op}_extra_bytes"] = _spread(_over_ranks([float(x) for x in c.extra[op]], dist.ReduceOp.MAX))
+                row[f"{op}_retained_bytes"] = max(_over_ranks([float(x) for x in c.retained[op]], dist.ReduceOp.MAX))
         rows[c.name] = row
     if rank != 0:
         return
@@ -352,6 +375,8 @@ def print_report(args: argparse.Namespace, cs: List[Contender], rows: Dict[str, 
           f"W={args.world_size} gloo, torch {torch.__version__}; {args.warmup} warm-up + {args.rounds} timed rounds "
           f"(contenders alternate, order flipped every round); fsync {'on' if args.fsync else 'off'}; "
           f"load average {loadavg[0]:.1f} at start, {loadavg[1]:.1f} at end ({os.cpu_count()} CPUs)")
+    import composable_shard
+    print(f"composable_shard from {os.path.dirname(os.path.dirname(os.path.abspath(composable_shard.__file__)))}")
     print(f"allocator validation (1 MiB self-test, every rank): {'ok' if valid else 'FAILED'}; "
           f"every save/load verified: full state dict after load == saved (exact)")
     print("training step losses (mean over ranks): " + ", ".join(f"{n} {v:.6f}" for n, v in info["losses"].items())
@@ -374,6 +399,13 @@ def print_report(args: argparse.Namespace, cs: List[Contender], rows: Dict[str, 
               f"{row['load_ms_max_rank']['median']:.1f} ms; alone peak (state + extra): save "
               f"{row['save_alone_bytes'] / MB:.2f} MB, load {row['load_alone_bytes'] / MB:.2f} MB; retained after: "
               + (", ".join(f"{op} {v:,.0f} B" for op, v in leaks.items()) + "  (NOT FREED)" if leaks else "0 B"))
+    for name, row in rows.items():
+        for op in CKPT_OPS:
+            if f"{op}_ms" in row:
+                t, extra = row[f"{op}_ms"], row[f"{op}_extra_bytes"]
+                print(f"  {name:<13} {op}: ms {t['min']:.1f} / {t['median']:.1f} / {t['max']:.1f}; extra "
+                      f"{extra['max'] / MB:.2f} MB (min {extra['min'] / MB:.2f}); retained after "
+                      f"{row[f'{op}_retained_bytes']:,.0f} B")
     ratios = print_ratios(cs, rows)
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__, "world_size": args.world_size,
             "blocks": args.blocks, "rounds": args.rounds, "warmup": args.warmup, "fsync": args.fsync,
@@ -413,6 +445,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--dir", default="", help="where the checkpoints are written (default: the system temp dir)")
     p.add_argument("--json", default="", help="also write the results to this path")
     p.add_argument("--quick", action="store_true", help="smoke run: --warmup 1 --rounds 2")
+    p.add_argument("--library", default="", help="import composable_shard from this directory (e.g. a worktree)")
     args = p.parse_args(argv)
     if args.quick:
         args.warmup, args.rounds = 1, 2
@@ -423,6 +456,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
+    if args.library:  # spawned ranks inherit sys.path
+        sys.path.insert(0, os.path.abspath(args.library))
     t0 = time.perf_counter()
     so_path = ca.build()
     print(f"counting allocator: {so_path} ({time.perf_counter() - t0:.1f} s to build/load)")

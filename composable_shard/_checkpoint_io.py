@@ -16,7 +16,21 @@
   extra, truncated or altered file raises on every rank, naming it), before anything is read
   into the model or optimizer. DCP itself stores no checksum: a flipped bit in a tensor's bytes
   loads as a wrong value, and a truncated file fails with an error that does not name it.
-  Verification reads the whole checkpoint once, on rank 0.
+  Verification reads the whole checkpoint once, on rank 0. A load that fails after that (a
+  file changed since, a rank that reads another copy, any error on any rank) leaves model and
+  optimizer as they were on every rank and raises the same error everywhere: see [Note:
+  All-or-nothing loads] in ``_load_transaction.py``.
+
+[Note: Reading stays in the folder]
+  DCP's reader opens ``<folder>/<relative_path>`` for every entry of ``.metadata``'s
+  ``storage_data``, as written there (a ``str`` or a ``pathlib`` path): an absolute path, a
+  ``..`` component or a symbolic link in the folder would make it read any file the process
+  can read (and hang on a FIFO), and checksums do not help. :class:`SafeFileSystemReader`
+  refuses such an entry when it reads ``.metadata`` and again when DCP hands it metadata
+  (``set_up_storage_reader``), naming the entry and its path, before any data is read; and
+  checks each file again just before opening it. ``load_checkpoint`` reads ``.metadata`` on
+  every rank before rank 0 hashes the files, and hashing, ``checksums.json`` and
+  ``.metadata`` itself refuse a file that resolves outside the folder or is not a regular file.
 
 [Note: Loading executes nothing]
   DCP's default reader unpickles ``.metadata`` with ``pickle.load`` and its default planner
@@ -35,6 +49,7 @@ assumed shared by all ranks, as DCP's ``FileSystemWriter`` assumes.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -42,19 +57,20 @@ import os
 import pickle
 import re
 import secrets
+import stat
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
 
-from . import _collectives
-from ._optim_state_dict import get_optimizer_state_dict, param_groups_by_fqn, set_optimizer_state_dict
-from ._state_dict import get_model_state_dict, set_model_state_dict
+from ._load_transaction import agree_or_raise, from_rank, is_distributed, rank_of, transaction
+from ._optim_state_dict import param_groups_by_fqn, set_optimizer_state_dict, sharded_optim_views
+from ._state_dict import get_model_state_dict, set_model_state_dict, sharded_model_views
 from ._torch_compat import object_collectives_without_numpy, unwrap_compiled
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "export_safetensors", "SafeFileSystemReader",
@@ -93,13 +109,70 @@ class _MetadataUnpickler(pickle.Unpickler):
                                     "altered or is not a checkpoint; nothing was loaded.")
 
 
+def _leaves_folder(root: str, name: Any) -> str:
+    """Why the file ``name`` (a path relative to the checkpoint folder ``root``, as stored in
+    ``.metadata``) is not a file of that folder, or '' (see [Note: Reading stays in the folder])."""
+    if isinstance(name, os.PathLike):
+        name = os.fspath(name)
+    if not isinstance(name, str):
+        return f"is a {type(name).__name__}, not a file name"
+    if not name or "\x00" in name:
+        return "is not a file name"
+    if os.path.isabs(name):
+        return "is an absolute path"
+    if ".." in name.replace(os.sep, "/").split("/"):
+        return "has a '..' component"
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(os.path.join(root, name))
+    if not real.startswith(real_root.rstrip(os.sep) + os.sep):
+        return f"resolves (through a symbolic link) to {real}, outside the checkpoint folder"
+    if not os.path.exists(real):
+        return "does not exist"
+    if not stat.S_ISREG(os.stat(real).st_mode):
+        return "is not a regular file"
+    return ""
+
+
+def _check_storage_paths(metadata: Metadata, root: str, source: str) -> None:
+    """Raise ``UnsafeCheckpointError`` naming an entry and its path if any entry of
+    ``metadata.storage_data`` is stored outside ``root``; reads no data."""
+    by_path: Dict[Any, List[Any]] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        name = getattr(info, "relative_path", None)
+        by_path.setdefault(name if isinstance(name, (str, os.PathLike)) else repr(name), []).append(index)
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not (isinstance(offset, int) and isinstance(length, int) and offset >= 0 and length >= 0):
+            raise UnsafeCheckpointError(f"{source}: the entry {_entry(index)} has no valid byte range ({offset!r}, "
+                                        f"{length!r}); the file was altered. Nothing was read.")
+    for name, indices in by_path.items():
+        reason = _leaves_folder(root, name)
+        if reason:
+            first = sorted(indices, key=_entry)[0]
+            more = f" (and {len(indices) - 1} more entries)" if len(indices) > 1 else ""
+            raise UnsafeCheckpointError(
+                f"{source}: the entry {_entry(first)}{more} is stored at {os.fspath(name)!r}, which {reason}. A "
+                f"checkpoint's data files lie in its own folder ({root}); this .metadata was altered (checksums "
+                "rewritten along with it prove nothing). Refused before reading any data; nothing was loaded.")
+
+
+def _entry(index: Any) -> str:
+    fqn, offset = getattr(index, "fqn", index), getattr(index, "offset", None)
+    return f"{fqn!r}" + (f" (chunk at {tuple(offset)})" if offset is not None else "")
+
+
 class SafeFileSystemReader(FileSystemReader):
     """DCP's ``FileSystemReader`` whose ``.metadata`` is read with an allow-list unpickler
-    (see [Note: Loading executes nothing]); pass it to ``dcp.load(storage_reader=...)``."""
+    (see [Note: Loading executes nothing]) and which reads no file outside the checkpoint
+    folder (see [Note: Reading stays in the folder]); pass it to ``dcp.load(storage_reader=...)``."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
-        path = os.path.join(os.fspath(self.path), ".metadata" if rank is None else f"__{rank}.metadata")
+        root = os.fspath(self.path)
+        name = ".metadata" if rank is None else f"__{rank}.metadata"
+        path = os.path.join(root, name)
+        reason = _leaves_folder(root, name)
+        if reason:
+            raise UnsafeCheckpointError(f"{path} {reason}; refused to read it")
         with open(path, "rb") as f:
             try:
                 metadata = _MetadataUnpickler(f, path).load()
@@ -109,10 +182,50 @@ class SafeFileSystemReader(FileSystemReader):
                 raise UnsafeCheckpointError(f"{path}: not a readable DCP metadata file ({type(e).__name__}: {e})") from e
         if not isinstance(metadata, Metadata):
             raise UnsafeCheckpointError(f"{path}: holds a {type(metadata).__name__}, not DCP Metadata")
+        _check_storage_paths(metadata, root, path)
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id  # what FileSystemReader.read_metadata does after unpickling
         return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        _check_storage_paths(metadata, os.fspath(self.path), "the checkpoint's metadata")  # from wherever it came
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """DCP's reading, one file at a time, each checked (again, just before it is opened) to
+        lie in the folder; a failure names the file and, read again one entry at a time, the
+        entry (DCP's own error, e.g. a truncated zip archive, names neither)."""
+        root = os.fspath(self.path)
+        per_file: Dict[str, List[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(os.fspath(self.storage_data[item.storage_index].relative_path), []).append(item)
+        for name, items in per_file.items():
+            reason = _leaves_folder(root, name)
+            if reason:
+                raise UnsafeCheckpointError(f"{os.path.join(root, name)} {reason}; refused to read it")
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except Exception as e:
+                raise RuntimeError(self._read_failure(plan, planner, name, items, e)) from e
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _read_failure(self, plan: LoadPlan, planner: LoadPlanner, name: str, items: List[ReadItem],
+                      error: Exception) -> str:
+        """The message for a failed read of file ``name``: the first of its entries that fails alone."""
+        where = ""
+        for item in items:
+            try:
+                super().read_data(dataclasses.replace(plan, items=[item]), planner).wait()
+            except Exception as e:
+                info = self.storage_data[item.storage_index]
+                where, error = f" the entry {_entry(item.storage_index)} ({info.length} bytes at {info.offset})", e
+                break
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        return (f"{os.path.join(os.fspath(self.path), name)}: reading{where or ' it'} failed ({type(error).__name__}: "
+                f"{first_line}); the file is truncated or damaged")
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -136,41 +249,32 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 def _training_state(model: nn.Module, optim: Optional[torch.optim.Optimizer]) -> Dict[str, Any]:
-    state: Dict[str, Any] = {"model": get_model_state_dict(model, full=False)}
+    # Views of the live state (the public get_* copy): dcp.save reads and dcp.load writes the
+    # shards in place, no copy of the rank's state (see [Note: State dicts own their tensors]).
+    state: Dict[str, Any] = {"model": sharded_model_views(model)}
     if optim is not None:
-        state["optim"] = get_optimizer_state_dict(model, optim, full=False)
+        state["optim"] = sharded_optim_views(model, optim)
     return state
 
 
 # ---------------------------------------------------------------------------- rank-0 decisions
 def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
+    return is_distributed()
 
 
 def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
+    return rank_of()
 
 
 def _from_rank0(message: str) -> str:
     """Rank 0's ``message`` on every rank (UTF-8 bytes in a tensor broadcast; '' on others)."""
-    if not _distributed():
-        return message
-    data = torch.tensor(list(message.encode()), dtype=torch.uint8)
-    size = torch.tensor([data.numel()], dtype=torch.int64)
-    _collectives.broadcast(size, 0, None, tag="checkpoint_message_size")
-    buffer = data if _rank() == 0 else torch.empty(int(size.item()), dtype=torch.uint8)
-    if buffer.numel():
-        _collectives.broadcast(buffer, 0, None, tag="checkpoint_message")
-    return bytes(buffer.tolist()).decode()
+    return from_rank(message, 0)
 
 
 def _agree_or_raise(error: str, api: str) -> None:
-    """Raise on every rank if any rank has an error (rank 0's message, else the first failing rank's number)."""
-    if _distributed():
-        failed = [r for r, (flag,) in enumerate(_collectives.exchange([1 if error else 0], None, tag=api)) if flag]
-        if failed and failed[0] != 0:
-            raise RuntimeError(f"{api}: rank {failed[0]} refused the checkpoint" + (f": {error}" if error else ""))
-    _raise_from_rank0(error if _rank() == 0 else "", api)
+    """Raise on every rank if any rank has an error: the lowest failing rank's message, the
+    same on every rank (see :func:`agree_or_raise`)."""
+    agree_or_raise(error, api)
 
 
 def _raise_from_rank0(error: str, api: str) -> None:
@@ -228,33 +332,79 @@ def _claim_new_directory(path: str, api: str, advice: str) -> str:
     return _from_rank0(tmp)
 
 
-def _verify(path: str) -> str:
-    """Rank 0: every file of ``path`` matches ``checksums.json``. Returns an error or ''."""
+def _read_listing(path: str) -> Tuple[str, Dict[str, str]]:
+    """Rank 0: ``(error or '', {file: sha256})`` of ``path``'s ``checksums.json``, which must
+    list exactly the folder's files. Reads no other file."""
     listing = os.path.join(path, CHECKSUMS)
     if not os.path.isdir(path):
-        return f"no checkpoint at {path} (a save that did not finish publishes nothing)"
+        return f"no checkpoint at {path} (a save that did not finish publishes nothing)", {}
     try:
+        reason = _leaves_folder(path, CHECKSUMS) if os.path.lexists(listing) else ""
+        if reason:
+            raise ValueError(f"it {reason}")
         with open(listing) as f:
             expected = json.load(f)
         if not isinstance(expected, dict) or not all(isinstance(v, str) for v in expected.values()):
             raise ValueError("not a {file: sha256} object")
     except (OSError, ValueError) as e:
         return (f"{listing} is missing or unreadable ({type(e).__name__}: {e}); not a checkpoint that "
-                "save_checkpoint published, or a damaged one")
+                "save_checkpoint published, or a damaged one"), {}
     present = _files(path)
     missing, extra = sorted(set(expected) - set(present)), sorted(set(present) - set(expected))
     if missing:
-        return f"{os.path.join(path, missing[0])} is missing (listed in {CHECKSUMS})"
+        return f"{os.path.join(path, missing[0])} is missing (listed in {CHECKSUMS})", {}
     if extra:
-        return f"{os.path.join(path, extra[0])} is not part of the checkpoint (not listed in {CHECKSUMS})"
+        return f"{os.path.join(path, extra[0])} is not part of the checkpoint (not listed in {CHECKSUMS})", {}
     for name in sorted(expected):
         if os.path.basename(name) != name:
-            return f"{listing} lists {name!r}, which is not a file of the checkpoint directory"
+            return f"{listing} lists {name!r}, which is not a file of the checkpoint directory", {}
+    return "", expected
+
+
+def _verify_hashes(path: str, expected: Dict[str, str]) -> str:
+    """Rank 0: every listed file of ``path`` lies in the folder and matches its sha256. Returns an error or ''."""
+    for name in sorted(expected):
+        reason = _leaves_folder(path, name)
+        if reason:
+            return f"{os.path.join(path, name)} {reason}; refused to read it"
         actual = _sha256(os.path.join(path, name))
         if actual != expected[name]:
             return (f"{os.path.join(path, name)} is damaged: its sha256 is {actual}, the checkpoint recorded "
                     f"{expected[name]} (truncated, altered or overwritten after the save)")
     return ""
+
+
+def _verify(path: str) -> str:
+    """Rank 0: every file of ``path`` matches ``checksums.json``. Returns an error or ''."""
+    error, expected = _read_listing(path)
+    return error or _verify_hashes(path, expected)
+
+
+def _check_before_loading(path: str) -> None:
+    """Step 1 of a load: rank 0 checks the listing; every rank reads ``.metadata`` (refusing
+    a storage path outside the folder, naming the entry); rank 0 checks every file's sha256.
+    Raises the first problem found; nothing was read but ``checksums.json``, ``.metadata``
+    and, on rank 0, the folder's files."""
+    expected: Dict[str, str] = {}
+    if _rank() == 0:
+        error, expected = _read_listing(path)
+        if error:
+            raise RuntimeError(error)
+    SafeFileSystemReader(path).read_metadata()
+    if _rank() == 0:
+        error = _verify_hashes(path, expected)
+        if error:
+            raise RuntimeError(error)
+
+
+def _check_param_groups(path: str, model: nn.Module, optim: Optional[torch.optim.Optimizer]) -> Dict[str, Any]:
+    """Step 2 of a load: the optimizer's ``param_groups`` entries read alone (plain data, see
+    [Note: Loading executes nothing]); then the sharded state dicts that DCP loads into."""
+    if optim is not None:
+        groups = {"optim": {"param_groups": param_groups_by_fqn(model, optim)}}
+        dcp.load(groups, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(allow_partial_load=True),
+                 no_dist=True)
+    return _training_state(model, optim)
 
 
 # ---------------------------------------------------------------------------- public
@@ -286,7 +436,11 @@ def load_checkpoint(path: str, model: nn.Module, optim: Optional[torch.optim.Opt
     """Load a checkpoint that :func:`save_checkpoint` published into ``model`` (and
     ``optim``), at any world size and sharding strategy. Every file is checked against the
     checkpoint's checksums first: a missing, truncated or altered file raises, naming it, with
-    model and optimizer untouched. Collective.
+    model and optimizer untouched. A ``.metadata`` that points outside the folder is refused,
+    naming the entry, before any data is read. All or nothing: if the load fails on any rank,
+    at any point, model and optimizer are as they were on every rank and every rank raises the
+    same error (this takes a copy of the rank's own model shard and optimizer state while
+    loading). Collective.
 
     Example::
 
@@ -300,26 +454,18 @@ def load_checkpoint(path: str, model: nn.Module, optim: Optional[torch.optim.Opt
         optim: its optimizer (built on the model's parameters), or None.
     """
     model = unwrap_compiled(model)  # torch.compile's wrapper: the names without its prefix
+    if not isinstance(model, nn.Module) or not (optim is None or isinstance(optim, torch.optim.Optimizer)):
+        raise TypeError(f"load_checkpoint: expected an nn.Module and a torch.optim.Optimizer (or None), got "
+                        f"{type(model).__name__} and {type(optim).__name__}")
     path = os.path.abspath(os.fspath(path))
-    _raise_from_rank0(_verify(path) if _rank() == 0 else "", "load_checkpoint")
-    error = ""
-    try:  # everything that is not a tensor is checked first: a refusal then changes nothing
-        SafeFileSystemReader(path).read_metadata()
+    with transaction("load_checkpoint", model, optim, None) as txn:  # see [Note: All-or-nothing loads]
+        txn.step(lambda: _check_before_loading(path))
+        state = txn.step(lambda: _check_param_groups(path, model, optim))
+        with object_collectives_without_numpy():  # collective: DCP raises any rank's failure on every rank
+            dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
+        set_model_state_dict(model, state["model"])  # part of this transaction (no snapshot, no agreement of its own)
         if optim is not None:
-            groups = {"optim": {"param_groups": param_groups_by_fqn(model, optim)}}
-            dcp.load(groups, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(allow_partial_load=True),
-                     no_dist=True)
-    except (UnsafeCheckpointError, OSError) as e:
-        error = str(e)
-    except dcp.api.CheckpointException as e:
-        error = f"{path}: {e}"
-    _agree_or_raise(error, "load_checkpoint")
-    state = _training_state(model, optim)
-    with object_collectives_without_numpy():
-        dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
-    set_model_state_dict(model, state["model"])
-    if optim is not None:
-        set_optimizer_state_dict(model, optim, state["optim"])
+            set_optimizer_state_dict(model, optim, state["optim"])
 
 
 def latest_checkpoint(root: str) -> Optional[Tuple[int, str]]:

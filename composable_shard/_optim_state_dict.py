@@ -10,8 +10,15 @@ shaped like the parameter's 1-D slice on this rank (AdamW's ``exp_avg``, SGD's
 * Full: each slice-shaped state is all-gathered with its flat group (one all-gather per group
   and state name) into the parameter's full shape.
 * Sharded: each slice-shaped state becomes a :class:`ShardedSlice` of the parameter's global
-  shape over the rank's elements (a view of the optimizer's state tensor): no collective, and
-  ``dcp.load`` writes straight into the optimizer's state.
+  shape over the rank's elements: no collective. :func:`get_optimizer_state_dict` copies the
+  rank's elements; :func:`sharded_optim_views` (the checkpoint functions') gives views of the
+  optimizer's state tensors, which ``dcp.save`` reads and ``dcp.load`` writes in place.
+* Ownership (API.md, [Note: State dicts own their tensors] in ``_state_dict.py``): nothing
+  :func:`get_optimizer_state_dict` returns aliases the optimizer's state (``step`` tensors,
+  tensor hyper-parameters included): what is gathered is new, everything else is copied.
+  :func:`set_optimizer_state_dict` copies what it loads (torch's ``Optimizer.load_state_dict``
+  keeps the given tensors: two optimizers loaded from one state dict would share ``step``),
+  except a value that is already the optimizer's own state for that parameter (a view load).
 * An optimizer that has not stepped has no state to describe (or to load a checkpoint into):
   its state is created first as its own first ``step()`` would create it, with zero
   gradients and ``lr=0`` (parameters unchanged) and the step counters reset to 0.
@@ -28,9 +35,10 @@ import torch.nn as nn
 from . import _collectives
 from ._sharded_tensor import ShardedSlice
 from ._state_dict import Managed, full_values, global_rank, local_slice, managed_params
+from ._load_transaction import transactional
 from ._torch_compat import unwrap_compiled
 
-__all__ = ["get_optimizer_state_dict", "set_optimizer_state_dict", "param_groups_by_fqn"]
+__all__ = ["get_optimizer_state_dict", "set_optimizer_state_dict", "param_groups_by_fqn", "sharded_optim_views"]
 
 
 def _check(api: str, module: Any, optim: Any) -> None:
@@ -60,12 +68,23 @@ def _param_names(api: str, module: nn.Module, optim: torch.optim.Optimizer) -> T
     return fqns, managed
 
 
+def _copied(value: Any) -> Any:
+    """``value`` with every tensor in it (in tuples, lists, dicts) copied."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if type(value) in (tuple, list):
+        return type(value)(_copied(v) for v in value)
+    if type(value) is dict:
+        return {k: _copied(v) for k, v in value.items()}
+    return value
+
+
 def _groups(optim: torch.optim.Optimizer, fqns: List[str]) -> List[Dict[str, Any]]:
     groups = []
     position = 0
     for group in optim.param_groups:
         n = len(group["params"])
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": fqns[position:position + n]})
+        groups.append({**{k: _copied(v) for k, v in group.items() if k != "params"}, "params": fqns[position:position + n]})
         position += n
     return groups
 
@@ -116,7 +135,8 @@ def _init_state(optim: torch.optim.Optimizer) -> None:
 
 def get_optimizer_state_dict(module: nn.Module, optim: torch.optim.Optimizer, *, full: bool = True,
                              cpu_offload: bool = False, rank0_only: bool = False) -> Dict[str, Any]:
-    """``optim``'s state dict keyed by parameter FQN (see the module docstring).
+    """``optim``'s state dict keyed by parameter FQN (see the module docstring); its tensors
+    are its own (``step`` included): none aliases the optimizer's state.
 
     Example::
 
@@ -127,7 +147,7 @@ def get_optimizer_state_dict(module: nn.Module, optim: torch.optim.Optimizer, *,
         module: the model the optimizer was built on.
         optim: its optimizer (state created first if it has not stepped).
         full: True: full-shaped state tensors (all-gathered); False: :class:`ShardedSlice`
-            values, no collective.
+            values over copies of this rank's elements, no collective.
         cpu_offload: every tensor on the CPU.
         rank0_only: (full only) ranks other than 0 take part and get ``{}``.
     """
@@ -141,28 +161,59 @@ def get_optimizer_state_dict(module: nn.Module, optim: torch.optim.Optimizer, *,
         raise ValueError(f"{api}: rank0_only=True needs full=True (a sharded state dict is per rank).")
     fqns, managed = _param_names(api, module, optim)
     _init_state(optim)
-    params = [p for g in optim.param_groups for p in g["params"]]
-    state: Dict[str, Dict[str, Any]] = {}
-    for fqn, p in zip(fqns, params):
-        if p in optim.state:
-            state[fqn] = dict(optim.state[p])
-    if full:
-        _gather_states(state, managed, params, fqns)
-    else:
-        for fqn, p in zip(fqns, params):
-            where = managed.get(fqn)
-            for name, value in state.get(fqn, {}).items():
-                if where is not None and _is_sliced(value, p):
-                    local = value.detach().reshape(-1)
-                    state[fqn][name] = ShardedSlice(local.cpu() if cpu_offload else local, where.param_range[0], where.shape,
-                                                    where.state.world_size)
-    groups = _groups(optim, fqns)
-    if rank0_only and global_rank() != 0:
+    dropped = rank0_only and global_rank() != 0  # takes part in the gathers, keeps nothing
+    state = _state_by_fqn(optim, fqns, managed, full=full, cpu_offload=cpu_offload, copy=not dropped)
+    if dropped:
         return {}
+    groups = _groups(optim, fqns)
     if cpu_offload:
         state = {f: {k: v.cpu() if isinstance(v, torch.Tensor) and not isinstance(v, ShardedSlice) else v
                      for k, v in s.items()} for f, s in state.items()}
     return {"state": state, "param_groups": groups}
+
+
+def sharded_optim_views(module: nn.Module, optim: torch.optim.Optimizer) -> Dict[str, Any]:
+    """``get_optimizer_state_dict(module, optim, full=False)`` as views of the optimizer's
+    state (``step`` tensors themselves), for ``dcp.save`` to read and ``dcp.load`` to write in
+    place without a copy of the rank's state (what the checkpoint functions use). Not public:
+    the values change with training (see the module docstring)."""
+    module = unwrap_compiled(module)
+    api = "get_optimizer_state_dict"
+    _check(api, module, optim)
+    fqns, managed = _param_names(api, module, optim)
+    _init_state(optim)
+    return {"state": _state_by_fqn(optim, fqns, managed, full=False, cpu_offload=False, copy=False),
+            "param_groups": _groups(optim, fqns)}
+
+
+def _state_by_fqn(optim: torch.optim.Optimizer, fqns: List[str], managed: Dict[str, Managed], *, full: bool,
+                  cpu_offload: bool, copy: bool) -> Dict[str, Dict[str, Any]]:
+    """Each parameter's state by FQN. A sharded parameter's slice-shaped states: gathered into
+    new full tensors (``full``), else a :class:`ShardedSlice` over the rank's elements (copied
+    if ``copy``, else a view). Every other value (``step``, a whole parameter's state) is
+    copied if ``copy``, else the optimizer's own."""
+    params = [p for g in optim.param_groups for p in g["params"]]
+    state: Dict[str, Dict[str, Any]] = {}
+    for fqn, p in zip(fqns, params):
+        if p not in optim.state:
+            continue
+        where, entries = managed.get(fqn), {}
+        for name, value in optim.state[p].items():
+            if where is None or not _is_sliced(value, p):
+                entries[name] = _copied(value) if copy else value
+            elif full:
+                entries[name] = value  # replaced by its gathered full tensor below
+            else:
+                local = value.detach().reshape(-1)
+                if cpu_offload and local.device.type != "cpu":
+                    local = local.cpu()  # a new tensor already
+                elif copy:
+                    local = local.clone()
+                entries[name] = ShardedSlice(local, where.param_range[0], where.shape, where.state.world_size)
+        state[fqn] = entries
+    if full:
+        _gather_states(state, managed, params, fqns)
+    return state
 
 
 _OPTIM_HINT = _collectives.collective_call_hint(
@@ -204,9 +255,13 @@ def _gather_states(state: Dict[str, Dict[str, Any]], managed: Dict[str, Managed]
                     state.setdefault(f, {})[name] = fulls[index]
 
 
+@transactional("set_optimizer_state_dict", model=False, optim=True)  # see [Note: All-or-nothing loads]
 def set_optimizer_state_dict(module: nn.Module, optim: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> None:
     """Load an FQN-keyed optimizer state dict (full or sharded, from any world size or
-    strategy) into ``optim``. Everything is checked before the optimizer changes.
+    strategy) into ``optim``. Everything is checked before the optimizer changes. Values are
+    copied in (``step`` included): unlike torch's ``Optimizer.load_state_dict``, ``optim``
+    never keeps a tensor of ``state_dict``, so two optimizers loaded from one state dict
+    train independently.
 
     Example::
 
@@ -242,17 +297,41 @@ def set_optimizer_state_dict(module: nn.Module, optim: torch.optim.Optimizer, st
     local_state: Dict[int, Dict[str, Any]] = {}
     for f, entries in state_dict["state"].items():
         where, p = managed.get(f), params[f]
-        converted = {}
+        current, converted = optim.state.get(p, {}), {}
         for name, value in entries.items():
             if where is not None and isinstance(value, torch.Tensor) and value.dim() > 0:
                 try:
                     piece = local_slice(where, f"state[{f!r}][{name!r}]", value)
                 except ValueError as e:
                     raise ValueError(f"{api}: {e}") from None
-                value = piece if isinstance(value, ShardedSlice) else piece.clone()  # no view keeping a full tensor alive
-            elif isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != p.shape:
+                # a ShardedSlice's elements: kept or copied; a full tensor's: copied (no view keeping it alive)
+                converted[name] = _kept(p, name, piece, current.get(name)) if isinstance(value, ShardedSlice) else piece.clone()
+                continue
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != p.shape:
                 raise ValueError(f"{api}: size mismatch for state[{f!r}][{name!r}]: {tuple(value.shape)} in the state "
                                  f"dict, {tuple(p.shape)} in the model")
-            converted[name] = value
+            converted[name] = _kept(p, name, value, current.get(name))
         local_state[index_of[f]] = converted
     optim.load_state_dict({"state": local_state, "param_groups": local_groups})
+
+
+def _kept(param: torch.Tensor, name: str, value: Any, current: Any) -> Any:
+    """What the optimizer is given for ``value`` (its state ``name`` of ``param``): never the
+    caller's tensor (torch's loader keeps what it is given), so a copy, made in the dtype and on
+    the device torch's loader would cast it to (one copy, not two); or ``current``, the
+    optimizer's own tensor, if ``value`` is exactly its elements (a load into views of the
+    optimizer's state, e.g. :func:`sharded_optim_views`, wrote them in place)."""
+    if not isinstance(value, torch.Tensor):
+        return _copied(value)
+    if isinstance(current, torch.Tensor) and _same_elements(value, current):
+        return current
+    if name == "step":
+        return value.detach().clone()  # torch's loader keeps a step's dtype and device
+    dtype = param.dtype if param.is_floating_point() else value.dtype
+    return value.detach().to(device=param.device, dtype=dtype, copy=True)
+
+
+def _same_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dtype == b.dtype and a.device == b.device and a.numel() == b.numel() and a.is_contiguous()
+            and b.is_contiguous() and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and a.storage_offset() == b.storage_offset())

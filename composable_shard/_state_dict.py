@@ -22,13 +22,34 @@
   ``FSDPModule.load_state_dict`` and :func:`set_model_state_dict` check every key and shape of
   the whole state dict before anything is written (torch's loader writes as it goes and
   reports errors at the end).
+
+[Note: State dicts own their tensors]
+  API.md: no tensor a ``get_*`` returns aliases live model or optimizer state, so a state dict
+  taken, kept and loaded elsewhere never changes with training (nor training with it).
+  * Inside :func:`state_dict_type` (``FULL_STATE_DICT``), every module below the context's
+    module carries, for the context's duration, a state-dict pre-hook and post-hook (after the
+    ones above). The post-hook replaces each of the module's own entries (parameter, buffer,
+    tensor extra state) that shares storage with the live tensor (or, for a managed parameter
+    at W = 1, with its flat shard) by a copy; entries that are new tensors already (gathered
+    full parameters, buffers cast back to their original dtype) are kept, so no memory is
+    doubled. Tied entries get one copy. ``keep_vars=True`` asks for the live variables: kept.
+    With ``rank0_only``, ranks other than 0 drop every entry of the module once its hooks
+    above have taken part in the gathers: ``{}``, buffers included.
+  * ``SHARDED_STATE_DICT`` inside the context is the zero-copy interface for DCP: each value
+    is a view (a ``ShardedSlice`` of the flat shard, buffers as they are), which ``dcp.save``
+    reads and ``dcp.load`` writes in place; the checkpoint functions use it
+    (:func:`sharded_model_views`). :func:`get_model_state_dict` ``(full=False)`` copies them.
+  * Outside any context, ``state_dict()`` is a plain module's (which aliases its parameters
+    and buffers).
+  * Loading copies: torch's loader ``copy_``s every value into the parameter or buffer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -39,13 +60,15 @@ from ._common_utils import _FSDPState
 from ._flat_param import FlatGroup
 from ._shard_math import param_offsets
 from ._sharded_tensor import ShardedSlice
-from ._traversal_utils import _get_fsdp_states
+from ._traversal_utils import _get_fsdp_handles, _get_fsdp_states
+from ._load_transaction import transactional
 from ._torch_compat import unwrap_compiled
 from ._unshard_params import check_between_steps
 from .api import FullStateDictConfig, ShardedStateDictConfig, StateDictType
 
 __all__ = ["state_dict_type", "get_model_state_dict", "set_model_state_dict", "register_state_dict_hooks",
-           "check_model_state_dict", "managed_params", "Managed", "full_values", "global_rank", "register_buffer_dtypes"]
+           "check_model_state_dict", "managed_params", "Managed", "full_values", "global_rank", "register_buffer_dtypes",
+           "sharded_model_views", "owned", "live_storages"]
 
 _REGISTRY_KEY = "_composable_shard_state_dict"  # in a registration module's __dict__: {param name: Managed}
 _BUFFER_DTYPES_KEY = "_composable_shard_buffer_dtypes"  # in a module's __dict__: {buffer name: dtype before buffer_dtype}
@@ -85,6 +108,9 @@ class _Session:
 
 
 _SESSIONS: Dict[int, _Session] = {}  # id(handle) -> open session
+# module -> (type, config) of each open state_dict_type over it, innermost last. Not in the
+# module's __dict__: a copy of the module (deepcopy inside a context) must not inherit it.
+_CONTEXTS: "weakref.WeakKeyDictionary[nn.Module, List[Tuple[StateDictType, Any]]]" = weakref.WeakKeyDictionary()
 _DEPTH = 0  # nesting of hooked modules' state_dict() calls; reset by an outermost call (prefix "")
 
 
@@ -168,11 +194,38 @@ def state_dict_type(module: nn.Module, state_dict_type: StateDictType,
     saved = [(s.state_dict_type, s.state_dict_config) for s in states]
     for s in states:
         s.state_dict_type, s.state_dict_config = state_dict_type, config
+    modules, hooks = _open_context(module, state_dict_type, config)
     try:
         yield
     finally:
+        _close_context(modules, hooks)
         for s, (kind, cfg) in zip(states, saved):
             s.state_dict_type, s.state_dict_config = kind, cfg
+
+
+def _open_context(module: nn.Module, kind: StateDictType, config: Any) -> Tuple[List[nn.Module], List[Any]]:
+    """Push ``(kind, config)`` on every module below ``module`` (the innermost context
+    decides); the first context over a module installs the ownership hooks of [Note: State
+    dicts own their tensors]. Returns the modules and the hooks for :func:`_close_context`."""
+    modules, hooks = list(module.modules()), []
+    for m in modules:
+        stack = _CONTEXTS.setdefault(m, [])
+        if not stack:
+            hooks.append(m.register_state_dict_pre_hook(_pre_owned_state_dict))
+            hooks.append(m.register_state_dict_post_hook(_post_owned_state_dict))
+        stack.append((kind, config))
+    return modules, hooks
+
+
+def _close_context(modules: List[nn.Module], hooks: List[Any]) -> None:
+    for m in modules:
+        stack = _CONTEXTS.get(m)
+        if stack:
+            stack.pop()
+        if not stack:
+            _CONTEXTS.pop(m, None)
+    for hook in hooks:
+        hook.remove()
 
 
 def _config(state: _FSDPState) -> Tuple[StateDictType, Any]:
@@ -275,6 +328,72 @@ def _scratch(like: torch.Tensor, numel: int, device: torch.device) -> torch.Tens
         _SCRATCH.pop(key, None)
         buffer = _SCRATCH[key] = torch.empty(numel, dtype=like.dtype, device=device)
     return buffer[:numel]
+
+
+# ---------------------------------------------------------------------------- ownership
+_OWNED: Dict[Tuple[Any, ...], torch.Tensor] = {}  # a live tensor's (storage, layout) -> its copy, for one call
+_OWNED_CALL = {"depth": 0, "keep_vars": False}  # nesting of hooked state_dict() calls; the outermost's keep_vars
+
+
+def _pre_owned_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    if not prefix:  # an outermost call: forget what a call that raised may have left
+        _OWNED.clear()
+        _OWNED_CALL.update(depth=0, keep_vars=keep_vars)
+    _OWNED_CALL["depth"] += 1
+
+
+def _post_owned_state_dict(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """See [Note: State dicts own their tensors]: this module's own entries, copied where they
+    alias live state, or dropped on ranks other than 0 under ``rank0_only``."""
+    _OWNED_CALL["depth"] = max(_OWNED_CALL["depth"] - 1, 0)
+    try:
+        stack = _CONTEXTS.get(module)
+        if not stack or stack[-1][0] is not StateDictType.FULL_STATE_DICT:
+            return
+        config = stack[-1][1]
+        for key, live in _own_entries(module, prefix):
+            if key not in state_dict:
+                continue
+            if config.rank0_only and global_rank() != 0:
+                del state_dict[key]
+            elif not _OWNED_CALL["keep_vars"]:
+                state_dict[key] = owned(state_dict[key], {t.untyped_storage().data_ptr() for t in live}, _OWNED)
+    finally:
+        if _OWNED_CALL["depth"] == 0:
+            _OWNED.clear()
+
+
+def _own_entries(module: nn.Module, prefix: str) -> Iterator[Tuple[str, List[torch.Tensor]]]:
+    """``module``'s own state-dict keys, each with the live tensors its value may alias."""
+    registry = managed_params(module)
+    for name, p in module._parameters.items():
+        if p is not None:
+            m = registry.get(name)
+            yield prefix + name, [p] if m is None else [p, m.group.flat_param]
+    for name, b in module._buffers.items():
+        if b is not None and name not in module._non_persistent_buffers_set:
+            yield prefix + name, [b]
+    if type(module).get_extra_state is not nn.Module.get_extra_state:
+        yield prefix + "_extra_state", [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+
+
+def owned(value: Any, live: Set[int], memo: Dict[Tuple[Any, ...], torch.Tensor]) -> Any:
+    """``value``, or a copy of it if it is a tensor (a ``ShardedSlice``: its ``local``) whose
+    storage's address is in ``live`` (what is new already is kept: no memory doubled). Views
+    of the same elements get the same copy through ``memo`` (tied weights stay tied)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    source = value.local if isinstance(value, ShardedSlice) else value
+    ptr = source.untyped_storage().data_ptr()
+    if not ptr or ptr not in live:
+        return value
+    key = (ptr, source.storage_offset(), tuple(source.shape), tuple(source.stride()), source.dtype)
+    copy = memo.get(key)
+    if copy is None:
+        copy = memo[key] = source.detach().clone()
+    if isinstance(value, ShardedSlice):
+        return ShardedSlice(copy, value.start, value.shape, value.world_size)
+    return copy
 
 
 _STATE_DICT_HINT = _collectives.collective_call_hint(
@@ -413,7 +532,8 @@ def check_model_state_dict(module: nn.Module, state_dict: Mapping[str, Any], str
 # ---------------------------------------------------------------------------- public helpers
 def get_model_state_dict(module: nn.Module, *, full: bool = True, cpu_offload: bool = False,
                          rank0_only: bool = False) -> Dict[str, Any]:
-    """``module``'s state dict with original FQNs.
+    """``module``'s state dict with original FQNs. Its tensors are its own: none aliases a
+    live parameter, buffer or shard (see [Note: State dicts own their tensors]).
 
     Example::
 
@@ -424,8 +544,8 @@ def get_model_state_dict(module: nn.Module, *, full: bool = True, cpu_offload: b
     Args:
         module: the model (or any module containing fully sharded modules).
         full: True: full tensors, a plain model's state dict (parameters gathered one handle at
-            a time); False: :class:`ShardedSlice` per sharded parameter, made without any
-            collective (other entries are plain tensors).
+            a time); False: :class:`ShardedSlice` per sharded parameter over a copy of this
+            rank's elements, made without any collective (other entries are plain tensors).
         cpu_offload: every tensor on the CPU.
         rank0_only: (full only) ranks other than 0 take part and get ``{}``.
     """
@@ -442,15 +562,36 @@ def get_model_state_dict(module: nn.Module, *, full: bool = True, cpu_offload: b
     else:
         kind, config = StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(cpu_offload)  # type: ignore[assignment]
     with state_dict_type(module, kind, config):
-        sd = module.state_dict()
+        sd = module.state_dict()  # full: owned by the context's hooks (see [Note: State dicts own their tensors])
     if rank0_only and global_rank() != 0:
         return {}
+    if not full:  # views of the shards and buffers: copied
+        flat_params = [fp for h in _get_fsdp_handles(module) for fp in h.flat_params]
+        live = live_storages(module.parameters(), module.buffers(), flat_params)
+        memo: Dict[Tuple[Any, ...], torch.Tensor] = {}
+        sd = type(sd)((k, owned(v, live, memo)) for k, v in sd.items())
     if cpu_offload:
         sd = type(sd)((k, v.cpu() if isinstance(v, torch.Tensor) and not isinstance(v, ShardedSlice) else v)
                       for k, v in sd.items())
     return sd  # type: ignore[no-any-return]
 
 
+def sharded_model_views(module: nn.Module) -> Dict[str, Any]:
+    """``module``'s sharded state dict as views of its shards and buffers, for ``dcp.save`` to
+    read and ``dcp.load`` to write in place without a copy of the rank's state (what the
+    checkpoint functions use; see [Note: State dicts own their tensors]). Not public: the
+    values change with training."""
+    module = unwrap_compiled(module)
+    with state_dict_type(module, StateDictType.SHARDED_STATE_DICT):
+        return module.state_dict()  # type: ignore[no-any-return]
+
+
+def live_storages(*groups: Iterable[torch.Tensor]) -> Set[int]:
+    """The storage addresses of the tensors in ``groups`` (for :func:`owned`)."""
+    return {t.untyped_storage().data_ptr() for group in groups for t in group if isinstance(t, torch.Tensor)} - {0}
+
+
+@transactional("set_model_state_dict", model=True, optim=False)  # see [Note: All-or-nothing loads]
 def set_model_state_dict(module: nn.Module, state_dict: Mapping[str, Any], *, strict: bool = True) -> Any:
     """Load a full or sharded state dict into ``module``; every key, shape and floating dtype
     is checked before anything is written. Returns torch's ``(missing_keys, unexpected_keys)``.
@@ -458,8 +599,10 @@ def set_model_state_dict(module: nn.Module, state_dict: Mapping[str, Any], *, st
     Example::
 
         sd = get_model_state_dict(model, full=False)
-        dcp.load({"model": sd}, checkpoint_id=path)   # writes straight into the shards
-        set_model_state_dict(model, sd)
+        dcp.load({"model": sd}, checkpoint_id=path)   # into sd's own tensors
+        set_model_state_dict(model, sd)               # copied into the shards
+
+    The model never keeps a tensor of ``state_dict`` (values are copied in).
     """
     module = unwrap_compiled(module)  # torch.compile's wrapper: the names without its prefix
     if not isinstance(module, nn.Module):

@@ -464,8 +464,13 @@ def _memory(path: str) -> None:
     handle_bytes = 4 * (128 * 128 + 128)  # one Linear(128, 128) per handle (even: no padding at W=2)
     model_bytes = sum(p.numel() * 4 for p in nn.Sequential(*[nn.Linear(128, 128) for _ in range(6)]).parameters())
     sharded_bytes = sum(v.local.numel() * 4 for v in get_model_state_dict(model, full=False).values())
-    sharded_save = _peak_bytes(lambda: dcp.save(get_model_state_dict(model, full=False), checkpoint_id=path), model)
-    state = get_model_state_dict(model, full=False)
+
+    def views() -> Dict[str, Any]:  # the zero-copy form DCP reads and writes in place (get_* returns copies)
+        with state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            return model.state_dict()
+
+    sharded_save = _peak_bytes(lambda: dcp.save(views(), checkpoint_id=path), model)
+    state = views()
     sharded_load = _peak_bytes(lambda: dcp.load(state, checkpoint_id=path), model)
     full_rank0 = _peak_bytes(lambda: get_model_state_dict(model, rank0_only=True), model)
     print(f"rank {dist.get_rank()}: handle {handle_bytes} B, model {model_bytes} B, shard {sharded_bytes} B; peaks: "

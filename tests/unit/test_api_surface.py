@@ -7,11 +7,13 @@ convenient import of torch's FSDP would quietly make us a wrapper of what we com
 
 from __future__ import annotations
 
+import ast
 import inspect
 import pathlib
 import re
 import subprocess
 import sys
+import warnings
 
 import composable_shard
 
@@ -94,15 +96,143 @@ def test_library_never_imports_torch_data_parallel_runtimes() -> None:
                 raise AssertionError(f"{path.name}:{lineno}: {line.strip()}")
 
 
+# [Note: Private torch uses] _torch_compat.py is the one file allowed to use private torch APIs
+# (API.md: each with why and the torch versions read); it is exempt as a whole, by design.
+_PRIVATE_TORCH_ALLOWED_FILES = {"_torch_compat.py"}
+# Uses the text check missed, to move into _torch_compat.py (TODO(#34)): (file, scope, name).
+# Listed one by one so that no other use slips in beside them, and each must still match.
+_PRIVATE_TORCH_PENDING = {
+    # MixedPrecision's default, as torch's own MixedPrecision: batch norms stay in full precision.
+    ("api.py", "MixedPrecision", "torch.nn.modules.batchnorm._BatchNorm"),
+}
+_PRIVATE_ATTRIBUTES = {"_execution_engine"}  # private on any receiver (the autograd engine's)
+_PRIVATE_DICTS = {"_parameters"}  # nn.Module's private dicts: subscripting one writes around its API
+
+
+def _is_private(component: str) -> bool:
+    return component.startswith("_") and not (component.startswith("__") and component.endswith("__"))
+
+
+class _PrivateTorchUses(ast.NodeVisitor):
+    """The private torch uses of one module, from its syntax tree: a docstring or comment that
+    names ``torch._C`` never counts; ``torch._C.x``, ``alias._private`` for an alias imported
+    from torch (``import torch.distributed.distributed_c10d as c10d``, ``from torch import
+    Tensor``), an import of a private torch module or name, ``_execution_engine`` and
+    ``x._parameters[...]`` anywhere always do."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.aliases: dict = {}  # local name -> dotted torch origin
+        self.scope: list = []  # enclosing classes and functions
+        self.found: list = []
+
+    def _report(self, node: ast.AST, what: str, name: str = "") -> None:
+        code = (ast.get_source_segment(self.source, node) or "").splitlines()[:1]
+        self.found.append((getattr(node, "lineno", 0), ".".join(self.scope), name, what, code[0] if code else ""))
+
+    def _scoped(self, node: ast.AST) -> None:
+        self.scope.append(node.name)  # type: ignore[attr-defined]  # class or function
+        self.generic_visit(node)
+        self.scope.pop()
+
+    visit_ClassDef = visit_FunctionDef = visit_AsyncFunctionDef = _scoped
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for alias in node.names:
+            if alias.name.split(".")[0] == "torch":
+                if any(_is_private(c) for c in alias.name.split(".")):
+                    self._report(node, f"import of the private module {alias.name}")
+                self.aliases[alias.asname or "torch"] = alias.name if alias.asname else "torch"
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        module = node.module or ""
+        if node.level or module.split(".")[0] != "torch":
+            return
+        if any(_is_private(c) for c in module.split(".")):
+            self._report(node, f"import from the private module {module}")
+        for alias in node.names:
+            if _is_private(alias.name):
+                self._report(node, f"import of the private name {module}.{alias.name}")
+            self.aliases[alias.asname or alias.name] = f"{module}.{alias.name}"
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        parts, root = [node.attr], node.value
+        while isinstance(root, ast.Attribute):
+            parts.append(root.attr)
+            root = root.value
+        if isinstance(root, ast.Name) and root.id in self.aliases:
+            dotted = [self.aliases[root.id]] + parts[::-1]
+            private = [c for c in dotted[0].split(".") + dotted[1:] if _is_private(c)]
+            if private:
+                self._report(node, f"private {private[0]}", ".".join(dotted))
+                return  # one report per chain
+        if node.attr in _PRIVATE_ATTRIBUTES:
+            self._report(node, f"the private attribute {node.attr}")
+        self.generic_visit(node)
+
+    def visit_Subscript(self, node: ast.Subscript) -> None:
+        if isinstance(node.value, ast.Attribute) and node.value.attr in _PRIVATE_DICTS:
+            self._report(node, f"{node.value.attr}[...]: a private dict of nn.Module")
+        self.generic_visit(node)
+
+
+def private_torch_uses(source: str) -> list:
+    """``(line, scope, dotted name or "", what, code)`` for each private torch use in the
+    module ``source``."""
+    checker = _PrivateTorchUses(source)
+    with warnings.catch_warnings():  # e.g. an invalid escape in a docstring: not this test's concern
+        warnings.simplefilter("ignore", SyntaxWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        checker.visit(ast.parse(source))
+    return checker.found
+
+
 def test_private_torch_uses_are_isolated() -> None:
-    """Private torch APIs appear only in _torch_compat.py."""
-    private = re.compile(r"_execution_engine|\._parameters\[|torch\._C\.|torch\.utils\._")
-    for path in PACKAGE.glob("*.py"):
-        if path.name == "_torch_compat.py":
+    """Private torch APIs appear only in _torch_compat.py (read from the syntax tree)."""
+    found, pending = [], set()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name in _PRIVATE_TORCH_ALLOWED_FILES:
             continue
-        for lineno, line in enumerate(path.read_text().splitlines(), 1):
-            if private.search(line.split("#")[0]):
-                raise AssertionError(f"{path.name}:{lineno}: private torch use outside _torch_compat: {line.strip()}")
+        for line, scope, name, what, code in private_torch_uses(path.read_text()):
+            if (path.name, scope, name) in _PRIVATE_TORCH_PENDING:
+                pending.add((path.name, scope, name))
+            else:
+                found.append(f"{path.name}:{line} in {scope or '<module>'}: {what}: {code.strip()}")
+    assert not found, "private torch use outside _torch_compat:\n" + "\n".join(found)
+    assert pending == _PRIVATE_TORCH_PENDING, f"moved or gone (drop them): {sorted(_PRIVATE_TORCH_PENDING - pending)}"
+    assert private_torch_uses((PACKAGE / "_torch_compat.py").read_text()), "the exempt file holds none: drop the exemption"
+
+
+_PRIVATE_PLANTED = [
+    "import torch\nx = torch._C._current_graph_task_id()\n",
+    "import torch\nt = torch.Tensor._make_wrapper_subclass(cls, shape)\n",
+    "import torch as t\nt._dynamo.reset()\n",
+    "from torch import Tensor\nx = Tensor._make_subclass(cls, data)\n",
+    "import torch.distributed.distributed_c10d as c10d\nobj = c10d._unpickler(buf).load()\n",
+    "from torch.distributed import distributed_c10d\ng = distributed_c10d._get_default_group()\n",
+    "import torch._dynamo\n",
+    "from torch.utils._pytree import tree_map\n",
+    "from torch.utils import _pytree\n",
+    "import torch\ntorch.autograd.Variable._execution_engine.queue_callback(f)\n",
+    "def f(module, t):\n    module._parameters['weight'] = t\n",
+]
+_PRIVATE_HARMLESS = [
+    '"""Uses torch._C._current_graph_task_id() and torch.utils._pytree in prose only."""\n',
+    "# torch._C._foo() would be private\nx = 1\n",
+    "import torch\nraise RuntimeError('torch._dynamo is not imported here')\n",
+    "import torch\nprint(torch.__version__, torch.distributed.is_available())\n",
+    "def f(module):\n    return list(module._parameters.items()), module._own_field\n",
+    "from ._flat_param import _private_helper\n",
+]
+
+
+def test_private_checker_finds_planted_uses() -> None:
+    """Each planted private use is found (else the package test could never fail), and text,
+    public calls and the library's own private names are not."""
+    for source in _PRIVATE_PLANTED:
+        assert private_torch_uses(source), source
+    for source in _PRIVATE_HARMLESS:
+        assert private_torch_uses(source) == [], (source, private_torch_uses(source))
 
 
 def test_package_type_checks() -> None:
