@@ -1,12 +1,13 @@
 """Everything ``fully_shard(...)`` does before the first forward: check, plan, then mutate.
 
-:func:`composable_shard._validation.check_fully_shard_arguments` has refused arguments of the
-wrong type or value before any of this runs.
-:func:`plan_fully_shard` computes the fully sharded modules (the called module plus the
-policy's targets) and which parameters each one's handle owns, and raises on any bad input or
-annotation without touching the model. :func:`apply_plan` then materializes meta tensors,
-collects the parameters again (``param_init_fn`` may have replaced them), moves, synchronizes,
-flattens and hands each fully sharded module to the caller to register hooks.
+:func:`plan_agreed` runs everything that can refuse before the call's first collective --
+the argument checks (``_validation.check_fully_shard_arguments``), :func:`plan_fully_shard`
+(the fully sharded modules, the called module plus the policy's targets, and which parameters
+each one's handle owns; raises on any bad input or annotation without touching the model),
+meta materialization (``param_init_fn`` may replace parameters, so they are collected again)
+and the move to ``device_id`` -- then agrees on the outcome with every rank (see [Note:
+Agreed refusals]). :func:`apply_plan` then synchronizes, flattens and hands each fully
+sharded module to the caller to register hooks.
 
 [Note: Shared parameters]
   One parameter object can be registered at several places (tied weights). Each registration
@@ -23,31 +24,65 @@ flattens and hands each fully sharded module to the caller to register hooks.
 [Note: Meta materialization]
   Without ``param_init_fn``, every managed module with meta tensors of its own gets them
   replaced by empty tensors on the compute device (tied parameters stay tied) and then runs its
-  ``reset_parameters()`` once, in ``.modules()`` order. With ``param_init_fn``, it is called
-  once per fully sharded module that still has meta tensors, children before parents (the
-  order handles are built), before any parameter is collected; parameters it registers
-  (``setattr(sub, name, nn.Parameter(...))``) in place of meta ones are the ones the handles
-  flatten. A module with meta tensors and no ``reset_parameters`` is refused before anything
-  changes; meta tensors left after ``param_init_fn`` raise, and the model then has no
-  fully_shard state, hook or class change (the user's function may have materialized some).
-  Either init often reaches the whole subtree (a Hugging Face style ``reset_parameters``, or
-  ``to_empty`` then re-initializing every submodule), and with hand annotation the children
-  are already sharded when their parent's init runs: their parameters are 1-D views into flat
-  shards, which the init would re-draw, zero, cut loose (``to_empty`` swaps ``.data``) or
-  replace. So every init call runs inside :func:`_init_keeping_initialized`: each tensor of
-  the subtree (ignored ones aside) that is not on meta and was not just materialized for this
-  call (tied to an earlier module, never on meta, or a sharded child's) is put back
-  afterwards, also on error: same object under each of its names, same ``.data``, same value;
-  a sharded child's replaced parameter put back is no model change for the watch. No init
-  changes a tensor twice (it may still raise on a sharded child's 1-D view, e.g. a 2-D
-  ``kaiming_uniform_``). Only those tensors are copied: in the single-call ``.modules()``
-  order a parent's descendants are still on meta when it is reset, so there are few; a
-  ``param_init_fn`` reaching the whole subtree copies the children materialized before it.
+  ``reset_parameters()`` once, in ``.modules()`` order. With ``param_init_fn``, the calls are
+  torch FSDP1's (read in torch 2.13): for each fully sharded module with meta tensors left in
+  its subtree, targets children first, ``param_init_fn(m)`` runs on every module ``m`` of the
+  subtree breadth-first, the fully sharded module first -- modules without tensors of their own
+  too -- not entering ignored modules, modules an earlier call fully sharded, or this call's
+  nested targets (materialized before). A rank without meta tensors (rank 0 of the
+  ``sync_module_states`` idiom) makes no call. ``m.to_empty(recurse=False)`` gives each
+  registration of a tied meta parameter a new tensor of its own; torch leaves them untied
+  (accelerate re-ties them in a wrapper), which would give ranks != 0 different handles from
+  rank 0's tied model, so :func:`_retie` ties them again, to the first registration's. The
+  handles flatten what is registered after the calls. A module with meta tensors and no
+  ``reset_parameters`` is refused before anything changes; meta tensors left raise, and the
+  model then has no fully_shard state, hook or class change (the init may have materialized
+  some).
+  Either init often reaches further than its module (a Hugging Face style
+  ``reset_parameters``, a ``param_init_fn`` that calls ``to_empty`` without ``recurse=False``
+  or re-initializes every submodule), and with hand annotation the children are already
+  sharded when their parent's init runs: their parameters are 1-D views into flat shards,
+  which the init would re-draw, zero, cut loose (``to_empty`` swaps ``.data``) or replace. So
+  every init call runs inside :func:`_init_keeping_initialized`, which puts back afterwards,
+  also on error, each tensor of the subtree (ignored ones aside) that was initialized before:
+  never on meta, a sharded child's, tied to an earlier module, or -- for ``reset_parameters``
+  -- materialized for an earlier module. Same object under each of its names, same ``.data``,
+  same value; a sharded child's replaced parameter put back is no model change for the watch.
+  For ``param_init_fn``, what the calls of the same fully sharded module materialized stays
+  free: torch calls it per module, so a later call may initialize again what an earlier one
+  reached (a ``to_empty()`` without ``recurse=False`` on the parent, then each child's own
+  init: keeping the parent's garbage would be silent). Such a tensor is never changed by two
+  inits (an init may still raise on a sharded child's 1-D view, e.g. a 2-D
+  ``kaiming_uniform_``), with one exception: the tensors of this call's nested targets
+  (materialized, not yet sharded) are put back by object and ``.data`` but not by value, since
+  copying them for each ancestor's call would double a meta-built model's memory; an init that
+  re-draws them in place leaves its draw. Only the other kept tensors are copied: in
+  breadth-first (``param_init_fn``) or ``.modules()`` (``reset_parameters``) order a module's
+  descendants are still on meta when it is initialized, so there are few.
+
+[Note: Agreed refusals]
+  A rank that raised alone would leave the others waiting in the call's first collective (the
+  ``sync_module_states`` broadcast, a hybrid group's creation) or in the first forward, until
+  the process group's timeout -- forever if the raising rank caught its error and went on.
+  So :func:`plan_agreed` catches any refusal up to its end and every rank of the call meets in
+  :func:`agree`: one ``exchange`` of six integers per group (the call's group; a hybrid call's
+  shard group, then its replicate group, which together reach every rank): the lowest
+  refusing global rank, and a digest of what ``sync_module_states`` will broadcast (names,
+  shapes, dtypes; ranks whose models differ would hang or mix up data in it). Only on a refusal
+  or a difference do more collectives follow (``all_gather_json`` of the error or layouts). A
+  refusing rank re-raises its own exception; the others raise one of the same type (builtin
+  ones; else ``RuntimeError``) naming the refusing rank and quoting its message. Ranks that did
+  not refuse may have materialized meta tensors by then; none applied fully_shard. Refusals
+  with nothing to agree in raise alone: torch.distributed not initialized, a process_group or
+  mesh that is no group holding this rank; ``@contract``'s checks (a module already managed by
+  fully_shard) run before, on each rank.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
+import hashlib
 import os
 import weakref
 from dataclasses import dataclass, field
@@ -63,11 +98,11 @@ from ._flat_param import FlatParamHandle
 from ._mixed_precision import full_precision_classes
 from ._traversal_utils import _composable, _get_fsdp_states
 from .api import CPUOffload, MixedPrecision, ShardingStrategy
-from .contract import _get_module_state, _get_registry
-from ._validation import check_config, check_dense_gradients
+from .contract import _check_fqns_unchanged, _fqn_snapshot, _get_module_state, _get_registry
+from ._validation import check_config, check_dense_gradients, check_fully_shard_arguments
 from .wrap import _as_policy
 
-__all__ = ["Plan", "plan_fully_shard", "apply_plan", "resolve_groups"]
+__all__ = ["Plan", "plan_fully_shard", "plan_agreed", "agree", "apply_plan", "resolve_groups"]
 
 _HYBRID = {ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2}
 _CONFIG_KEYS = ("strategy", "mixed_precision", "cpu_offload", "forward_prefetch", "backward_prefetch", "limit_all_gathers")
@@ -428,19 +463,83 @@ def _check_meta_initializable(plan: Plan) -> None:
 
 def _materialize(plan: Plan) -> bool:
     """Materialize meta tensors (see [Note: Meta materialization]); True if there were any."""
-    if not any(True for _, m in _managed_modules(plan.root, plan.ignored_modules)
-               for _ in _direct_meta(m, plan.ignored_params)):
+    registrations = _meta_registrations(plan)
+    if not registrations:
         return False
-    init_fn = plan.param_init_fn
-    if init_fn is None:
+    if plan.param_init_fn is None:
         _reset_meta_modules(plan)
     else:
-        for target in plan.targets:
-            if any(True for _, m in _managed_modules(target.module, plan.ignored_modules)
-                   for _ in _direct_meta(m, plan.ignored_params)):
-                _init_keeping_initialized(functools.partial(init_fn, target.module), target.module, plan)
+        _call_param_init_fn(plan, plan.param_init_fn)
+        _retie(registrations)
     _raise_if_meta_left(plan)
     return True
+
+
+def _meta_registrations(plan: Plan) -> Dict[int, List[Tuple[nn.Module, str]]]:
+    """id(meta tensor) -> every ``(module, name)`` it is registered under in the call's tree
+    (several for tied weights), in ``.modules()`` order."""
+    out: Dict[int, List[Tuple[nn.Module, str]]] = {}
+    for _, module in _managed_modules(plan.root, plan.ignored_modules):
+        for name, t in _direct_meta(module, plan.ignored_params):
+            out.setdefault(id(t), []).append((module, name))
+    return out
+
+
+def _modules_to_materialize(top: nn.Module, plan: Plan, stop: AbstractSet[int]) -> List[nn.Module]:
+    """``top``'s subtree breadth-first, ``top`` first, not entering ignored modules, modules an
+    earlier call fully sharded, or modules whose id is in ``stop`` (this call's nested targets,
+    materialized before). Torch's FSDP1 calls ``param_init_fn`` on these modules."""
+    order: List[nn.Module] = []
+    queue = collections.deque([top])
+    seen = {id(top)}
+    while queue:
+        module = queue.popleft()
+        order.append(module)
+        for child in module.children():
+            if (id(child) in seen or id(child) in stop or child in plan.ignored_modules
+                    or _get_module_state(child, _FSDPState) is not None):
+                continue
+            seen.add(id(child))
+            queue.append(child)
+    return order
+
+
+def _call_param_init_fn(plan: Plan, init_fn: Callable[[nn.Module], None]) -> None:
+    """``init_fn(m)`` on every module to materialize of every target that still has meta
+    tensors, targets children first. What a call may change: tensors that were on meta when
+    the target's first call began (a later call may initialize again what an earlier one
+    reached, as in torch); the others are put back, those of this call's nested targets by
+    object and ``.data`` only (see [Note: Meta materialization])."""
+    target_ids = {id(t.module) for t in plan.targets}
+    for target in plan.targets:
+        modules = _modules_to_materialize(target.module, plan, target_ids - {id(target.module)})
+        if not any(True for m in modules for _ in _direct_meta(m, plan.ignored_params)):
+            continue
+        inside = {id(m) for m in target.module.modules()}
+        nested = {id(m) for t in plan.targets if t is not target and id(t.module) in inside
+                  for _, m in _managed_modules(t.module, plan.ignored_modules)}
+        initialized = {id(t) for m in target.module.modules() for t in (*m.parameters(recurse=False),
+                                                                        *m.buffers(recurse=False)) if not t.is_meta}
+        for module in modules:
+            _init_keeping_initialized(functools.partial(init_fn, module), module, plan, by_reference=nested,
+                                      only=initialized)
+
+
+def _retie(registrations: Dict[int, List[Tuple[nn.Module, str]]]) -> None:
+    """Make every registration of one meta tensor (tied weights) hold one tensor again.
+    ``to_empty(recurse=False)``, called per module, gives each registration a new tensor of its
+    own; the one kept is the first registration's (in ``.modules()`` order, the name
+    ``named_parameters()`` reports), so the model is tied as the model built off meta is."""
+    for places in registrations.values():
+        if len(places) < 2:
+            continue
+        current = [getattr(owner, name, None) for owner, name in places]
+        keep = next((t for t in current if isinstance(t, torch.Tensor) and not t.is_meta), None)
+        if keep is None:
+            continue  # nothing materialized it: _raise_if_meta_left names it
+        for (owner, name), t in zip(places, current):
+            if t is not keep:
+                setattr(owner, name, keep)
 
 
 def _reset_meta_modules(plan: Plan) -> None:
@@ -465,7 +564,7 @@ class _Kept:
 
     tensor: torch.Tensor  # the registered parameter or buffer object
     data: torch.Tensor  # its ``.data`` before the call (a sharded parameter's: a view of its flat shard)
-    value: torch.Tensor  # a copy of its value before the call
+    value: Optional[torch.Tensor]  # a copy of its value before the call (None: put back by reference only)
     names: List[Tuple[nn.Module, str]]  # every (owner module, attribute name) it is registered under
 
 
@@ -484,15 +583,18 @@ class _Snapshot:
 
 
 def _init_keeping_initialized(init: Callable[[], None], module: nn.Module, plan: Plan,
-                              just_materialized: AbstractSet[int] = frozenset()) -> None:
+                              just_materialized: AbstractSet[int] = frozenset(),
+                              by_reference: AbstractSet[int] = frozenset(),
+                              only: Optional[AbstractSet[int]] = None) -> None:
     """Run ``init()`` (``module.reset_parameters()`` or ``param_init_fn(module)``) so that it
     changes only the tensors of ``module``'s subtree that are on meta or whose ids are in
-    ``just_materialized``. Every other parameter and buffer of the subtree (ignored modules
+    ``just_materialized`` (or, if ``only`` is given, not in ``only``). Every other parameter and buffer of the subtree (ignored modules
     and parameters aside; children sharded by earlier calls included) is put back afterwards,
     also when ``init`` raises: the same object under each of its names (``init`` may have
     registered new ones), its original ``.data`` (``to_empty`` swaps it, which would cut a
-    sharded parameter loose from its flat shard) and its value (in-place inits)."""
-    snapshot = _snapshot(module, plan, just_materialized)
+    sharded parameter loose from its flat shard) and its value (in-place inits), except for
+    the tensors of modules whose ids are in ``by_reference``: object and ``.data`` only."""
+    snapshot = _snapshot(module, plan, just_materialized, by_reference, only)
     try:
         with _apply_guard.applying_during_init():
             init()
@@ -500,7 +602,8 @@ def _init_keeping_initialized(init: Callable[[], None], module: nn.Module, plan:
         _put_back(snapshot)
 
 
-def _snapshot(module: nn.Module, plan: Plan, just_materialized: AbstractSet[int]) -> _Snapshot:
+def _snapshot(module: nn.Module, plan: Plan, just_materialized: AbstractSet[int],
+              by_reference: AbstractSet[int] = frozenset(), only: Optional[AbstractSet[int]] = None) -> _Snapshot:
     """Only the kept tensors are copied (in the single-call ``.modules()`` order a parent's
     descendants are still on meta when it is reset, so there are few)."""
     kept: Dict[int, _Kept] = {}
@@ -516,10 +619,10 @@ def _snapshot(module: nn.Module, plan: Plan, just_materialized: AbstractSet[int]
             (n, p) for n, p in sub.named_parameters(recurse=False, remove_duplicate=False) if p not in plan.ignored_params]
         tensors += list(sub.named_buffers(recurse=False, remove_duplicate=False))
         for name, t in tensors:
-            if t.is_meta or id(t) in just_materialized:
+            if t.is_meta or id(t) in just_materialized or (only is not None and id(t) not in only):
                 continue
             if id(t) not in kept:
-                kept[id(t)] = _Kept(t, t.data, t.detach().clone(), [])
+                kept[id(t)] = _Kept(t, t.data, None if id(sub) in by_reference else t.detach().clone(), [])
             kept[id(t)].names.append((sub, name))
     snapshot.kept = list(kept.values())
     return snapshot
@@ -537,7 +640,8 @@ def _put_back(snapshot: _Snapshot) -> None:
                     setattr(owner, name, k.tensor)
             if not _same_view(k.tensor.data, k.data):
                 k.tensor.data = k.data
-            k.tensor.copy_(k.value)
+            if k.value is not None:
+                k.tensor.copy_(k.value)
     for state, change in snapshot.changes:
         if state.model_change != change and state.module is not None and all(
                 _registrations(m) == snapshot.registrations.get(id(m)) for m in state.module.modules()):
@@ -560,13 +664,13 @@ def _raise_if_meta_left(plan: Plan) -> None:
     left = [_join(fqn, name) for fqn, m in _managed_modules(plan.root, plan.ignored_modules)
             for name, _ in _direct_meta(m, plan.ignored_params)]
     if left:
-        called = [t.fqn or "<root>" for t in plan.targets]
+        how = ("param_init_fn(m) was called, as torch FSDP1 calls it, on every module of each fully sharded "
+               "module's subtree (breadth-first) and must materialize m's own parameters and buffers, e.g. "
+               "m.to_empty(device=..., recurse=False) and then initialize them (or sync_module_states=True)"
+               if plan.param_init_fn is not None else "reset_parameters() ran on every module with meta tensors")
         raise ValueError(
-            f"fully_shard({type(plan.root).__name__}): {left} are still on the meta device after param_init_fn was "
-            f"called with the fully sharded modules {called}. param_init_fn(module) is called once per fully sharded "
-            "module (not once per submodule, as torch FSDP1 does) and must materialize every meta parameter and buffer "
-            "under module: for sub in module.modules(), setattr(sub, name, nn.Parameter(torch.empty_like(p, "
-            "device=...))) and initialize it. fully_shard was not applied.")
+            f"fully_shard({type(plan.root).__name__}): {left} are still on the meta device after materialization: "
+            f"{how}. fully_shard was not applied.")
 
 
 # ---------------------------------------------------------------------------- devices and groups
@@ -622,28 +726,186 @@ def _hybrid_groups(process_group: Any, mesh: Any) -> Tuple[Optional[dist.Process
     if process_group is not None:
         raise ValueError("fully_shard: hybrid sharding needs a (shard group, replicate group) pair or a 2-D mesh, "
                          "not a single process group")
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
-    world = dist.get_world_size()
-    if local <= 0 or world % local:
-        raise ValueError("fully_shard: hybrid sharding without process groups shards within a node, which needs "
-                         "LOCAL_WORLD_SIZE (set by torchrun); pass mesh= or process_group=(shard, replicate).")
+    local, world = _local_world_size(), dist.get_world_size()
     shard, _ = dist.new_subgroups_by_enumeration([list(range(i, i + local)) for i in range(0, world, local)])
     replicate, _ = dist.new_subgroups_by_enumeration([list(range(j, world, local)) for j in range(local)])
     return shard, replicate
 
 
-# ---------------------------------------------------------------------------- apply
-def apply_plan(plan: Plan, root_state: _FSDPState, groups: Dict[ShardingStrategy, _Groups],
-               make_state: Callable[[], _FSDPState], finish_target: Callable[[nn.Module, _FSDPState], None]) -> None:
-    """Mutate: materialize meta tensors (then collect the parameters again), move to
-    ``device_id``, synchronize from rank 0, then build each target's state and handle, children
-    first, and hand it to ``finish_target``. ``groups`` maps each of ``plan.strategies``."""
+def _local_world_size() -> int:
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    if local <= 0 or dist.get_world_size() % local:
+        raise ValueError("fully_shard: hybrid sharding without process groups shards within a node, which needs "
+                         "LOCAL_WORLD_SIZE (set by torchrun); pass mesh= or process_group=(shard, replicate).")
+    return local
+
+
+def _check_groups(strategy: ShardingStrategy, process_group: Any, mesh: Any) -> None:
+    """Raise what :func:`resolve_groups` would, creating no group (creating one is collective)."""
+    if strategy in _HYBRID and process_group is None and mesh is None:
+        _local_world_size()
+    else:
+        resolve_groups(strategy, process_group, mesh)
+
+
+# ---------------------------------------------------------------------------- agreed refusals
+def plan_agreed(module: nn.Module, kwargs: Dict[str, Any]) -> Plan:
+    """Check the arguments, plan, materialize and move: everything of ``fully_shard`` before its
+    first collective, each refusal agreed by every rank of the call (see [Note: Agreed
+    refusals]). Returns the plan, ready for :func:`apply_plan`."""
+    groups = _agreement_groups(kwargs["process_group"], kwargs["mesh"])
+    if groups is None:  # nothing to agree in: the checks raise alone, as on one process
+        return _plan_and_prepare(module, kwargs)
+    api = f"fully_shard({type(module).__name__})"
+    try:
+        plan = _plan_and_prepare(module, kwargs)
+    except Exception as e:
+        agree(api, groups, e, None)
+        raise
+    agree(api, groups, None, _sync_layout(plan))
+    return plan
+
+
+def _plan_and_prepare(module: nn.Module, kwargs: Dict[str, Any]) -> Plan:
+    kwargs = check_fully_shard_arguments(module, kwargs)
+    plan = plan_fully_shard(module, kwargs)
+    for strategy in plan.strategies:
+        _check_groups(strategy, kwargs["process_group"], kwargs["mesh"])
+    before = _fqn_snapshot([module])
     if _materialize(plan):
         _assign_params(plan)  # the handles flatten what is registered now
+        _check_fqns_unchanged(f"fully_shard({type(module).__name__}) (its param_init_fn)", before,
+                              _fqn_snapshot([module]))
     if plan.device_id is not None:
         offloaded = {id(p) for t in plan.targets if _offloads(t) for p in t.params}  # never on the device whole
         for _, m in _managed_modules(plan.root, plan.ignored_modules):
             _move_module_tensors(m, plan.device_id, keep=offloaded)
+    return plan
+
+
+def _agreement_groups(process_group: Any, mesh: Any) -> Optional[List[Optional[dist.ProcessGroup]]]:
+    """The groups the call's ranks agree in (None: the default group), shard group first;
+    None when there is none: torch.distributed not initialized, or process_group/mesh not a
+    group or mesh holding this rank (the argument checks then raise on this rank alone)."""
+    if not (dist.is_available() and dist.is_initialized()) or (process_group is not None and mesh is not None):
+        return None
+    groups: List[Optional[dist.ProcessGroup]]
+    if mesh is not None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2) or mesh.get_coordinate() is None:
+            return None
+        groups = [mesh.get_group(d) for d in reversed(range(mesh.ndim))]
+    elif isinstance(process_group, tuple):
+        groups = list(process_group) if len(process_group) == 2 else []
+    else:
+        groups = [process_group]
+    if not groups or any(g is not None and (not isinstance(g, dist.ProcessGroup) or dist.get_rank(g) < 0)
+                         for g in groups):
+        return None
+    return groups
+
+
+_TAG = "fully_shard::init"
+# Exception types rebuilt on the ranks that did not refuse (any other type: RuntimeError).
+_REBUILT = {e.__name__: e for e in (ValueError, TypeError, RuntimeError, NotImplementedError, KeyError,
+                                    AttributeError, IndexError, AssertionError)}
+
+
+def agree(api: str, groups: List[Optional[dist.ProcessGroup]], error: Optional[Exception],
+          layout: Optional[List[Any]]) -> None:
+    """One exchange of a few integers per group: every rank learns whether a rank refused
+    (``error``) and whether the ``layout`` s (what ``sync_module_states`` broadcasts) match.
+    If a rank refused, a rank that did not raises the lowest refusing rank's error, naming it
+    (the refusing ranks return, to raise their own); on different layouts every rank raises."""
+    me = dist.get_rank()
+    failed, differs, digest = (me if error is not None else -1), 0, _digest(layout)
+    for group in groups:
+        rows = _collectives.exchange([failed, differs, *digest], group, tag=_TAG)
+        known = [row[0] for row in rows if row[0] >= 0]
+        failed = min(known) if known else -1
+        differs = int(any(row[1] or row[2:] != rows[0][2:] for row in rows))
+    if failed >= 0:
+        rank, kind, message = _first_error(groups, me, error)
+        if error is None:
+            raise rebuilt_error(api, rank, kind, message, "fully_shard")
+        add_note = getattr(error, "add_note", None)  # Python >= 3.11
+        if add_note is not None:
+            add_note(f"{api}: refused on rank {me}; every rank of the call raises, none applied fully_shard.")
+        return
+    if differs:
+        raise RuntimeError(_describe_layouts(api, groups, layout))
+
+
+def rebuilt_error(api: str, rank: int, kind: str, message: str, applied: str) -> Exception:
+    """The error a rank that did not refuse raises for rank ``rank``'s ``kind: message``."""
+    return _REBUILT.get(kind, RuntimeError)(f"{api}: rank {rank} refused, so every rank raises and none applied "
+                                            f"{applied}. Rank {rank}'s error ({kind}): {message}")
+
+
+def _first_error(groups: List[Optional[dist.ProcessGroup]], me: int, error: Optional[Exception]) -> List[Any]:
+    """``[global rank, type name, message]`` of the lowest refusing rank, on every rank."""
+    record: Optional[List[Any]] = [me, type(error).__name__, str(error)] if error is not None else None
+    for group in groups:
+        everyone = [r for r in _collectives.all_gather_json(record, group, tag=_TAG) if r is not None]
+        record = min(everyone, key=lambda r: int(r[0])) if everyone else record
+    assert record is not None  # the exchange said a rank refused, and its record travels the same way
+    return record
+
+
+def _sync_tensors(plan: Plan) -> List[Tuple[str, torch.Tensor]]:
+    """What ``sync_module_states`` broadcasts, named: the handles' parameters, target by
+    target, then every buffer outside ignored modules."""
+    names = {id(p): n for n, p in plan.root.named_parameters()}
+    out = [(names.get(id(p), "?"), p.data) for t in plan.targets for p in t.params]
+    for fqn, m in plan.root.named_modules():
+        if m not in plan.ignored_modules:
+            out += [(_join(fqn, n), b) for n, b in m.named_buffers(recurse=False)]
+    return out
+
+
+def _sync_layout(plan: Plan) -> Optional[List[Any]]:
+    if not plan.sync_module_states:
+        return None
+    return [[name, list(t.shape), str(t.dtype)] for name, t in _sync_tensors(plan)]
+
+
+def _digest(layout: Optional[List[Any]]) -> List[int]:
+    """Four int64 words of a hash of ``layout`` (and whether there is one)."""
+    digest = hashlib.sha256(repr(layout).encode()).digest()
+    return [int.from_bytes(digest[i:i + 8], "little", signed=True) for i in range(0, 32, 8)]
+
+
+def _describe_layouts(api: str, groups: List[Optional[dist.ProcessGroup]], mine: Optional[List[Any]]) -> str:
+    """The first difference between two ranks' layouts (every rank gathers them in every group)."""
+    found: Optional[str] = None
+    for group in groups:
+        everyone = _collectives.all_gather_json(mine, group, tag=_TAG)
+        ranks = [dist.get_global_rank(group, r) if group is not None else r for r in range(len(everyone))]
+        for rank, theirs in zip(ranks[1:], everyone[1:]):
+            if found is None and theirs != everyone[0]:
+                found = _first_difference(ranks[0], everyone[0], rank, theirs)
+    return (f"{api}: ranks disagree on what sync_module_states broadcasts from rank 0, which would hang or "
+            f"mix up data; none applied fully_shard. {found or 'Another pair of ranks differs (see their error).'}")
+
+
+def _first_difference(a: int, first: Optional[List[Any]], b: int, theirs: Optional[List[Any]]) -> str:
+    if first is None or theirs is None:
+        return (f"Rank {a} passed sync_module_states={first is not None}, rank {b} "
+                f"sync_module_states={theirs is not None}: pass the same value on every rank.")
+    k = next(k for k in range(max(len(first), len(theirs)) + 1) if first[k:k + 1] != theirs[k:k + 1])
+    return (f"Rank {a} has {first[k] if k < len(first) else 'nothing'} where rank {b} has "
+            f"{theirs[k] if k < len(theirs) else 'nothing'} ([name, shape, dtype] of parameter or buffer {k}). Build "
+            "the same model on every rank (built on the meta device elsewhere is fine: names, shapes and dtypes "
+            "must match).")
+
+
+# ---------------------------------------------------------------------------- apply
+def apply_plan(plan: Plan, root_state: _FSDPState, groups: Dict[ShardingStrategy, _Groups],
+               make_state: Callable[[], _FSDPState], finish_target: Callable[[nn.Module, _FSDPState], None]) -> None:
+    """Mutate the plan :func:`plan_agreed` prepared (materialized, moved to ``device_id``):
+    synchronize from rank 0, then build each target's state and handle, children first, and
+    hand it to ``finish_target``. ``groups`` maps each of ``plan.strategies``."""
     _sync_module_states(plan, groups[plan.targets[-1].config["strategy"]])
     for target in plan.targets:
         state = root_state if target.module is plan.root else make_state()
@@ -697,8 +959,7 @@ def _move_module_tensors(module: nn.Module, device: torch.device, keep: Abstract
 def _sync_module_states(plan: Plan, groups: _Groups) -> None:
     if not plan.sync_module_states:
         return
-    tensors = [p.data for t in plan.targets for p in t.params]
-    tensors += [b for m in plan.root.modules() if m not in plan.ignored_modules for b in m.buffers(recurse=False)]
+    tensors = [t for _, t in _sync_tensors(plan)]
     for group in (groups.replicate, groups.shard):
         if group is None:
             continue

@@ -1,6 +1,6 @@
 """``fully_shard``: ZeRO-3 data parallelism applied in place, with flat parameters.
 
-Thin public layer: validate (``_init_utils.plan_fully_shard``) -> build handles
+Thin public layer: validate, plan, materialize, agreed by every rank (``_init_utils.plan_agreed``) -> build handles
 (``_init_utils.apply_plan``) -> register hooks (``_runtime_utils``) -> return the module.
 
 [Note: Groups]  Every strategy is a (shard group, replicate group) pair: FULL_SHARD and
@@ -22,9 +22,9 @@ import torch.nn as nn
 
 from . import _apply_guard, _collectives
 from ._common_utils import FSDP_API_NAME, _FSDPState
-from ._init_utils import apply_plan, plan_fully_shard, resolve_groups
+from ._init_utils import apply_plan, plan_agreed, resolve_groups
 from ._mixed_precision import apply_mixed_precision
-from ._validation import check_bool, check_fully_shard_arguments, check_real
+from ._validation import check_bool, check_real
 from ._runtime_utils import register_runtime_hooks, reshard_handle, wait_unshard
 from ._state_dict import check_model_state_dict, register_state_dict_hooks
 from ._streams import Streams
@@ -171,10 +171,14 @@ def fully_shard(
         ignored_modules: modules whose parameters are left alone (not sharded, not reduced).
         ignored_states: parameters (or modules) left alone.
         device_id: compute device; CPU-initialized modules are moved there first.
-        param_init_fn: materializes meta-device tensors: called once per fully sharded module
-            that still has some, children first, before its parameters are collected; it may
-            replace parameters (``setattr(sub, name, nn.Parameter(...))``). Without it each
-            module's ``reset_parameters()`` runs once. Meta tensors left raise ``ValueError``.
+        param_init_fn: materializes meta-device tensors, as torch FSDP1's does: for each fully
+            sharded module that still has some (children first), ``param_init_fn(m)`` runs on
+            every module ``m`` of its subtree, breadth-first, stopping at modules fully sharded
+            already or ignored; it initializes ``m``'s own tensors and may replace them
+            (``setattr(m, name, nn.Parameter(...))``), e.g. ``lambda m: m.to_empty(device=dev,
+            recurse=False)`` with ``sync_module_states=True``. Without it each module's
+            ``reset_parameters()`` runs once. Meta tensors left raise ``ValueError`` on every
+            rank (any refusal before the first collective is agreed by all ranks).
         sync_module_states: broadcast parameters and buffers from rank 0 first.
         forward_prefetch: all-gather the next handle before the current forward computes.
         backward_prefetch: when to all-gather the next handle in backward (None: never).
@@ -186,8 +190,7 @@ def fully_shard(
                   ignored_states=ignored_states, device_id=device_id, param_init_fn=param_init_fn,
                   sync_module_states=sync_module_states, forward_prefetch=forward_prefetch,
                   backward_prefetch=backward_prefetch, limit_all_gathers=limit_all_gathers)
-    kwargs = check_fully_shard_arguments(module, kwargs)
-    plan = plan_fully_shard(module, kwargs)
+    plan = plan_agreed(module, kwargs)  # every refusal before the first collective, agreed by all ranks
     groups = {s: resolve_groups(s, process_group, mesh) for s in plan.strategies}
     apply_plan(plan, fully_shard.state(module), groups, _FSDPState, _finish_target)  # type: ignore[arg-type]  # state set by contract
     return module

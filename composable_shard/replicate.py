@@ -57,7 +57,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from . import _apply_guard, _collectives, _watch
+from . import _apply_guard, _collectives, _init_utils, _watch
 from ._common_utils import WeakGroup, WeakHook
 from ._validation import (check_dense_gradients, check_device_id, check_mixed_precision, check_modules,
                           check_process_group, check_real)
@@ -236,19 +236,14 @@ def replicate(
         mixed_precision: only ``effective_reduce_dtype`` is used: the dtype of the all-reduce.
     """
     api = f"replicate({type(module).__name__})"
-    check_process_group(api, process_group)
-    check_device_id(api, device_id)
-    ignored_modules = check_modules(api, "ignored_modules", ignored_modules)
-    if not 0 < check_real(api, "bucket_cap_mb", bucket_cap_mb) < math.inf:
-        raise ValueError(f"{api}: bucket_cap_mb must be a positive, finite number of MiB, got {bucket_cap_mb!r}")
-    check_mixed_precision(api, mixed_precision)
-    reduce_dtype = _validate(module, bucket_cap_mb, mixed_precision)
-    device = _resolve_device(device_id)
-    skipped = _skipped_subtrees(module, ignored_modules)
-    check_dense_gradients(api, _kept_modules(module, skipped), {id(p) for p in _managed_params(module, skipped)[1]},
-                          _SPARSE_WHY)
-    if device is None:
-        _check_one_device(module, _managed_params(module, skipped)[1])
+    check_process_group(api, process_group)  # the group the checks are agreed in (see _check_same_on_all_ranks)
+    if not (dist.is_available() and dist.is_initialized()):  # nothing to agree in: raises alone, at the latest
+        _check(api, module, device_id, ignored_modules, bucket_cap_mb, mixed_precision)  # for the missing group
+    try:
+        reduce_dtype, device, skipped = _check(api, module, device_id, ignored_modules, bucket_cap_mb, mixed_precision)
+    except Exception as e:
+        _check_same_on_all_ranks(module, set(), process_group, e)
+        raise
     _check_same_on_all_ranks(module, skipped, process_group)
     if device is not None:
         module.to(device)
@@ -269,6 +264,25 @@ def replicate(
 
 
 # ---------------------------------------------------------------- init: validate, plan
+def _check(api: str, module: nn.Module, device_id: Union[int, torch.device, None],
+           ignored_modules: Optional[Iterable[nn.Module]], bucket_cap_mb: float,
+           mixed_precision: Optional[MixedPrecision]) -> Tuple[Optional[torch.dtype], Optional[torch.device], Set[nn.Module]]:
+    """Every refusal before the first collective; returns the reduce dtype, the device and the
+    skipped subtrees."""
+    check_device_id(api, device_id)
+    ignored_modules = check_modules(api, "ignored_modules", ignored_modules)
+    if not 0 < check_real(api, "bucket_cap_mb", bucket_cap_mb) < math.inf:
+        raise ValueError(f"{api}: bucket_cap_mb must be a positive, finite number of MiB, got {bucket_cap_mb!r}")
+    check_mixed_precision(api, mixed_precision)
+    reduce_dtype = _validate(module, bucket_cap_mb, mixed_precision)
+    device = _resolve_device(device_id)
+    skipped = _skipped_subtrees(module, ignored_modules)
+    check_dense_gradients(api, _kept_modules(module, skipped), {id(p) for p in _managed_params(module, skipped)[1]},
+                          _SPARSE_WHY)
+    if device is None:
+        _check_one_device(module, _managed_params(module, skipped)[1])
+    return reduce_dtype, device, skipped
+
 
 
 def _validate(
@@ -360,11 +374,22 @@ def _check_one_device(module: nn.Module, params: List[nn.Parameter]) -> None:
                                   f"{sorted(map(str, devices))}; move the module to one device (device_id=...).")
 
 
-def _check_same_on_all_ranks(module: nn.Module, skipped: Set[nn.Module], group: Optional[dist.ProcessGroup]) -> None:
+def _check_same_on_all_ranks(module: nn.Module, skipped: Set[nn.Module], group: Optional[dist.ProcessGroup],
+                             error: Optional[Exception] = None) -> None:
     """Ranks must hold the same states, else the init broadcast and the buckets would
-    mismatch (or hang); raise the same error on every rank instead."""
-    signature = [(n, tuple(t.shape), str(t.dtype), t.requires_grad) for n, t in _module_states(module, skipped)]
+    mismatch (or hang); raise the same error on every rank instead. The same gather carries
+    this rank's refusal (``error``): a rank that refused returns (to raise its own), the
+    others raise the lowest refusing rank's error, naming it."""
+    api = f"replicate({type(module).__name__})"
+    signature: Any = ([(n, tuple(t.shape), str(t.dtype), t.requires_grad) for n, t in _module_states(module, skipped)]
+                      if error is None else {"refused": [dist.get_rank(), type(error).__name__, str(error)]})
     everyone = _collectives.all_gather_json(signature, group, tag="replicate::check_states")
+    refusals = [s["refused"] for s in everyone if isinstance(s, dict)]
+    if refusals:
+        rank, kind, message = min(refusals, key=lambda r: int(r[0]))
+        if error is None:
+            raise _init_utils.rebuilt_error(api, rank, kind, message, "replicate")
+        return
     for rank, other in enumerate(everyone):
         if other != everyone[0]:
             k = next(k for k in range(len(other) + 1) if everyone[0][k : k + 1] != other[k : k + 1])

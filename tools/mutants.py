@@ -282,7 +282,8 @@ MUTANTS: List[Mutant] = [
        _REPLICATE, "if state.num_rebuilds == 0:", "if True:", f"{_REPLICATE_TESTS}::test_no_sync_overlap_and_bucket_rebuild"),
     # ---------------------------------------------------------------- init
     _m("sync_module_states_ignored", "fully_shard(sync_module_states=True) broadcasts nothing",
-       _INIT, "    if not plan.sync_module_states:\n", "    if True:\n", _INIT_TESTS),
+       _INIT, "def _sync_module_states(plan: Plan, groups: _Groups) -> None:\n    if not plan.sync_module_states:\n",
+       "def _sync_module_states(plan: Plan, groups: _Groups) -> None:\n    if True:\n", _INIT_TESTS),
     _m("process_group_ignored", "fully_shard(process_group=G) shards over the whole world",
        _INIT, "group: Optional[dist.ProcessGroup] = process_group if process_group is not None else dist.group.WORLD",
        "group: Optional[dist.ProcessGroup] = dist.group.WORLD", f"{_STORAGE}[4]"),
@@ -290,7 +291,7 @@ MUTANTS: List[Mutant] = [
        _INIT, "params.update(s for s in ignored_states or [] if isinstance(s, nn.Parameter))", "params.update([])",
        _INIT_TESTS),
     _m("param_init_fn_ignored", "fully_shard(param_init_fn=...) falls back to reset_parameters()",
-       _INIT, "    init_fn = plan.param_init_fn\n", "    init_fn = None\n",
+       _INIT, "        _call_param_init_fn(plan, plan.param_init_fn)\n", "        _reset_meta_modules(plan)\n",
        "tests/distributed/test_fully_shard_composable.py::test_composable_fully_shard_behaviours[2]"),
     # ---------------------------------------------------------------- FSDPModule methods
     _m("summon_full_params_ignores_recurse", "FSDPModule.summon_full_params(recurse=False) unshards the subtree",

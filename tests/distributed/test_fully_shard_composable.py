@@ -103,9 +103,12 @@ def _param_init_fn_subtest() -> None:
     calls: List[str] = []
     materializing: List[str] = []
     fully_shard(model, policy=ModuleWrapPolicy({Block}), param_init_fn=_replacing_init_fn(names, calls, materializing))
-    # Once per fully sharded module, children first, in the order torch FSDP1 materializes.
-    assert calls == ["blocks.0", "blocks.1", ""], calls
-    assert materializing == torch_materializing == calls, (materializing, torch_materializing)
+    # As torch FSDP1: on every module of each fully sharded module's subtree, breadth-first,
+    # nested ones first; the first call of each (this function reaches the whole subtree)
+    # materializes it, so the values are torch's.
+    assert calls == ["blocks.0", "blocks.0.ln", "blocks.0.fc1", "blocks.0.fc2", "blocks.1", "blocks.1.ln",
+                     "blocks.1.fc1", "blocks.1.fc2", "", "emb", "blocks", "frozen", "scale", "head"], calls
+    assert materializing == torch_materializing == ["blocks.0", "blocks.1", ""], (materializing, torch_materializing)
     # Every handle is built from the replacing parameters: flat parameters of ceil(N/W) elements.
     handles = _get_fsdp_handles(model)
     assert [h.module for h in handles] == [model, model.blocks[0], model.blocks[1]], handles

@@ -32,11 +32,14 @@ def _meta_init(how: str) -> None:
             assert torch.equal(model.blocks[0].ln.weight, torch.ones(6))  # LayerNorm.reset_parameters ran
             assert model.scale.gain.item() == 1.25
     else:
-        def init(module: nn.Module) -> None:
-            module.to_empty(device="cpu")
+        index = {id(p): i for i, p in enumerate(model.parameters())}
+
+        def init(module: nn.Module) -> None:  # per module, as torch FSDP1 calls it
+            own = {name: index[id(p)] for name, p in module.named_parameters(recurse=False)}
+            module.to_empty(device="cpu", recurse=False)
             with torch.no_grad():
-                for i, p in enumerate(module.parameters()):
-                    p.fill_(0.01 * (i + 1))
+                for name, p in module.named_parameters(recurse=False):
+                    p.fill_(0.01 * (own[name] + 1))
 
         fully_shard(model, param_init_fn=init)
         with unshard_params(model):

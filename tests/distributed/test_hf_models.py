@@ -219,7 +219,9 @@ def _meta_init(kind: str) -> None:
                     sub.register_buffer(bname, value, persistent=bname in sub.state_dict(keep_vars=True))
 
     _shard(model, "policy", param_init_fn=init)
-    assert calls[-1] == "" and len(calls) == len(_blocks(model)) + 1, calls
+    # Per module, as torch FSDP1: each block's subtree breadth-first, then the root's (not entering the blocks).
+    assert calls[0] == names[id(_blocks(model)[0])] and "" in calls and len(calls) == len(set(calls)), calls
+    assert len(calls) == sum(1 for _ in model.modules()), calls
     for h in _get_fsdp_handles(model):
         assert h.groups and all(g.flat_param.numel() > 0 for g in h.groups), h.fqn
     if kind == "gpt2":

@@ -1,8 +1,14 @@
-"""Meta-device materialization leaves already initialized tensors alone.
+"""Meta-device materialization: torch FSDP1's ``param_init_fn`` idiom, refusals agreed across
+ranks, and already initialized tensors left alone.
 
 ``fully_shard`` initializes meta tensors with ``reset_parameters()`` (per module with meta
-tensors of its own) or with ``param_init_fn(module)`` (per fully sharded module, children
-first). A parent's init often reaches its whole subtree (Hugging Face style
+tensors of its own) or with ``param_init_fn(m)`` (as torch FSDP1: on every module of each fully
+sharded module's subtree, breadth-first, nested fully sharded modules first). The idiom of
+llama-recipes and accelerate (rank 0 real, the others on meta, ``to_empty(recurse=False)``,
+``sync_module_states=True``) must train as rank 0's model would (d), and a refusal on one rank
+must raise on every rank instead of leaving the others in a collective (e).
+
+A parent's init often reaches its whole subtree (Hugging Face style
 ``reset_parameters``, ``module.to_empty(...)`` followed by re-initializing every submodule).
 With hand annotation (``fully_shard`` each block, then the root) the blocks are already
 sharded when the root's init runs: their parameters are 1-D views into flat shards. Without
@@ -12,17 +18,24 @@ loose from their flat shards so the optimizer updates storage the forward never 
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
 from typing import Callable, Dict, List, Tuple
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import transformers  # the [hf] extra, which the README's test command installs
 
-from composable_shard import ModuleWrapPolicy, fully_shard, unshard_params
+from composable_shard import FSDPModule, ModuleWrapPolicy, ShardingStrategy, fully_shard, replicate, unshard_params
+from composable_shard._collectives import record_collectives
 from tests._harness import run_distributed, run_subtests
 from tests._models import (VOCAB, WIDTH, Block, ParityModel, assert_losses_close, assert_params_close, batch,
-                           distributed_training, local_rows, loss_fn, make_model)
+                           distributed_training, local_rows, loss_fn, make_model, reference_training)
 
 Named = List[Tuple[str, torch.Tensor]]
 
@@ -73,14 +86,13 @@ def _to_empty_reset_all(module: nn.Module) -> None:
 
 
 def _to_empty_model_init(module: nn.Module) -> None:
-    """A ``param_init_fn``: ``to_empty`` the whole subtree, then the model's own init if it has
-    one (it reaches every submodule with 1-D-safe inits: no error, silent damage), else each
-    submodule's ``reset_parameters()``."""
+    """A ``param_init_fn`` (called per module): ``to_empty`` the whole subtree (no
+    ``recurse=False``: it reaches the sharded blocks from the root and from ``blocks``), then
+    the module's own ``reset_parameters()`` if it has one: the root's reaches every submodule
+    with 1-D-safe inits (no error, silent damage)."""
     module.to_empty(device="cpu")
-    subs = [module] if isinstance(module, ReInitAll) else list(module.modules())
-    for sub in subs:
-        if callable(getattr(sub, "reset_parameters", None)):
-            sub.reset_parameters()
+    if callable(getattr(module, "reset_parameters", None)):
+        module.reset_parameters()
 
 
 def _replace_all_init(module: nn.Module) -> None:
@@ -281,7 +293,8 @@ def _added_param_still_reported() -> None:
 
     def init_and_add(module: nn.Module) -> None:
         _replace_all_init(module)
-        module.blocks[0].fc1.extra = nn.Parameter(torch.zeros(1))
+        if module is model:
+            module.blocks[0].fc1.extra = nn.Parameter(torch.zeros(1))
 
     try:
         fully_shard(model, param_init_fn=init_and_add)
@@ -308,3 +321,341 @@ def test_whole_subtree_param_init_fn_keeps_sharded_children(world_size: int) -> 
     silently: its optimizer updates storage the forward never reads). A function that raises
     leaves the blocks as they were; one that adds a parameter to a block is still reported."""
     run_distributed(_whole_subtree_param_init_fns, world_size, timeout=60)
+
+
+# ---------------------------------------------------------------------------- (d) the FSDP1 meta-device idiom
+# Rank 0 builds the real model, the other ranks build it on meta, and fully_shard materializes
+# with torch FSDP1's per-module param_init_fn (``to_empty(recurse=False)``) and broadcasts rank
+# 0's values (sync_module_states). Before the per-module calls, ranks != 0 raised (param_init_fn
+# was called once per fully sharded module, so ``to_empty(recurse=False)`` left the submodules
+# on meta) while rank 0 went on into the broadcast.
+LLAMA_VOCAB, LLAMA_SEQ, LLAMA_ROWS = 37, 8, 2
+_CPU = torch.device("cpu")
+
+
+def _to_empty(module: nn.Module) -> None:
+    """The idiom's ``param_init_fn`` (llama-recipes, accelerate)."""
+    module.to_empty(device=_CPU, recurse=False)
+
+
+class _BufferedParity(ParityModel):
+    """``ParityModel`` (embedding tied with the head, a frozen Linear, a one-element handle)
+    with a non-persistent buffer in the forward, like rotary ``inv_freq``: ``to_empty`` leaves
+    it uninitialized on ranks != 0 and only ``sync_module_states`` makes it rank 0's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mix", torch.linspace(0.5, 1.5, WIDTH), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return super().forward(tokens) * self.mix.sum()
+
+
+def _llama() -> nn.Module:
+    config = transformers.LlamaConfig(vocab_size=LLAMA_VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=LLAMA_SEQ,
+                                      tie_word_embeddings=True, bos_token_id=0, eos_token_id=0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _build(kind: str, meta: bool) -> nn.Module:
+    """Rank 0's model (seed 0) or the same built on meta."""
+    torch.manual_seed(0)
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        return _llama() if kind == "llama" else _BufferedParity()
+
+
+def _layers(model: nn.Module) -> List[nn.Module]:
+    return list(model.model.layers) if isinstance(model, transformers.LlamaForCausalLM) else list(model.blocks)
+
+
+def _shard(model: nn.Module, annotation: str, **kwargs: object) -> None:
+    if annotation == "policy":
+        fully_shard(model, policy=ModuleWrapPolicy({type(_layers(model)[0])}), **kwargs)  # type: ignore[arg-type]
+        return
+    for layer in _layers(model):
+        fully_shard(layer, **kwargs)  # type: ignore[arg-type]
+    fully_shard(model, **kwargs)  # type: ignore[arg-type]
+
+
+def _llama_loss(model: nn.Module, step: int, rows: slice) -> torch.Tensor:
+    g = torch.Generator().manual_seed(500 + step)
+    ids = torch.randint(0, LLAMA_VOCAB, (LLAMA_ROWS * dist.get_world_size(), LLAMA_SEQ), generator=g)[rows]
+    return model(input_ids=ids, labels=ids).loss  # type: ignore[no-any-return]
+
+
+def _train_llama(model: nn.Module, reference: nn.Module, steps: int) -> Tuple[List[float], List[float]]:
+    """AdamW on each rank's rows against the reference on the whole batch; both losses per step."""
+    rank = dist.get_rank()
+    optim, ref_optim = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    losses, ref_losses = [], []
+    for step in range(steps):
+        loss = _llama_loss(model, step, slice(rank * LLAMA_ROWS, (rank + 1) * LLAMA_ROWS))
+        loss.backward()
+        ref_loss = _llama_loss(reference, step, slice(None))
+        ref_loss.backward()
+        for o in (optim, ref_optim):
+            o.step()
+            o.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / dist.get_world_size())
+        ref_losses.append(ref_loss.item())
+    return losses, ref_losses
+
+
+def _idiom(kind: str, annotation: str) -> None:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = _build(kind, meta=rank != 0)
+    reference = _build(kind, meta=False)  # rank 0's model, trained on the whole batch in one process
+    assert next(model.parameters()).is_meta == (rank != 0)
+    _shard(model, annotation, sync_module_states=True, param_init_fn=_to_empty)
+    what = f"[{kind}/{annotation}/W={world_size}/rank {rank}]"
+    if kind == "llama":
+        assert model.lm_head.weight is model.model.embed_tokens.weight, f"{what} tie lost"
+    else:
+        assert model.head.weight is model.emb.weight, f"{what} tie lost"
+    # Exactly rank 0's values, non-persistent buffers (rotary inv_freq, mix) included.
+    _assert_equal(_full_params(model), list(reference.named_parameters()), f"{what} parameters")
+    _assert_equal(list(model.named_buffers()), list(reference.named_buffers()), f"{what} buffers")
+    if kind == "llama":
+        losses, ref_losses = _train_llama(model, reference, 3)
+    else:
+        losses, ref_losses = distributed_training(model, 3), reference_training(reference, 3, world_size)
+    assert_losses_close(losses, ref_losses, atol=1e-5, what=what)
+    assert_params_close(_full_params(model), list(reference.named_parameters()), atol=1e-5, what=f"{what} trained")
+
+
+def _calls_recorded(model: nn.Module, calls: List[str]) -> Callable[[nn.Module], None]:
+    names = {id(m): n or "<root>" for n, m in model.named_modules()}
+
+    def init(module: nn.Module) -> None:
+        calls.append(names[id(module)])
+        _to_empty(module)
+
+    return init
+
+
+def _torch_fsdp1_calls(annotation: str) -> List[str]:
+    """The modules torch FSDP1 calls param_init_fn on for ``_BufferedParity`` on meta."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchModuleWrapPolicy
+
+    model, calls = _build("parity", meta=True), []  # type: ignore[var-annotated]
+    kwargs = dict(param_init_fn=_calls_recorded(model, calls), device_id=_CPU, use_orig_params=True)
+    if annotation == "policy":
+        FSDP(model, auto_wrap_policy=TorchModuleWrapPolicy({Block}), **kwargs)
+    else:
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = FSDP(block, **kwargs)  # type: ignore[arg-type]
+        FSDP(model, **kwargs)
+    return calls
+
+
+def _same_calls_as_torch_fsdp1(annotation: str) -> None:
+    """param_init_fn is called on the modules torch FSDP1 calls it on, in its order: each
+    fully sharded module's subtree breadth-first, nested ones first, no call on a rank
+    without meta tensors."""
+    expected = _torch_fsdp1_calls(annotation)
+    model, calls = _build("parity", meta=True), []  # type: ignore[var-annotated]
+    _shard(model, annotation, param_init_fn=_calls_recorded(model, calls))
+    assert calls == expected, (calls, expected)
+    real, real_calls = _build("parity", meta=False), []  # type: ignore[var-annotated]
+    _shard(real, annotation, param_init_fn=_calls_recorded(real, real_calls))
+    assert real_calls == [], real_calls
+
+
+def _idioms() -> None:
+    run_subtests(_same_calls_as_torch_fsdp1, {"annotation": ["policy", "manual"]})
+    run_subtests(_idiom, {"kind": ["llama", "parity"], "annotation": ["policy", "manual"]})
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_meta_idiom_trains_as_rank0(world_size: int) -> None:
+    """(d) The llama-recipes/accelerate idiom: rank 0 real, the others on meta, fully_shard with
+    ``sync_module_states=True, param_init_fn=lambda m: m.to_empty(device=cpu, recurse=False)``,
+    by policy and by hand, on a tiny random Hugging Face Llama (tied embedding, rotary
+    ``inv_freq`` buffers) and on ParityModel with a non-persistent buffer: right after
+    fully_shard every parameter and buffer equals rank 0's model bit for bit, ties are kept,
+    and 3 AdamW steps give the losses and parameters of rank 0's model trained in one process
+    on the combined batch. param_init_fn is called on exactly the modules torch FSDP1 calls it
+    on, in its order (it used to be called once per fully sharded module, so ranks != 0 raised
+    with meta tensors left)."""
+    run_distributed(_idioms, world_size, timeout=120)
+
+
+# ---------------------------------------------------------------------------- (e) refusals agreed across ranks
+REFUSER = 1
+DEADLINE_S = 45.0  # a rank that has not returned from fully_shard by then waits in a collective
+# What each rank's fully_shard may take to raise: milliseconds on an idle machine (a few small
+# collectives), seconds with more ranks than cores under load; gloo's timeout is 210 s here.
+SECONDS = 30.0
+
+
+def _outcomes(directory: str, outcome: Dict[str, object]) -> List[Dict[str, object]]:
+    """Every rank's outcome, exchanged through files (no collective: a rank stuck in one must
+    not be freed by it); raises if a rank has not written its own within DEADLINE_S."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, f".{rank}"), "w") as f:
+        json.dump(outcome, f)
+    os.replace(os.path.join(directory, f".{rank}"), os.path.join(directory, f"{rank}.json"))
+    paths = [os.path.join(directory, f"{r}.json") for r in range(world_size)]
+    deadline = time.monotonic() + DEADLINE_S
+    while not all(os.path.exists(p) for p in paths):
+        if time.monotonic() > deadline:
+            missing = [r for r, p in enumerate(paths) if not os.path.exists(p)]
+            raise AssertionError(f"ranks {missing} did not return from fully_shard within {DEADLINE_S} s of rank "
+                                 f"{rank}'s outcome {outcome}: they wait in a collective the refusing rank never joins")
+        time.sleep(0.02)
+    outcomes = []
+    for p in paths:
+        with open(p) as f:
+            outcomes.append(json.load(f))
+    return outcomes
+
+
+def _refusing_setup(case: str) -> Tuple[nn.Module, Dict[str, object]]:
+    """The model and fully_shard arguments of this rank; only rank REFUSER's refuse."""
+    refuser = dist.get_rank() == REFUSER
+    model = _build("parity", meta=dist.get_rank() != 0)
+    kwargs: Dict[str, object] = dict(sync_module_states=True, param_init_fn=_to_empty)
+
+    def raising(module: nn.Module) -> None:
+        _to_empty(module)
+        if module is model.blocks[1].fc1:
+            raise KeyError("param_init_fn failed on blocks.1.fc1 (rank 1)")
+
+    def leaving_meta(module: nn.Module) -> None:
+        if module is not model.scale:
+            _to_empty(module)
+
+    if case == "init_raises" and refuser:
+        kwargs["param_init_fn"] = raising
+    elif case == "meta_left" and refuser:
+        kwargs["param_init_fn"] = leaving_meta
+    elif case == "different_model" and refuser:
+        model.blocks.append(Block().to_empty(device=_CPU))
+    elif case == "plan_refuses_without_sync":
+        model = _build("parity", meta=False)
+        kwargs = {}
+        model.emb.sparse = refuser  # a sparse gradient cannot be sharded: refused while planning
+    return model, kwargs
+
+
+_EXPECTED = {  # case -> (exception type on every rank, what every message says)
+    "init_raises": ("KeyError", "param_init_fn failed on blocks.1.fc1 (rank 1)"),
+    "meta_left": ("ValueError", "['scale.gain'] are still on the meta device"),
+    "different_model": ("RuntimeError", "ranks disagree on what sync_module_states broadcasts from rank 0"),
+    "plan_refuses_without_sync": ("ValueError", "sparse=True"),
+}
+
+
+def _one_rank_refuses(case: str, directory: str, annotation: str) -> None:
+    """Rank REFUSER alone refuses and catches its error, carrying on: every rank raises the
+    same error, naming the refusing rank, within seconds, and none applied fully_shard."""
+    rank = dist.get_rank()
+    model, kwargs = _refusing_setup(case)
+    dist.barrier()  # the clock starts when every rank is about to call fully_shard
+    start = time.monotonic()
+    try:
+        _shard(model, annotation, **kwargs)
+        outcome: Dict[str, object] = {"error": None, "message": "", "seconds": time.monotonic() - start}
+    except Exception as e:
+        outcome = {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start}
+    outcomes = _outcomes(os.path.join(directory, f"{case}-{annotation}"), outcome)
+    kind, text = _EXPECTED[case]
+    for r, o in enumerate(outcomes):
+        assert o["error"] == kind and text in str(o["message"]), (case, r, o)
+        assert float(o["seconds"]) < SECONDS, (case, r, o)  # gloo's timeout: 210 s
+        refused_here = r == REFUSER or case == "different_model"
+        assert refused_here or f"rank {REFUSER} refused" in str(o["message"]), (case, r, o)
+    assert fully_shard.state(model) is None and not isinstance(model, FSDPModule), (case, rank)
+    check = torch.ones(1)
+    dist.all_reduce(check)  # every rank is out of fully_shard and in step
+    assert check.item() == dist.get_world_size()
+
+
+def _init_collectives() -> None:
+    """Each fully_shard call issues one exchange of six int64 values (48 bytes) in its group
+    before anything else, and with sync_module_states nothing but that and the broadcasts."""
+    for annotation, calls in (("policy", 1), ("manual", 3)):
+        with record_collectives() as rec:
+            _shard(_build("parity", meta=dist.get_rank() != 0), annotation, sync_module_states=True,
+                   param_init_fn=_to_empty)
+        kinds = [(r.kind, r.nbytes, r.tag) for r in rec.records if r.kind != "broadcast"]
+        assert kinds == [("exchange", 48, "fully_shard::init")] * calls, (annotation, kinds)
+        assert rec.events[0][1] == "exchange" and {r.tag for r in rec.records if r.kind == "broadcast"} == \
+            {"sync_module_states"}, (annotation, rec.events)
+
+
+def _hybrid_refuses(directory: str) -> None:
+    """HYBRID_SHARD on a 2x2 mesh: the agreement runs in the shard group, then the replicate
+    group (two exchanges), and reaches every rank; rank 3 alone refuses."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    rank = dist.get_rank()
+    model = _build("parity", meta=False)
+    model.emb.sparse = rank == 3
+    dist.barrier()
+    start = time.monotonic()
+    with record_collectives() as rec:
+        try:
+            fully_shard(model, mesh=mesh, strategy=ShardingStrategy.HYBRID_SHARD)
+            outcome: Dict[str, object] = {"error": None, "message": "", "seconds": time.monotonic() - start}
+        except ValueError as e:
+            outcome = {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start}
+    assert [r.kind for r in rec.records][:2] == ["exchange", "exchange"], rec.records
+    for r, o in enumerate(_outcomes(os.path.join(directory, "hybrid"), outcome)):
+        assert o["error"] == "ValueError" and "sparse=True" in str(o["message"]), (r, o)
+        assert r == 3 or "rank 3 refused" in str(o["message"]), (r, o)
+        assert float(o["seconds"]) < SECONDS, (r, o)
+    healthy = _build("parity", meta=False)
+    with record_collectives() as rec:
+        fully_shard(healthy, mesh=mesh, strategy=ShardingStrategy.HYBRID_SHARD)
+    assert [(r.kind, r.nbytes) for r in rec.records] == [("exchange", 48)] * 2, rec.records
+
+
+def _replicate_refuses(directory: str) -> None:
+    """replicate shares the problem (its first collective, the state check, waited for a rank
+    that refused alone); its refusal now travels in that same gather (no extra collective)."""
+    model = make_model()
+    model.emb.sparse = dist.get_rank() == REFUSER
+    dist.barrier()
+    start = time.monotonic()
+    with record_collectives() as rec:
+        try:
+            replicate(model)
+            outcome: Dict[str, object] = {"error": None, "message": "", "seconds": time.monotonic() - start}
+        except ValueError as e:
+            outcome = {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start}
+    assert [r.kind for r in rec.records] == ["all_gather_json"], rec.records
+    for r, o in enumerate(_outcomes(os.path.join(directory, "replicate"), outcome)):
+        assert o["error"] == "ValueError" and "sparse=True" in str(o["message"]), (r, o)
+        assert r == REFUSER or f"rank {REFUSER} refused" in str(o["message"]), (r, o)
+        assert float(o["seconds"]) < SECONDS, (r, o)
+
+
+def _refusals(directory: str) -> None:
+    run_subtests(_one_rank_refuses, {"case": list(_EXPECTED), "annotation": ["policy", "manual"]},
+                 directory=directory)
+    _replicate_refuses(directory)
+    _init_collectives()
+    if dist.get_world_size() == 4:
+        _hybrid_refuses(directory)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_one_rank_refusing_raises_on_every_rank(world_size: int, tmp_path: Path) -> None:
+    """(e) A refusal on one rank only -- its param_init_fn raises, leaves a meta tensor, its
+    model differs (with sync_module_states), or planning refuses (a sparse embedding, no
+    collective in fully_shard at all) -- and that rank catches its error and carries on: every
+    rank raises the same error type with the refusing rank's message, naming it, in under 30 s
+    (outcomes exchanged through files, so no collective frees a waiting rank; the process
+    group's timeout is 210 s), no rank applied fully_shard, and the group is usable
+    afterwards. By hand and by policy; HYBRID_SHARD on a 2x2 mesh at W=4; replicate (a sparse
+    embedding on one rank). The agreement costs one 48-byte exchange per fully_shard call (two
+    for hybrid), nothing more for replicate. Before, the other ranks went on
+    into the broadcast (or into training) and waited forever."""
+    run_distributed(_refusals, world_size, str(tmp_path), timeout=150)
