@@ -281,5 +281,6 @@ def _refuse_foreign_wrapper(module: Any, frame: Optional[FrameType]) -> None:
         f"{wrapper} cannot wrap a module managed by {api} ({type(module).__name__}), nor a parent "
         f"of one: {api} already makes it data-parallel in place. A second wrapper would broadcast "
         "rank 0's parameter shards over the other ranks' and reduce gradients twice. Train the module as it "
-        "is (it needs no wrapper); for Hugging Face Trainer use composable_shard.integrations.transformers, and "
-        "to mix sharding strategies use fully_shard/replicate on submodules. Nothing was changed.")
+        "is (it needs no wrapper): with Hugging Face Trainer or accelerate use ShardedTrainer or "
+        "ShardedAccelerator from composable_shard.integrations.transformers; to mix strategies, use "
+        "fully_shard/replicate on submodules. Nothing was changed.")

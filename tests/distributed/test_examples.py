@@ -101,6 +101,17 @@ def _examples_on_two_ranks(root: str) -> None:
             assert result["reloaded_matches"] is True and len(result["generated"]) == 12, result
             assert {"config.json", "model.safetensors"} <= set(os.listdir(out)), os.listdir(out)
 
+        hf_trainer = _example("hf_trainer")  # ShardedTrainer: accumulation, clipping, save_model
+        out = os.path.join(root, "hf_trainer")
+        result = _quiet(hf_trainer.main, ["--steps", "5", "--hidden", "32", "--layers", "1", "--seq", "32",
+                                          "--batch", "2", "--lr", "1e-2", "--log-every", "1", "--save-steps", "0",
+                                          "--out", out, *TEXT])
+        _assert_falls(result["losses"], "hf_trainer", 0.1)
+        assert sorted(result["grad_norms"]) == [1, 2, 3, 4, 5], result
+        if rank == 0:
+            assert result["reloaded_matches"] is True, result
+            assert {"config.json", "model.safetensors"} <= set(os.listdir(os.path.join(out, "final")))
+
 
 def _runtime_bytes(model: nn.Module) -> Dict[str, int]:
     """Parameter and gradient bytes this rank holds: flat shards, replicated parameters, and

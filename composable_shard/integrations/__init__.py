@@ -1,0 +1,8 @@
+"""Integrations with training frameworks, each an optional module with its own extra.
+
+- :mod:`composable_shard.integrations.transformers`: Hugging Face ``Trainer`` and
+  ``accelerate`` for a model sharded by this library (``pip install composable_shard[hf]``).
+
+Nothing here is imported by ``import composable_shard``: the core package depends on torch
+only, and importing an integration without its extra raises ``ImportError`` naming the extra.
+"""
