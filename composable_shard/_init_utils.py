@@ -726,9 +726,31 @@ def _hybrid_groups(process_group: Any, mesh: Any) -> Tuple[Optional[dist.Process
     if process_group is not None:
         raise ValueError("fully_shard: hybrid sharding needs a (shard group, replicate group) pair or a 2-D mesh, "
                          "not a single process group")
-    local, world = _local_world_size(), dist.get_world_size()
+    return _node_groups(_local_world_size())
+
+
+# [Note: Hybrid groups made once]  HYBRID_SHARD without process groups shards within a node and
+# replicates across nodes. Creating those groups is collective and each is a communicator of its
+# own (buffers and set-up time on NCCL), so they are made once per process layout (the default
+# group, the node size) and reused by every fully_shard call: per-block annotation of a 32-block
+# model makes one (shard, replicate) pair, not 33. Held weakly, as every process group of ours
+# is ([Note: Process groups held weakly]): c10d keeps them until they are destroyed, and a layout
+# whose groups are gone (dist.destroy_process_group()) gets new ones.
+_NODE_GROUPS: Dict[Tuple[int, int], Tuple["weakref.ReferenceType[Any]", ...]] = {}
+
+
+def _node_groups(local: int) -> Tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's (shard within its node, replicate across nodes) groups, made on first use."""
+    default = dist.group.WORLD
+    key = (id(default), local)
+    refs = _NODE_GROUPS.get(key, ())
+    cached = [r() for r in refs]
+    if len(cached) == 3 and cached[0] is default and cached[1] is not None and cached[2] is not None:
+        return cached[1], cached[2]
+    world = dist.get_world_size()
     shard, _ = dist.new_subgroups_by_enumeration([list(range(i, i + local)) for i in range(0, world, local)])
     replicate, _ = dist.new_subgroups_by_enumeration([list(range(j, world, local)) for j in range(local)])
+    _NODE_GROUPS[key] = (weakref.ref(default), weakref.ref(shard), weakref.ref(replicate))  # type: ignore[arg-type]
     return shard, replicate
 
 

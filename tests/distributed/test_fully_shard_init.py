@@ -114,3 +114,33 @@ def test_init_options() -> None:
     ignored modules/states left whole and out of the handle, device_id, in-place class swap
     with unchanged FQNs, and deepcopy raising towards state_dict."""
     run_distributed(_all, 2, timeout=120)
+
+
+def _hybrid_groups_made_once() -> None:
+    """HYBRID_SHARD without process groups, annotated per block (4 blocks and the root): the
+    node's shard and replicate groups are made once and shared by all five states. Before, each
+    fully_shard call made its own pair (20 new process groups at W=4 on 2-rank nodes, each a
+    communicator of its own on NCCL) instead of 4."""
+    import os
+
+    from composable_shard import ShardingStrategy
+    from composable_shard._traversal_utils import _get_fsdp_states
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"  # two "nodes" of two ranks
+    before = dist.get_pg_count()
+    model = make_model(num_blocks=4)
+    for block in model.blocks:
+        fully_shard(block, strategy=ShardingStrategy.HYBRID_SHARD)
+    fully_shard(model, strategy=ShardingStrategy.HYBRID_SHARD)
+    # new_subgroups_by_enumeration makes every subgroup on every rank: 2 node groups + 2 across.
+    assert dist.get_pg_count() - before == 4, dist.get_pg_count() - before
+    states = _get_fsdp_states(model)
+    assert len(states) == 5 and len({(id(s.process_group), id(s.replicate_group)) for s in states}) == 1, states
+    shard, across = states[0].process_group, states[0].replicate_group
+    rank = dist.get_rank()
+    assert dist.get_process_group_ranks(shard) == [rank // 2 * 2, rank // 2 * 2 + 1], dist.get_process_group_ranks(shard)
+    assert dist.get_process_group_ranks(across) == [rank % 2, rank % 2 + 2], dist.get_process_group_ranks(across)
+
+
+def test_hybrid_groups_are_made_once_per_layout() -> None:
+    run_distributed(_hybrid_groups_made_once, 4, timeout=60)
