@@ -351,6 +351,10 @@ def test_storage_path_outside_the_folder_is_refused_unread(results: Results, how
     assert opens == 0, f"the load opened the file outside the checkpoint folder {opens} time(s): {message}"
     assert repr(written) in message, f"the error does not name the path {written!r}: {message}"
     assert any(repr(fqn) in message for fqn in moved), f"the error names none of the entries {moved}: {message}"
+    # Refused for its own reason, not by a later check (the FIFO target is no regular file either).
+    reason = {"dotdot": "has a '..' component", "absolute": "is an absolute path",
+              "symlink": "outside the checkpoint folder"}[how]
+    assert reason in message, f"[{how}] refused, but not because the path {reason}: {message}"
 
 
 @pytest.mark.parametrize("case,named", [
