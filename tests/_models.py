@@ -146,6 +146,25 @@ def distributed_training(model: nn.Module, steps: int, lr: float = 1e-2,
     return losses
 
 
+def sharded_adamw_run(model: nn.Module, steps: int, lr: float = 1e-2) -> Tuple[nn.Module, torch.optim.Optimizer]:
+    """``model`` (a ParityModel) with each block, ``scale`` and the root fully sharded, after
+    ``steps`` AdamW steps at ``lr`` on each rank's rows: the same on every call."""
+    from composable_shard import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model.scale)
+    fully_shard(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=lr)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    for step in range(steps):
+        inputs, targets = batch(step, world_size)
+        loss_fn(model(local_rows(inputs, rank)), local_rows(targets, rank)).backward()
+        optim.step()
+        optim.zero_grad()
+    return model, optim
+
+
 def reference_grads(model: nn.Module, step: int, world_size: int) -> List[Tuple[str, torch.Tensor]]:
     """Gradients of one backward on the concatenated batch of ``step`` (no optimizer step)."""
     inputs, targets = batch(step, world_size)

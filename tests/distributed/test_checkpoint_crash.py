@@ -37,10 +37,10 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 
-from composable_shard import (fully_shard, get_model_state_dict, get_optimizer_state_dict, latest_checkpoint,
+from composable_shard import (get_model_state_dict, get_optimizer_state_dict, latest_checkpoint,
                               load_checkpoint, save_checkpoint)
 from tests._harness import RankError, run_distributed
-from tests._models import batch, local_rows, loss_fn, make_model, zip_same
+from tests._models import make_model, sharded_adamw_run, zip_same
 
 WORLD_SIZE = 2
 TIMEOUT_S = 60.0
@@ -55,19 +55,7 @@ def _step_dir(root: str, step: int) -> str:
 
 def _trained(steps: int) -> Tuple[nn.Module, torch.optim.Optimizer]:
     """A sharded ParityModel after ``steps`` AdamW steps: the same on every call."""
-    model = make_model()
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model.scale)
-    fully_shard(model)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    for step in range(steps):
-        inputs, targets = batch(step, world_size)
-        loss_fn(model(local_rows(inputs, rank)), local_rows(targets, rank)).backward()
-        optim.step()
-        optim.zero_grad()
-    return model, optim
+    return sharded_adamw_run(make_model(), steps)
 
 
 def _differences(model: nn.Module, optim: torch.optim.Optimizer, steps: int) -> List[str]:

@@ -42,10 +42,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint import CheckpointException
 
-from composable_shard import (fully_shard, get_model_state_dict, get_optimizer_state_dict, load_checkpoint,
+from composable_shard import (get_model_state_dict, get_optimizer_state_dict, load_checkpoint,
                               save_checkpoint, set_model_state_dict, set_optimizer_state_dict)
 from tests._harness import run_distributed
-from tests._models import batch, local_rows, loss_fn, make_model
+from tests._models import make_model, sharded_adamw_run
 
 WORLD_SIZE = 2
 TIMEOUT_S = 120.0
@@ -60,18 +60,7 @@ def _trained(steps: int, lr: float, counter: int) -> Tuple[nn.Module, torch.opti
     ``steps`` AdamW steps at ``lr``: the same on every call."""
     model = make_model()
     model.register_buffer("seen", torch.arange(4, dtype=torch.int64) + counter)
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model.scale)
-    fully_shard(model)
-    optim = torch.optim.AdamW(model.parameters(), lr=lr)
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    for step in range(steps):
-        inputs, targets = batch(step, world_size)
-        loss_fn(model(local_rows(inputs, rank)), local_rows(targets, rank)).backward()
-        optim.step()
-        optim.zero_grad()
-    return model, optim
+    return sharded_adamw_run(model, steps, lr)
 
 
 def _saved() -> Tuple[nn.Module, torch.optim.Optimizer]:

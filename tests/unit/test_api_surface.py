@@ -13,9 +13,9 @@ import pathlib
 import re
 import subprocess
 import sys
-import warnings
 
 import composable_shard
+from tests._source import parse_quietly
 
 PACKAGE = pathlib.Path(composable_shard.__file__).parent
 EXPECTED_EXPORTS = {
@@ -180,10 +180,7 @@ def private_torch_uses(source: str) -> list:
     """``(line, scope, dotted name or "", what, code)`` for each private torch use in the
     module ``source``."""
     checker = _PrivateTorchUses(source)
-    with warnings.catch_warnings():  # e.g. an invalid escape in a docstring: not this test's concern
-        warnings.simplefilter("ignore", SyntaxWarning)
-        warnings.simplefilter("ignore", DeprecationWarning)
-        checker.visit(ast.parse(source))
+    checker.visit(parse_quietly(source))
     return checker.found
 
 

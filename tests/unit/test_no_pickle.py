@@ -18,12 +18,12 @@ from __future__ import annotations
 import ast
 import pathlib
 import re
-import warnings
 from typing import Dict, List, NamedTuple, Optional, Set
 
 import pytest
 
 import composable_shard
+from tests._source import parse_quietly
 
 PACKAGE = pathlib.Path(composable_shard.__file__).parent
 
@@ -173,10 +173,7 @@ class _Checker(ast.NodeVisitor):
 def unpickling_uses(source: str) -> List[Finding]:
     """Every unpickling use in the module ``source`` (see the module docstring)."""
     checker = _Checker(source)
-    with warnings.catch_warnings():  # e.g. an invalid escape in a docstring: not this test's concern
-        warnings.simplefilter("ignore", SyntaxWarning)
-        warnings.simplefilter("ignore", DeprecationWarning)
-        checker.visit(ast.parse(source))
+    checker.visit(parse_quietly(source))
     return checker.findings
 
 
