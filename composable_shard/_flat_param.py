@@ -87,7 +87,8 @@ from . import _watch
 from ._streams import Streams
 from ._torch_compat import has_grad_hooks, set_module_tensor, tensor_version
 
-__all__ = ["FlatParameter", "FlatParamHandle", "ParamInfo", "SharedParamInfo", "FlatGroup", "set_grad_of_any_shape"]
+__all__ = ["FlatParameter", "FlatParamHandle", "ParamInfo", "SharedParamInfo", "FlatGroup", "set_grad_of_any_shape",
+           "plan_groups", "compute_dtype_of"]
 
 
 class ParamInfo(NamedTuple):
@@ -181,6 +182,46 @@ class FlatGroup:
     @property
     def padded_numel(self) -> int:
         return int(self.flat_param._padded_unsharded_size.numel())
+
+
+GroupKey = Tuple[torch.dtype, bool, bool]  # (dtype, requires_grad, kept in full precision)
+
+
+def plan_groups(module: nn.Module, params: Sequence[nn.Parameter], param_dtype: Optional[torch.dtype],
+                full_precision_classes: Tuple[type, ...]
+                ) -> Tuple[Dict[GroupKey, List[Tuple[nn.Parameter, ParamInfo]]],
+                           Dict[GroupKey, List[Tuple[SharedParamInfo, nn.Parameter]]]]:
+    """The flat groups a handle over ``params`` of ``module`` is built from (``describe`` plans
+    with this same function): parameters in ``named_modules`` order, each once, grouped by
+    ``(dtype, requires_grad, kept in full precision)`` in first-seen order; the last is True for
+    parameters of a module of ``full_precision_classes`` under a ``param_dtype`` (see [Note:
+    Modules kept in full precision] in ``_mixed_precision.py``). Second registrations (tied
+    weights) are returned apart, per group."""
+    wanted = {id(p) for p in params}
+    by_group: Dict[GroupKey, List[Tuple[nn.Parameter, ParamInfo]]] = {}
+    shared: Dict[GroupKey, List[Tuple[SharedParamInfo, nn.Parameter]]] = {}
+    first_index: Dict[int, Tuple[GroupKey, int]] = {}
+    for sub_name, sub in module.named_modules(remove_duplicate=False):
+        full_precision = param_dtype is not None and isinstance(sub, full_precision_classes)
+        for name, p in sub.named_parameters(recurse=False, remove_duplicate=False):
+            if p is None or id(p) not in wanted:
+                continue
+            if id(p) in first_index:
+                gkey, index = first_index[id(p)]
+                shared.setdefault(gkey, []).append((SharedParamInfo(name, sub, sub_name, index), p))
+                continue
+            group = by_group.setdefault((p.dtype, p.requires_grad, full_precision), [])
+            first_index[id(p)] = ((p.dtype, p.requires_grad, full_precision), len(group))
+            group.append((p, ParamInfo(name, sub, sub_name)))
+    return by_group, shared
+
+
+def compute_dtype_of(dtype: torch.dtype, param_dtype: Optional[torch.dtype], full_precision: bool) -> torch.dtype:
+    """The dtype a group of ``dtype`` parameters computes in: ``param_dtype`` for a floating
+    group not kept in full precision, else its own."""
+    if param_dtype is not None and dtype.is_floating_point and not full_precision:
+        return param_dtype
+    return dtype
 
 
 def set_grad_of_any_shape(p: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
@@ -295,26 +336,7 @@ class FlatParamHandle:
     # ------------------------------------------------------------------ construction
     def _build(self, params: Sequence[nn.Parameter], module: nn.Module, module_fqn: str,
                param_dtype: Optional[torch.dtype], full_precision_classes: Tuple[type, ...]) -> None:
-        """Group ``params`` by ``(dtype, requires_grad, kept in full precision)``; the last is
-        True for parameters of a module of ``full_precision_classes`` under a ``param_dtype``
-        (see [Note: Modules kept in full precision] in ``_mixed_precision.py``)."""
-        wanted = {id(p) for p in params}
-        by_group: Dict[Tuple[torch.dtype, bool, bool], List[Tuple[nn.Parameter, ParamInfo]]] = {}
-        shared: Dict[Tuple[torch.dtype, bool, bool], List[Tuple[SharedParamInfo, nn.Parameter]]] = {}
-        first_index: Dict[int, Tuple[Tuple[torch.dtype, bool, bool], int]] = {}
-        for sub_name, sub in module.named_modules(remove_duplicate=False):
-            full_precision = param_dtype is not None and isinstance(sub, full_precision_classes)
-            for name, p in sub.named_parameters(recurse=False, remove_duplicate=False):
-                if p is None or id(p) not in wanted:
-                    continue
-                key = (p.dtype, p.requires_grad, full_precision)
-                if id(p) in first_index:
-                    gkey, index = first_index[id(p)]
-                    shared.setdefault(gkey, []).append((SharedParamInfo(name, sub, sub_name, index), p))
-                    continue
-                group = by_group.setdefault(key, [])
-                first_index[id(p)] = (key, len(group))
-                group.append((p, ParamInfo(name, sub, sub_name)))
+        by_group, shared = plan_groups(module, params, param_dtype, full_precision_classes)
         for key, members in by_group.items():
             built = self._build_group(key, members, shared.get(key, []), module_fqn, param_dtype)
             built.index = len(self.groups)
@@ -324,8 +346,6 @@ class FlatParamHandle:
                      shared: List[Tuple[SharedParamInfo, nn.Parameter]], module_fqn: str,
                      param_dtype: Optional[torch.dtype]) -> FlatGroup:
         dtype, requires_grad, full_precision = key
-        if full_precision:
-            param_dtype = None
         prefix = ""  # _fqns are relative to the owning module (API.md); module_fqn only names the handle
         numels = [p.numel() for p, _ in members]
         total = sum(numels)
@@ -347,7 +367,7 @@ class FlatParamHandle:
         flat_param._padded_unsharded_size = torch.Size([padded])
         flat_param._shard_slices = tuple(_shard_math.rank_param_slices(numels, self.world_size, self.rank))
         _set_fsdp_flattened(flat_param)
-        compute_dtype = param_dtype if (param_dtype is not None and dtype.is_floating_point) else dtype
+        compute_dtype = compute_dtype_of(dtype, param_dtype, full_precision)
         aliases = self.world_size == 1 and compute_dtype == dtype and self.shard_device == self.compute_device
         if aliases:
             unsharded = flat_param.data  # same storage, own version counter (see [Note: Views])
