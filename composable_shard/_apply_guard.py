@@ -6,8 +6,8 @@ storage (it swaps ``.data``, or the objects), which would cut them loose: the fo
 computing on the shards and the optimizer would update copies nothing reads, so training would
 silently do nothing. Under ``replicate`` the gradient buckets and hooks were built for the
 parameters as they were, and a cast leaves the gradients unaveraged. :func:`guard_apply` (behind
-``FSDPModule._apply`` and ``ReplicateModule._apply``) runs the call and, if it cut any managed
-parameter loose, puts the module back as it was and raises; a call that leaves
+``_apply`` of ``FSDPModule`` and ``ReplicateModule``, through :class:`GuardedApply`) runs the
+call and, if it cut any managed parameter loose, puts the module back as it was and raises; a call that leaves
 every parameter where it is (``model.to(<its own device>)``, ``.float()`` on float32) is
 allowed, and so is one that only copies parameters onto the device and dtype they already have
 (``.to("cpu:0")`` on the CPU, as ``accelerate`` moves models): the originals are put back and
@@ -27,9 +27,9 @@ import torch
 import torch.nn as nn
 
 from ._flat_param import set_grad_of_any_shape
-from ._torch_compat import set_module_tensor
+from ._torch_compat import GuardedApplyHook, set_module_tensor
 
-__all__ = ["guard_apply", "applying_during_init"]
+__all__ = ["guard_apply", "applying_during_init", "GuardedApply"]
 
 _depth = {"init": 0, "apply": 0}  # fully_shard's init calls in progress; guarded _apply calls in progress
 
@@ -43,6 +43,18 @@ def applying_during_init() -> Iterator[None]:
         yield
     finally:
         _depth["init"] -= 1
+
+
+class GuardedApply(GuardedApplyHook):
+    """Mixin of ``FSDPModule`` and ``ReplicateModule``: behind ``.to()``, ``.half()``, ``.cuda()``,
+    ``.float()`` ...: a call that would give a managed parameter new storage (a cast, a move)
+    raises and leaves the module unchanged; one that changes nothing (``.to(<its own device>)``)
+    is allowed. The class names, for the error, what a cast cuts parameters loose from
+    (``_apply_what``) and what to do instead (``_apply_advice``)."""
+
+    def _cs_guarded_apply(self, apply: Callable[[], Any]) -> Any:
+        """Run ``apply()`` (``nn.Module._apply`` on this module) through :func:`guard_apply`."""
+        return guard_apply(self, apply)  # type: ignore[arg-type]  # self is an nn.Module
 
 
 _Saved = Tuple[nn.Module, List[Tuple[str, Any]], List[Tuple[str, Any]]]  # module, its parameter and buffer slots

@@ -68,10 +68,10 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from ._load_transaction import agree_or_raise, from_rank, is_distributed, rank_of, transaction
+from ._load_transaction import from_rank, rank_of, transaction
 from ._optim_state_dict import param_groups_by_fqn, set_optimizer_state_dict, sharded_optim_views
 from ._state_dict import get_model_state_dict, set_model_state_dict, sharded_model_views
-from ._torch_compat import object_collectives_without_numpy, unwrap_compiled
+from ._torch_compat import DCP_METADATA_GLOBALS, unwrap_compiled
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "export_safetensors", "SafeFileSystemReader",
            "SafeLoadPlanner", "UnsafeCheckpointError"]
@@ -84,25 +84,13 @@ class UnsafeCheckpointError(RuntimeError):
     """A checkpoint file holds something loading it would have to execute."""
 
 
-_METADATA_CLASSES = {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                     "TensorProperties", "StorageMeta", "MetadataIndex", "_MEM_FORMAT_ENCODING"}
-_ALLOWED: Dict[str, set] = {
-    "torch.distributed.checkpoint.metadata": _METADATA_CLASSES,
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch": {"Size", "device"} | {n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)},
-    "torch.serialization": {"_get_layout"},  # a layout by its name ("torch.strided")
-    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"},
-    "collections": {"OrderedDict"},
-}
-
-
 class _MetadataUnpickler(pickle.Unpickler):
     def __init__(self, file: Any, path: str) -> None:
         super().__init__(file)
         self.path = path
 
     def find_class(self, module: str, name: str) -> Any:
-        if name in _ALLOWED.get(module, ()):
+        if name in DCP_METADATA_GLOBALS.get(module, ()):
             return super().find_class(module, name)
         raise UnsafeCheckpointError(f"{self.path}: refused to load global {module}.{name}: a DCP checkpoint's metadata "
                                     "holds only DCP's metadata classes, torch sizes, dtypes and paths. The file was "
@@ -258,10 +246,6 @@ def _training_state(model: nn.Module, optim: Optional[torch.optim.Optimizer]) ->
 
 
 # ---------------------------------------------------------------------------- rank-0 decisions
-def _distributed() -> bool:
-    return is_distributed()
-
-
 def _rank() -> int:
     return rank_of()
 
@@ -271,16 +255,21 @@ def _from_rank0(message: str) -> str:
     return from_rank(message, 0)
 
 
-def _agree_or_raise(error: str, api: str) -> None:
-    """Raise on every rank if any rank has an error: the lowest failing rank's message, the
-    same on every rank (see :func:`agree_or_raise`)."""
-    agree_or_raise(error, api)
-
-
 def _raise_from_rank0(error: str, api: str) -> None:
     error = _from_rank0(error)
     if error:
         raise RuntimeError(f"{api}: {error}")
+
+
+def _require_numpy(api: str) -> None:
+    """DCP exchanges its plans through torch's object collectives, which decode what arrives
+    with ``Tensor.numpy()``: without numpy one rank would raise inside ``dcp.save``/``dcp.load``
+    and the others wait for it. Every rank raises here instead, before any collective."""
+    try:
+        import numpy  # noqa: F401  # only asks whether it can be imported
+    except ImportError as e:
+        raise ImportError(f"{api} needs numpy (torch.distributed.checkpoint decodes the plans it exchanges with "
+                          "Tensor.numpy()); it is a dependency of composable_shard: pip install numpy") from e
 
 
 # ---------------------------------------------------------------------------- files
@@ -374,12 +363,6 @@ def _verify_hashes(path: str, expected: Dict[str, str]) -> str:
     return ""
 
 
-def _verify(path: str) -> str:
-    """Rank 0: every file of ``path`` matches ``checksums.json``. Returns an error or ''."""
-    error, expected = _read_listing(path)
-    return error or _verify_hashes(path, expected)
-
-
 def _check_before_loading(path: str) -> None:
     """Step 1 of a load: rank 0 checks the listing; every rank reads ``.metadata`` (refusing
     a storage path outside the folder, naming the entry); rank 0 checks every file's sha256.
@@ -425,10 +408,10 @@ def save_checkpoint(path: str, model: nn.Module, optim: Optional[torch.optim.Opt
     model = unwrap_compiled(model)  # torch.compile's wrapper: the names without its prefix
     path = os.path.abspath(os.fspath(path))
     api = "save_checkpoint"
+    _require_numpy(api)
     tmp = _claim_new_directory(path, api, "a published checkpoint is never written into. Save each checkpoint to a "
                                           "new directory (e.g. one per step).")
-    with object_collectives_without_numpy():
-        dcp.save(_training_state(model, optim), checkpoint_id=tmp)
+    dcp.save(_training_state(model, optim), checkpoint_id=tmp)
     _raise_from_rank0(_publish(tmp, path) if _rank() == 0 else "", api)
 
 
@@ -458,11 +441,12 @@ def load_checkpoint(path: str, model: nn.Module, optim: Optional[torch.optim.Opt
         raise TypeError(f"load_checkpoint: expected an nn.Module and a torch.optim.Optimizer (or None), got "
                         f"{type(model).__name__} and {type(optim).__name__}")
     path = os.path.abspath(os.fspath(path))
+    _require_numpy("load_checkpoint")
     with transaction("load_checkpoint", model, optim, None) as txn:  # see [Note: All-or-nothing loads]
         txn.step(lambda: _check_before_loading(path))
         state = txn.step(lambda: _check_param_groups(path, model, optim))
-        with object_collectives_without_numpy():  # collective: DCP raises any rank's failure on every rank
-            dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
+        # collective: DCP raises any rank's failure on every rank
+        dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
         set_model_state_dict(model, state["model"])  # part of this transaction (no snapshot, no agreement of its own)
         if optim is not None:
             set_optimizer_state_dict(model, optim, state["optim"])

@@ -27,6 +27,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ._torch_compat import ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE
+
 __all__ = [
     "Pending",
     "CollectiveRecord",
@@ -40,10 +42,6 @@ __all__ = [
     "exchange",
     "all_gather_json",
 ]
-
-# torch 2.13 renamed the single-tensor collectives; older versions only have the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 TRAINING_HINT = ("Ranks that run different handles, or run backward or set_requires_gradient_sync differently, "
@@ -273,7 +271,7 @@ def all_gather_into(
     if _is_gloo(group) and input.device.type == "cpu":
         return Pending(_gloo_all_gather(output, input, group, _p2p_tag(_TAG_ALL_GATHER, match)), output, "all_gather",
                        tag=tag, hint=hint)
-    work = _all_gather_single(output, input, group=group, async_op=True)
+    work = ALL_GATHER_SINGLE(output, input, group=group, async_op=True)
     return Pending(work, output, "all_gather", tag=tag, hint=hint)
 
 
@@ -293,7 +291,7 @@ def reduce_scatter_into(
         return Pending(None, output, "reduce_scatter", tag=tag)
     if _is_gloo(group) and input.device.type == "cpu":
         return _gloo_reduce_scatter(output, input, group, tag, _p2p_tag(_TAG_REDUCE_SCATTER, match))
-    work = _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    work = REDUCE_SCATTER_SINGLE(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True)
     return Pending(work, output, "reduce_scatter", tag=tag)
 
 
@@ -417,7 +415,7 @@ def exchange(values: List[int], group: Optional[dist.ProcessGroup], *, tag: str 
     device = _object_device(group)
     mine = torch.tensor(values, dtype=torch.int64, device=device)
     everyone = torch.empty(world_size * mine.numel(), dtype=torch.int64, device=device)
-    Pending(_all_gather_single(everyone, mine, group=group, async_op=True), everyone, "exchange", tag=tag).wait()
+    Pending(ALL_GATHER_SINGLE(everyone, mine, group=group, async_op=True), everyone, "exchange", tag=tag).wait()
     return everyone.view(world_size, -1).cpu().tolist()  # type: ignore[no-any-return]  # list of lists of int
 
 
@@ -438,13 +436,13 @@ def all_gather_json(obj: Any, group: Optional[dist.ProcessGroup], *, tag: str = 
     payload = torch.frombuffer(bytearray(encoded), dtype=torch.uint8).to(device)
     length = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
     lengths = torch.empty(world_size, dtype=torch.int64, device=device)
-    Pending(_all_gather_single(lengths, length, group=group, async_op=True), lengths, "all_gather_json", tag=tag,
+    Pending(ALL_GATHER_SINGLE(lengths, length, group=group, async_op=True), lengths, "all_gather_json", tag=tag,
             hint=hint).wait()
     longest = int(lengths.max().item())
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[: payload.numel()].copy_(payload)
     everyone = torch.empty(world_size * longest, dtype=torch.uint8, device=device)
-    Pending(_all_gather_single(everyone, padded, group=group, async_op=True), everyone, "all_gather_json", tag=tag,
+    Pending(ALL_GATHER_SINGLE(everyone, padded, group=group, async_op=True), everyone, "all_gather_json", tag=tag,
             hint=hint).wait()
     rows = everyone.view(world_size, longest).cpu()
     return [json.loads(bytes(rows[r, : int(lengths[r])].tolist()).decode("utf-8")) for r in range(world_size)]

@@ -9,23 +9,23 @@ from __future__ import annotations
 
 import enum
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, StateDictType
+from ._flat_param import FlatParamHandle, HandleTrainingState, Reduction, _is_fsdp_flattened, _set_fsdp_flattened  # noqa: F401  # some re-exported
+from ._streams import Streams
+from ._watch import StepCounter
 from .contract import _root_modules, _State
-
-if TYPE_CHECKING:
-    from ._flat_param import FlatParamHandle
-    from ._streams import Streams
 
 __all__ = [
     "TrainingState",
     "HandleTrainingState",
     "_FSDPState",
+    "RootContext",
     "clean_tensor_name",
     "_is_fsdp_flattened",
     "_set_fsdp_flattened",
@@ -38,7 +38,6 @@ __all__ = [
 ]
 
 FSDP_API_NAME = "fully_shard"  # registry key of fully_shard (see contract.py)
-_FLATTENED_ATTR = "_composable_shard_flattened"
 
 
 class WeakGroup:
@@ -113,14 +112,27 @@ class TrainingState(enum.Enum):
     SUMMON_FULL_PARAMS = enum.auto()
 
 
-class HandleTrainingState(enum.Enum):
-    """Where a handle is in one training step (see [Note: Life of a parameter])."""
+class RootContext:
+    """What only the root keeps, for its whole tree (set at lazy init): the states and handles it
+    caches so no step traverses the module tree, the handle orders of the first iteration, the
+    reductions in flight, and the per-iteration flags."""
 
-    IDLE = enum.auto()
-    FORWARD = enum.auto()
-    BACKWARD_PRE = enum.auto()
-    BACKWARD_POST = enum.auto()
-    SUMMON_FULL_PARAMS = enum.auto()
+    def __init__(self, states: List["_FSDPState"], handles: List[FlatParamHandle]) -> None:
+        self.all_states: List["_FSDPState"] = states  # every state of the tree, DFS order
+        self.handles: List[FlatParamHandle] = handles  # every handle of the tree, DFS order
+        self.exec_order: List[FlatParamHandle] = []  # pre-forward order, recorded in iteration 1
+        self.post_forward_order: List[FlatParamHandle] = []  # post-forward order (reversed: backward)
+        self.exec_order_recorded: bool = False  # True once the first iteration finished
+        self.exec_index: int = 0  # position in exec_order during the current forward
+        self.forward_seen: Set[int] = set()  # id() of the handles whose forward ran in this iteration
+        self.warned_order_change: bool = False  # one warning per root when the order changes
+        self.final_callback_queued: bool = False  # a backward started (its end-of-backward callback is queued)
+        self.forward_in_progress: bool = False  # between the root's pre-forward and post-forward
+        self.pending_reductions: List[Reduction] = []  # reductions issued, not yet finished (a few at most)
+        self.check_order: bool = True  # agree across ranks before each all-gather (first iteration, debug)
+        self.debug_checks: bool = False  # COMPOSABLE_SHARD_DEBUG: agree before every collective, every step
+        self.changes_to_check: bool = True  # a tracked module changed since the last check (_watch); the first forward checks
+        self.step_counter: Optional[StepCounter] = None  # the optimizer steps on every handle's parameters
 
 
 class _FSDPState(_State):
@@ -142,7 +154,7 @@ class _FSDPState(_State):
         self.mixed_precision: Optional[MixedPrecision] = None
         self.cpu_offload: CPUOffload = CPUOffload()
         self.backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE
-        self.forward_prefetch: bool = False
+        self.forward_prefetch: bool = True
         self.limit_all_gathers: bool = True
         self.compute_device: torch.device = torch.device("cpu")  # where forward runs
         self.ignored_params: Set[nn.Parameter] = set()  # never flattened nor reduced
@@ -158,25 +170,27 @@ class _FSDPState(_State):
         self.is_root: Optional[bool] = None  # None until lazy init decides
         self.root: Optional["_FSDPState"] = None  # the root state of the last forward (set at lazy init)
         # -- root only --
-        self._all_fsdp_states: List["_FSDPState"] = []  # every state of the tree, DFS order
-        self._all_handles: List["FlatParamHandle"] = []  # every handle of the tree, DFS order
-        self.handle_states: Dict[int, "_FSDPState"] = {}  # id(handle) -> its state (for prefetch)
-        self.exec_order: List["FlatParamHandle"] = []  # pre-forward order, recorded in iteration 1
-        self.post_forward_order: List["FlatParamHandle"] = []  # post-forward order (reversed: backward)
-        self.exec_order_recorded: bool = False  # True once the first iteration finished
-        self.exec_index: int = 0  # position in exec_order during the current forward
-        self.forward_seen: Set[int] = set()  # id() of the handles whose forward ran in this iteration
-        self.warned_order_change: bool = False  # one warning per root when the order changes
-        self.final_callback_queued: bool = False  # a backward started (its end-of-backward callback is queued)
-        self.forward_in_progress: bool = False  # between the root's pre-forward and post-forward
-        self.pending_reductions: List[Any] = []  # reductions issued, not yet finished (a few at most)
-        self.check_order: bool = True  # agree across ranks before each all-gather (first iteration, debug)
-        self.debug_checks: bool = False  # COMPOSABLE_SHARD_DEBUG: agree before every collective, every step
-        self.seen_changes_epoch: int = 0  # _watch.changes_epoch() when this root last checked for changes
-        self.step_counter: Optional[Any] = None  # root only: _watch.StepCounter of every handle's parameters
+        self._ctx: Optional[RootContext] = None  # root only: what the root keeps for its whole tree
         # -- any state --
         self.model_change: Optional[str] = None  # a structure change made after fully_shard (raised at forward)
         self.streams: Optional["Streams"] = None  # CUDA streams shared by the tree (no-ops on CPU)
+
+    @property
+    def _all_fsdp_states(self) -> List["_FSDPState"]:
+        """Root only: every state of the tree, DFS order ([] on any other state)."""
+        return self._ctx.all_states if self._ctx is not None else []
+
+    @property
+    def _all_handles(self) -> List[FlatParamHandle]:
+        """Root only: every handle of the tree, DFS order ([] on any other state)."""
+        return self._ctx.handles if self._ctx is not None else []
+
+    @property
+    def ctx(self) -> RootContext:
+        """This root's context (raises on a state that is not a root, or before lazy init)."""
+        if self._ctx is None:
+            raise AssertionError(f"[rank {self.rank}] {self.describe()} is not a root (or before lazy init)")
+        return self._ctx
 
     # Convenience for error messages.
     def describe(self) -> str:
@@ -191,16 +205,6 @@ def clean_tensor_name(name: str) -> str:
     for prefix in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod."):
         name = name.replace(prefix, "")
     return name
-
-
-def _is_fsdp_flattened(tensor: torch.Tensor) -> bool:
-    """True if ``tensor`` is (or is marked as) a flat parameter of composable_shard."""
-    return bool(getattr(tensor, _FLATTENED_ATTR, False))
-
-
-def _set_fsdp_flattened(tensor: torch.Tensor) -> None:
-    """Mark ``tensor`` as flattened by composable_shard (nesting one raises)."""
-    setattr(tensor, _FLATTENED_ATTR, True)
 
 
 def _get_root_modules(modules: Iterable[nn.Module]) -> List[nn.Module]:

@@ -9,7 +9,7 @@ Two sources, one arithmetic:
   sharded modules and the parameters each handle would own come from ``fully_shard``'s own
   planning (``_init_utils._select_targets`` and ``_assign_params``, the code ``fully_shard``
   runs before it mutates anything); the handle's ``(dtype, requires_grad, kept in full
-  precision)`` grouping is :func:`_plan_groups`, which follows ``FlatParamHandle._build``.
+  precision)`` grouping is ``_flat_param.plan_groups``, the function ``FlatParamHandle`` builds from.
 
 Both become :class:`_HandleInfo` / :class:`_GroupInfo` records, from which :func:`_rows`
 computes the figures with ``_shard_math``. The figures are exact for a steady-state training
@@ -29,9 +29,9 @@ counts (bytes this rank sends into each collective):
                   original parameter of the groups that require grad, plus 8 (the optimizer-step
                   agreement, [Note: Step agreement] in ``_watch.py``), in each of the two groups
                   that has more than one rank ("which parameters got a gradient anywhere")
-  replicate       one all_reduce per bucket (together the gradients' bytes in the reduce dtype),
-                  plus one of 4 bytes per parameter and 8 more (used flags and the step
-                  agreement); recorded even at one rank
+  replicate       one all_reduce per bucket (together the gradients' bytes in the reduce dtype,
+                  recorded even at one rank), plus, over more than one rank, one of 4 bytes per
+                  parameter and 8 more (used flags and the step agreement)
   The first iteration adds small agreement exchanges (``exchange``, ``all_gather_json``) and
   ``clip_grad_norm_`` one all_reduce of 4 bytes per shard group: neither is counted here.
 
@@ -53,6 +53,7 @@ import torch.nn as nn
 
 from . import _init_utils, _shard_math
 from ._common_utils import _FSDPState
+from ._flat_param import compute_dtype_of, plan_groups
 from ._mixed_precision import full_precision_classes
 from ._torch_compat import unwrap_compiled
 from ._watch import STEP_AGREEMENT_INTS
@@ -323,26 +324,13 @@ def _plan_handles(model: nn.Module, world: int, policy: Any, strategy: ShardingS
 
 
 def _plan_groups(module: nn.Module, params: List[nn.Parameter], mp: Optional[MixedPrecision]) -> Tuple[_GroupInfo, ...]:
-    """The flat groups ``FlatParamHandle(params, module, ...)`` would build: parameters in
-    ``named_modules`` order, each once, grouped by ``(dtype, requires_grad, kept in full
-    precision)`` in first-seen order (``FlatParamHandle._build``)."""
-    wanted = {id(p) for p in params}
+    """The flat groups ``FlatParamHandle(params, module, ...)`` builds: ``plan_groups``'s."""
     param_dtype = mp.param_dtype if mp is not None else None
-    classes = full_precision_classes(mp)
-    seen: Set[int] = set()
-    sizes: Dict[Tuple[torch.dtype, bool, bool], List[int]] = {}
-    for sub in module.modules():
-        full_precision = param_dtype is not None and isinstance(sub, classes)
-        for p in sub.parameters(recurse=False):
-            if id(p) not in wanted or id(p) in seen:
-                continue
-            seen.add(id(p))
-            sizes.setdefault((p.dtype, p.requires_grad, full_precision), []).append(p.numel())
     out: List[_GroupInfo] = []
-    for (dtype, requires_grad, full_precision), numels in sizes.items():
-        cast = param_dtype is not None and dtype.is_floating_point and not full_precision
-        compute = param_dtype if cast and param_dtype is not None else dtype
-        out.append(_GroupInfo(dtype, requires_grad, sum(numels), len(numels), compute,
+    for (dtype, requires_grad, full_precision), members in plan_groups(module, params, param_dtype,
+                                                                       full_precision_classes(mp))[0].items():
+        compute = compute_dtype_of(dtype, param_dtype, full_precision)
+        out.append(_GroupInfo(dtype, requires_grad, sum(p.numel() for p, _ in members), len(members), compute,
                               _reduce_dtype(mp, compute, full_precision)))
     return tuple(out)
 
@@ -405,8 +393,9 @@ def _handle_row(h: _HandleInfo) -> ModuleRow:
 
 def _replicate_row(fqn: str, state: _ReplicateState) -> ModuleRow:
     bucket_bytes = sum(b.nbytes for b in state.buckets)
-    collectives = {"all_reduce": (len(state.buckets) + 1,
-                                  bucket_bytes + _STEP_BYTES * (len(state.params) + STEP_AGREEMENT_INTS))}
+    flags = 1 if state.world_size > 1 else 0  # the used flags' all_reduce (skipped over one rank)
+    collectives = {"all_reduce": (len(state.buckets) + flags,
+                                  bucket_bytes + flags * _STEP_BYTES * (len(state.params) + STEP_AGREEMENT_INTS))}
     return _full_row(fqn, "replicate", "replicate", state.params, state.reduce_dtype, bucket_bytes, collectives)
 
 
@@ -432,9 +421,7 @@ def _unmanaged_params(model: nn.Module, handles: Dict[int, _HandleInfo],
 
 
 def _itemsize(dtype: Optional[torch.dtype]) -> int:
-    if dtype is None:
-        return 0
-    return torch.empty((), dtype=dtype).element_size()
+    return 0 if dtype is None else dtype.itemsize
 
 
 # ---------------------------------------------------------------------------- text

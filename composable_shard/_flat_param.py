@@ -67,28 +67,95 @@ On a CPU compute device the copies are CPU to CPU and the events absent, but the
 ``device_id`` moves buffers to the device but leaves offloaded parameters on the CPU, so the
 whole model never has to fit on the device.
 
-This file registers no hooks and issues no collectives: ``unshard()`` delegates to the
-runtime (``_runtime_utils.py``).
+[Note: The handle owns its transitions]  The runtime's hooks (``_runtime_utils.py``) decide
+*when*; the handle does each step of a parameter's life itself, as a method: ``unshard``
+(``issue_gathers`` + ``wait_gathers`` + views), ``reshard``, ``reduce`` (a :class:`Reduction`),
+``release_earlier_reductions``, ``accumulate_sharded_grad``, ``attach_grads``; every change of
+its ``training_state`` goes through ``enter`` and the :data:`TRANSITIONS` table. It reads its
+process groups, divisor and streams from its owner's state (:class:`_Owner`) and registers no
+hooks but the autograd pre-hook of its own split.
 """
 
 from __future__ import annotations
 
+import enum
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, NamedTuple, Optional, Protocol, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-from . import _shard_math
-from ._common_utils import HandleTrainingState, _set_fsdp_flattened
+from . import _collectives, _shard_math
 from ._interop import ShardedGrad, as_sharded_grad
 from . import _watch
 from ._streams import Streams
-from ._torch_compat import has_grad_hooks, set_module_tensor, tensor_version
+from ._torch_compat import has_grad_hooks, is_view_of, set_module_tensor, tensor_version
 
-__all__ = ["FlatParameter", "FlatParamHandle", "ParamInfo", "SharedParamInfo", "FlatGroup", "set_grad_of_any_shape",
+__all__ = ["FlatParameter", "FlatParamHandle", "HandleTrainingState", "TRANSITIONS", "ParamInfo", "SharedParamInfo", "FlatGroup", "set_grad_of_any_shape",
            "plan_groups", "compute_dtype_of"]
+
+
+class HandleTrainingState(enum.Enum):
+    """Where a handle is in one training step (see [Note: Life of a parameter])."""
+
+    IDLE = enum.auto()
+    FORWARD = enum.auto()
+    RECOMPUTE = enum.auto()  # activation checkpointing runs its forward again inside a backward
+    BACKWARD_PRE = enum.auto()
+    BACKWARD_POST = enum.auto()
+    SUMMON_FULL_PARAMS = enum.auto()
+
+
+_S = HandleTrainingState
+TRANSITIONS: Dict[HandleTrainingState, FrozenSet[HandleTrainingState]] = {
+    # [Note: Handle transitions]  The only changes of a handle's training_state; every one goes
+    # through FlatParamHandle.enter, which raises on any other, naming both states.
+    _S.IDLE: frozenset({_S.FORWARD, _S.BACKWARD_PRE, _S.RECOMPUTE, _S.SUMMON_FULL_PARAMS}),
+    _S.FORWARD: frozenset({_S.IDLE}),  # post-forward, or a forward that raised
+    # a recomputation returns to the state it interrupted; the end of backward (or the recovery
+    # from a backward that raised) puts every handle back to IDLE
+    _S.RECOMPUTE: frozenset({_S.IDLE, _S.BACKWARD_PRE, _S.BACKWARD_POST}),
+    _S.BACKWARD_PRE: frozenset({_S.BACKWARD_POST, _S.RECOMPUTE, _S.IDLE}),
+    _S.BACKWARD_POST: frozenset({_S.RECOMPUTE, _S.IDLE}),
+    _S.SUMMON_FULL_PARAMS: frozenset({_S.IDLE}),
+}
+
+_FLATTENED_ATTR = "_composable_shard_flattened"
+
+
+def _is_fsdp_flattened(tensor: torch.Tensor) -> bool:
+    """True if ``tensor`` is (or is marked as) a flat parameter of composable_shard."""
+    return bool(getattr(tensor, _FLATTENED_ATTR, False))
+
+
+def _set_fsdp_flattened(tensor: torch.Tensor) -> None:
+    """Mark ``tensor`` as flattened by composable_shard (nesting one raises)."""
+    setattr(tensor, _FLATTENED_ATTR, True)
+
+
+def handle_streams(owner: "_Owner", device: torch.device) -> Streams:
+    """The owner's streams: the root's, shared by its whole tree from lazy init on; a module used
+    before any forward (``FSDPModule.unshard()``) makes its own for ``device`` until then."""
+    if owner.streams is None:
+        owner.streams = Streams(device)
+    return owner.streams
+
+
+class _Owner(Protocol):
+    """What a handle reads of the runtime state of the fully sharded module that owns it
+    (``_common_utils._FSDPState``; typed here so this module imports nothing above it)."""
+
+    process_group: Optional[dist.ProcessGroup]  # shard group (None: one rank)
+    replicate_group: Optional[dist.ProcessGroup]  # HYBRID: across replicas
+    rank: int
+    world_size: int  # shard group size
+    dp_world_size: int  # gradient divisor
+    mixed_precision: Any  # Optional[MixedPrecision]
+    streams: Optional[Streams]
+    sync_gradients: bool
+    root: Optional[Any]  # the root's state: pending_reductions (a list of Reduction)
 
 
 class ParamInfo(NamedTuple):
@@ -144,7 +211,7 @@ class FlatGroup:
     unreduced_grad: Optional[torch.Tensor] = None  # unsynced backwards' padded unsharded gradient sum
     pending_unshard: Optional[Any] = None  # _collectives.Pending of an in-flight all-gather
     comm_shard: Optional[torch.Tensor] = None  # cast/moved shard kept alive during the all-gather
-    gathered_at: Tuple[int, int] = (-1, -1)  # (params' version sum, optimizer epoch) at the last gather
+    gathered_at: Tuple[int, int] = (-1, -1)  # (params' version sum, its optimizer steps' epoch) at the last gather
     grad_ready: bool = False  # this backward's gradient was accumulated and taken
     requires_grad_mask: Tuple[bool, ...] = ()  # orig params' requires_grad at the last refresh
     post_backward_hook: Optional[Any] = None  # RemovableHandle of the post-accumulate-grad hook
@@ -267,8 +334,7 @@ class _SplitBackwardHook:
     """Autograd pre-hook of the split that makes a group's unsharded views; it runs when every
     view's gradient is computed, just before they are concatenated into the group's unsharded
     gradient. ``grad_outputs`` holds ``None`` for every view no gradient reached, so the others
-    were used; and the handle's ``before_unsharded_grad`` callback runs (the runtime releases
-    earlier reductions' buffers there, before this one is allocated)."""
+    were used; and earlier reductions' buffers are released, before this one is allocated."""
 
     def __init__(self, handle: "FlatParamHandle", group: FlatGroup, from_forward: bool) -> None:
         self.handle = handle
@@ -282,8 +348,7 @@ class _SplitBackwardHook:
         for i in range(len(used)):
             if grad_outputs[i] is not None:
                 used[i] = True
-        if self.handle.before_unsharded_grad is not None:
-            self.handle.before_unsharded_grad()
+        self.handle.release_earlier_reductions()
 
 
 class FlatParamHandle:
@@ -291,8 +356,8 @@ class FlatParamHandle:
 
     Example (what the runtime does each step)::
 
-        handle.unshard()            # all-gather issued via _runtime_utils; views installed
-        handle.use_unsharded_views()
+        handle.enter(HandleTrainingState.FORWARD, "pre_forward")
+        handle.unshard()            # all-gather into the unsharded buffer, wait, full-shape views
         ...                         # module computes
         handle.reshard(free=True)   # storage freed, original parameters back
     """
@@ -325,13 +390,14 @@ class FlatParamHandle:
         self.exec_index: Optional[int] = None  # position in the root's pre-forward order
         self.post_forward_index: Optional[int] = None  # position in the root's post-forward order
         self.index: int = -1  # position in the root's handles (set at lazy init; names it across ranks)
-        self.before_unsharded_grad: Optional[Callable[[], None]] = None  # set by the runtime, see _SplitBackwardHook
         self.recomputes_in_backward: bool = False  # its forward runs again in backward (activation checkpointing)
         self.states_before_recompute: List[HandleTrainingState] = []  # pushed per recomputed forward in progress
-        self.state: Optional[Any] = None  # the owning _FSDPState (set by fully_shard)
-        self.unshard_fn: Optional[Callable[[], None]] = None  # the runtime's unshard of this handle (set with its hooks)
+        self.state: Optional[_Owner] = None  # the owning module's runtime state (set by fully_shard)
         self.keep_low_precision_grads: bool = False  # .grad in the compute dtype (see _mixed_precision.py)
         self._build(params, module, module_fqn, param_dtype, tuple(full_precision_classes))
+        # The steps of the optimizers holding its parameters (not another model's): see is_stale.
+        self.optimizer_steps: _watch.OptimizerSteps = _watch.OptimizerSteps(
+            p for g in self.groups for p in (*g.orig_params, g.flat_param))
 
     # ------------------------------------------------------------------ construction
     def _build(self, params: Sequence[nn.Parameter], module: nn.Module, module_fqn: str,
@@ -457,13 +523,14 @@ class FlatParamHandle:
         if shard.dtype != group.compute_dtype or shard.device != self.compute_device:
             shard = shard.to(device=self.compute_device, dtype=group.compute_dtype, non_blocking=True)
         group.comm_shard = shard
-        group.gathered_at = (self._version_sum(group), _watch.optimizer_epoch())
+        group.gathered_at = (self._version_sum(group), self.optimizer_steps.epoch)
         return group.padded_unsharded_flat.data, shard
 
     def is_stale(self) -> bool:
         """True if a kept unsharded buffer may no longer hold the shards' values: an original
-        parameter was edited in place, or an optimizer stepped, since it was gathered."""
-        epoch = _watch.optimizer_epoch()
+        parameter was edited in place, or an optimizer holding one of its parameters stepped,
+        since it was gathered."""
+        epoch = self.optimizer_steps.epoch
         return any(not g.aliases_shard and _storage_is_allocated(g.padded_unsharded_flat)
                    and g.gathered_at != (self._version_sum(g), epoch) for g in self.groups)
 
@@ -504,16 +571,55 @@ class FlatParamHandle:
                 set_module_tensor(sinfo.module, sinfo.param_name, group.orig_params[sinfo.prim_param_index])
         self.is_unsharded = False
 
-    def unshard(self) -> None:
-        """All-gather every group (through the runtime, which owns collectives and streams)
-        and install unsharded views. Pre: owned by a fully sharded module."""
-        if self.unshard_fn is None:
-            raise RuntimeError(f"{self!r} is not owned by a fully sharded module")
-        self.unshard_fn()
+    # ------------------------------------------------------------------ gather transitions
+    def will_gather(self) -> bool:
+        """True if :meth:`issue_gathers` would issue all-gathers now (the ranks agree on exactly
+        these, see [Note: Agreement] in ``_divergence.py``)."""
+        return self.needs_unshard() and all(g.pending_unshard is None for g in self.groups)
+
+    def issue_gathers(self) -> None:
+        """Issue the all-gathers of every group (async) unless its buffers are filled or in
+        flight. Buffers are allocated on the compute stream, which also frees them (no
+        ``record_stream``); the gathers run on the all-gather stream."""
+        if not self.will_gather():
+            return
+        owner = self.owner()
+        streams = handle_streams(owner, self.compute_device)
+        gathers = [(group, *self.prepare_gather(group)) for group in self.groups if not group.aliases_shard]
+        with streams.run_on(streams.all_gather):
+            for group, output, shard in gathers:
+                if owner.process_group is None:  # a shard group of one rank (NO_SHARD): the shard, cast
+                    output.copy_(shard)
+                    group.pending_unshard = _collectives.Pending(None, output, "all_gather", tag=self.fqn)
+                else:
+                    group.pending_unshard = _collectives.all_gather_into(output, shard, owner.process_group,
+                                                                         tag=self.fqn, match=self.index + 1)
+            event = streams.record(streams.all_gather)
+        for group in self.groups:
+            if group.pending_unshard is not None:
+                group.pending_unshard.event = event
+
+    def wait_gathers(self) -> None:
+        """Wait for the all-gathers in flight (the compute stream waits for their event)."""
+        for group in self.groups:
+            pending = group.pending_unshard
+            if pending is not None:
+                pending.wait()
+                Streams.wait(pending.event)
+                group.pending_unshard = None
+                group.comm_shard = None
+
+    def unshard(self, forward: bool = False) -> None:
+        """Gather (unless filled or in flight), wait, and install full-shape views in the module
+        slots (``forward``: for a grad-mode forward, see :meth:`use_unsharded_views`)."""
+        self.issue_gathers()
+        self.wait_gathers()
+        self.use_unsharded_views(forward=forward)
 
     def reshard(self, free: bool = True) -> None:
-        """Original parameters back in the slots; if ``free``, release unsharded storage.
-        Post: ``is_unsharded`` is False."""
+        """Original parameters back in the slots; if ``free``, release unsharded storage (a
+        gather in flight lands first). Post: ``is_unsharded`` is False."""
+        self.wait_gathers()
         self.use_sharded_views()
         if free:
             for group in self.groups:
@@ -521,6 +627,24 @@ class FlatParamHandle:
                     _free_storage(group.padded_unsharded_flat)
         for group in self.groups:
             group.comm_shard = None
+
+    def enter(self, to: HandleTrainingState, where: str,
+              expect: Optional[Tuple[HandleTrainingState, ...]] = None) -> None:
+        """Change ``training_state`` to ``to`` (no change if it is already there). Raises naming
+        both states if :data:`TRANSITIONS` does not allow it, or if ``expect`` is given and the
+        current state is not in it."""
+        now = self.training_state
+        if (expect is not None and now not in expect) or (to is not now and to not in TRANSITIONS[now]):
+            wanted = f" (expected {'/'.join(s.name for s in expect)})" if expect is not None else ""
+            raise RuntimeError(f"handle of {self.fqn or '<root>'!r}: illegal transition {now.name} -> {to.name} in "
+                               f"{where}{wanted}")
+        self.training_state = to
+
+    def owner(self) -> "_Owner":
+        """The runtime state of the fully sharded module that owns this handle."""
+        if self.state is None:
+            raise RuntimeError(f"{self!r} is not owned by a fully sharded module")
+        return self.state
 
     # ------------------------------------------------------------------ requires_grad
     def refresh_requires_grad(self) -> List[FlatGroup]:
@@ -624,7 +748,7 @@ class FlatParamHandle:
         grads = [p.grad for p in group.orig_params]
         group.had_grad = [g is not None for g in grads]
         old = group.sharded_grad
-        if old is not None and all(g is not None and g._base is old for g in grads):
+        if old is not None and all(g is not None and is_view_of(g, old) for g in grads):
             old.add_(reduced)  # every .grad is still our view: accumulate in place
             reduced = old
         else:
@@ -667,5 +791,150 @@ class FlatParamHandle:
             group.landing_grad, group.landing_event = None, None
             group.used = [False] * len(group.orig_params)
 
+    # ------------------------------------------------------------------ reduce transitions
+    def reduce_dtype(self, group: FlatGroup) -> torch.dtype:
+        """The dtype ``group``'s gradients are reduced in: the mixed precision's reduce dtype for
+        a low-precision floating group, else the group's compute dtype."""
+        mp = self.owner().mixed_precision
+        return group.compute_dtype if mp is None else mp._reduce_dtype_for(group.compute_dtype, group.full_precision)
+
+    def reduce(self, group: FlatGroup, unsharded_grad: torch.Tensor) -> None:
+        """Release every earlier handle's reduction input, then issue this group's reduction
+        (see [Note: Reductions in flight]); the root waits for it at the end of backward."""
+        root = self.owner().root
+        if root is None:
+            raise AssertionError(f"{self!r}: a reduction before lazy init")
+        self.release_earlier_reductions()
+        reduction = Reduction(self, group, unsharded_grad)
+        reduction.issue()
+        root.ctx.pending_reductions.append(reduction)
+
+    def release_earlier_reductions(self) -> None:
+        """Wait for the reductions of other handles and drop their inputs (see [Note: Reductions
+        in flight]). Runs just before this handle's unsharded gradient is allocated (the split's
+        backward pre-hook), and again when its reduction is issued."""
+        owner = self.owner()
+        root = owner.root
+        if root is None or not root.ctx.pending_reductions or not owner.sync_gradients:
+            return
+        still_pending: List[Reduction] = []
+        for earlier in root.ctx.pending_reductions:
+            if earlier.handle is not self:
+                earlier.release_input()
+                if earlier.stage == REDUCED:
+                    earlier.finish()
+            if earlier.stage != DONE:
+                still_pending.append(earlier)
+        root.ctx.pending_reductions = still_pending
+
     def __repr__(self) -> str:
         return f"FlatParamHandle({self.fqn or '<root>'}, groups={len(self.groups)}, state={self.training_state.name})"
+
+
+# ---------------------------------------------------------------------------- reductions
+# [Note: Reductions in flight]  A handle's post-backward issues its reduce-scatter and returns;
+# the next handle's backward computes while it runs. Its input, the unsharded gradient, is the
+# largest buffer of the step, so it is released as soon as the next handle no longer overlaps
+# it: when that handle's parameter gradients are all computed, just before they are concatenated into its own unsharded gradient (the pre-hook of
+# its split backward), every earlier reduction is waited on (``Work.wait()`` on gloo; on CUDA the
+# compute stream waits for the reduction's event, no CPU sync), its input dropped and its shard
+# accumulated (FlatParamHandle.release_earlier_reductions). The reduction overlapped the whole
+# backward of the next handle, and at most two handles' unsharded gradients are alive at once. A handle whose backward starts by recomputing
+# its forward (activation checkpointing) releases them earlier, at its pre-backward: the
+# recomputed activations are that handle's peak, and a user who checkpoints chose memory over
+# speed (measured at W=2 on the standard model: about 2% slower with checkpointing, where the
+# same early release would cost about 5% without it, and with it the peak equals torch FSDP2's,
+# whose reduce-scatter on CPU is synchronous). The end of backward waits for the rest.
+#
+# Stages: ISSUED (reduce-scatter in flight, holds the unsharded gradient) -> REPLICATING (hybrid:
+# all-reduce of the shard across replicas in flight) -> REDUCED (shard landed) -> DONE (divided
+# and accumulated into the group's sharded gradient). A backward that raised discards its
+# reductions: they are still waited on, so every rank's collectives stay matched.
+
+ISSUED, REPLICATING, REDUCED, DONE, DISCARDED = "ISSUED", "REPLICATING", "REDUCED", "DONE", "DISCARDED"
+
+
+class Reduction:
+    """One group's gradient reduction (see [Note: Reductions in flight])."""
+
+    def __init__(self, handle: FlatParamHandle, group: FlatGroup, unsharded_grad: torch.Tensor) -> None:
+        self.state: _Owner = handle.owner()  # owns the process groups and the divisor
+        self.handle: FlatParamHandle = handle
+        self.group: FlatGroup = group
+        self.unsharded_grad: Optional[torch.Tensor] = unsharded_grad  # the collective's input until it lands
+        self.pending: Optional[_collectives.Pending] = None  # the collective in flight
+        self.stage: str = ISSUED
+        self.reduce_dtype: torch.dtype = handle.reduce_dtype(group)
+        self.event: Optional[Any] = None  # CUDA: recorded on the reduce-scatter stream after issuing
+
+    def issue(self) -> None:
+        """Start the reduce-scatter (or, for a shard group of one rank, the replica all-reduce)."""
+        state = self.state
+        grad = self.unsharded_grad
+        if grad is None:
+            raise AssertionError(f"[rank {state.rank}] reduction of {self.handle.fqn!r} issued twice")
+        streams = handle_streams(state, self.handle.compute_device)
+        if grad.dtype != self.reduce_dtype:
+            grad = grad.to(self.reduce_dtype)
+        if self.reduce_dtype not in (torch.float32, torch.float64):
+            grad.div_(state.dp_world_size)  # pre-divide low precision to avoid overflow
+        self.unsharded_grad = grad
+        output = torch.empty(grad.numel() // state.world_size, dtype=grad.dtype, device=grad.device) \
+            if state.world_size > 1 else grad  # allocated on the compute stream, which frees it
+        with streams.run_on(streams.reduce_scatter):
+            if state.world_size > 1:
+                self.pending = _collectives.reduce_scatter_into(output, grad, state.process_group, tag=self.handle.fqn,
+                                                                match=self.handle.index + 1)
+            else:
+                self._replicate(grad)
+            self.event = streams.record(streams.reduce_scatter)
+
+    def _replicate(self, shard: torch.Tensor) -> None:
+        group = self.state.replicate_group
+        if group is not None and dist.get_world_size(group) > 1:
+            self.pending = _collectives.all_reduce(shard, group, tag=self.handle.fqn)
+            self.stage = REPLICATING
+        else:
+            self.pending = _collectives.Pending(None, shard, "none", tag=self.handle.fqn)
+            self.stage = REDUCED
+
+    def release_input(self) -> None:
+        """Wait for the reduce-scatter, drop its input, and start the replica all-reduce if
+        there is one. Post: stage REPLICATING or REDUCED."""
+        if self.stage != ISSUED:  # a one-rank shard group starts in REPLICATING or REDUCED
+            return
+        output = self._pending().wait()
+        Streams.wait(self.event)
+        self.unsharded_grad = None
+        streams = handle_streams(self.state, self.handle.compute_device)
+        with streams.run_on(streams.reduce_scatter):
+            self._replicate(output)
+            self.event = streams.record(streams.reduce_scatter)
+
+    def finish(self) -> None:
+        """Wait for everything, average, accumulate into the group's sharded gradient.
+        Post: DONE."""
+        self.release_input()
+        output = self._pending().wait()
+        Streams.wait(self.event)
+        self.unsharded_grad = None
+        self.pending = None
+        if self.reduce_dtype in (torch.float32, torch.float64) and self.state.dp_world_size > 1:
+            output.div_(self.state.dp_world_size)
+        self.handle.accumulate_sharded_grad(self.group, output)
+        self.stage = DONE
+
+    def discard(self) -> None:
+        """Wait for what is in flight (ranks stay matched), keep nothing. Post: DISCARDED."""
+        if self.pending is not None:
+            self.pending.wait()
+            Streams.wait(self.event)
+        self.pending = None
+        self.unsharded_grad = None
+        self.stage = DISCARDED
+
+    def _pending(self) -> _collectives.Pending:
+        if self.pending is None:
+            raise AssertionError(f"[rank {self.state.rank}] reduction of {self.handle.fqn!r} has nothing pending "
+                                 f"in stage {self.stage}")
+        return self.pending

@@ -86,7 +86,7 @@ import hashlib
 import os
 import weakref
 from dataclasses import dataclass, field
-from typing import AbstractSet, Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, Union
+from typing import AbstractSet, Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -94,11 +94,12 @@ import torch.nn as nn
 
 from . import _apply_guard, _collectives
 from ._common_utils import _FSDPState, _is_fsdp_flattened
+from ._data_parallel import broadcast_from_rank0, check_composition, normalize_device
 from ._flat_param import FlatParamHandle
 from ._mixed_precision import full_precision_classes
 from ._traversal_utils import _composable, _get_fsdp_states
 from .api import CPUOffload, MixedPrecision, ShardingStrategy
-from .contract import _check_fqns_unchanged, _fqn_snapshot, _get_module_state, _get_registry
+from .contract import _check_fqns_unchanged, _fqn_snapshot, _get_module_state
 from ._validation import check_config, check_dense_gradients, check_fully_shard_arguments
 from .wrap import _as_policy
 
@@ -156,10 +157,11 @@ def plan_fully_shard(root: nn.Module, kwargs: Dict[str, Any]) -> Plan:
     """Return the :class:`Plan` of ``fully_shard(root, **kwargs)`` (arguments already checked by
     :func:`check_fully_shard_arguments`); raises with a message naming the module/parameter on a
     bad composition or annotation, leaving the model untouched."""
-    _check_composition(root)
+    check_composition(f"fully_shard({type(root).__name__})", root, "replicate",
+                      "Apply fully_shard to its submodules, or use only replicate.")
     ignored_modules = _expand_ignored_modules(root, kwargs["ignored_modules"], kwargs["ignored_states"])
     ignored_params = _ignored_params(ignored_modules, kwargs["ignored_states"])
-    device_id = _normalize_device(kwargs["device_id"])
+    device_id = normalize_device(kwargs["device_id"])
     plan = Plan(root, [], ignored_params, ignored_modules, _compute_device(root, device_id),
                 kwargs["param_init_fn"], kwargs["sync_module_states"], device_id)
     plan.targets = _select_targets(plan, kwargs["policy"], {k: kwargs[k] for k in _CONFIG_KEYS})
@@ -171,18 +173,6 @@ def plan_fully_shard(root: nn.Module, kwargs: Dict[str, Any]) -> Plan:
     if plan.param_init_fn is None:
         _check_meta_initializable(plan)
     return plan
-
-
-def _check_composition(root: nn.Module) -> None:
-    name = type(root).__name__
-    if "replicate" in (_get_registry(root) or {}):
-        raise RuntimeError(
-            f"fully_shard({name}): the module is already managed by replicate; a module can be "
-            "managed by one data-parallel API. Apply fully_shard to its submodules, or use only replicate."
-        )
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(f"fully_shard({name}): torch.distributed is not initialized; call "
-                           "dist.init_process_group(...) first (torchrun sets up the environment).")
 
 
 def _check_not_inside_initialized_root(root: nn.Module) -> None:
@@ -674,16 +664,6 @@ def _raise_if_meta_left(plan: Plan) -> None:
 
 
 # ---------------------------------------------------------------------------- devices and groups
-def _normalize_device(device_id: Union[int, torch.device, None]) -> Optional[torch.device]:
-    if device_id is None:
-        return None
-    if isinstance(device_id, int):
-        return torch.device("cuda", device_id)
-    if device_id.type == "cuda" and device_id.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device_id
-
-
 def _compute_device(root: nn.Module, device_id: Optional[torch.device]) -> torch.device:
     if device_id is not None:
         return device_id
@@ -981,14 +961,5 @@ def _move_module_tensors(module: nn.Module, device: torch.device, keep: Abstract
 def _sync_module_states(plan: Plan, groups: _Groups) -> None:
     if not plan.sync_module_states:
         return
-    tensors = [t for _, t in _sync_tensors(plan)]
-    for group in (groups.replicate, groups.shard):
-        if group is None:
-            continue
-        for t in tensors:
-            if t.device != plan.compute_device:  # an offloaded parameter: the backend may take device tensors only
-                on_device = t.to(plan.compute_device)
-                _collectives.broadcast(on_device, 0, group, tag="sync_module_states")
-                t.copy_(on_device)
-            else:
-                _collectives.broadcast(t, 0, group, tag="sync_module_states")
+    broadcast_from_rank0([t for _, t in _sync_tensors(plan)], [groups.replicate, groups.shard], plan.compute_device,
+                         tag="sync_module_states")

@@ -54,7 +54,7 @@ from torch.distributed.checkpoint import CheckpointException
 from . import _collectives
 from ._traversal_utils import _get_fsdp_handles, _get_fsdp_states
 from .contract import _STATE_KEY
-from ._torch_compat import unwrap_compiled
+from ._torch_compat import tensor_slots, unwrap_compiled
 
 __all__ = ["is_distributed", "rank_of", "from_rank", "agree_or_raise", "transaction", "Transaction", "transactional",
            "model_group", "before_final_agreement"]
@@ -149,7 +149,7 @@ class _Snapshot:
     storages: List[Tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (live storage as bytes, copy)
     clones: List[Tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # storage-less tensors: (live, copy)
     views: List[Tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (tensor, its .data as it was)
-    slots: List[Tuple[Dict[str, Any], str, Any]] = field(default_factory=list)  # (module._parameters etc., name, object)
+    slots: List[Tuple[Dict[str, Any], str, Any]] = field(default_factory=list)  # (a slot dict of tensor_slots, name, object)
     extra_states: List[Tuple[nn.Module, Any]] = field(default_factory=list)  # (module, deep copy of get_extra_state())
     optim: Optional[Tuple[torch.optim.Optimizer, Any, List[Tuple[Any, Dict[str, Any], Dict[str, Any]]], List[Any],
                           List[Tuple[Dict[str, Any], Dict[str, Any], List[Any]]]]] = None
@@ -181,11 +181,10 @@ class _Snapshot:
 
 def _take_model(snapshot: _Snapshot, module: nn.Module) -> None:
     for m in module.modules():
-        for slots in (m._parameters, m._buffers):
-            for name, value in slots.items():
-                snapshot.slots.append((slots, name, value))
-                if isinstance(value, torch.Tensor) and (slots is m._parameters or name not in m._non_persistent_buffers_set):
-                    snapshot.keep(value)
+        for slots, name, value, saved in tensor_slots(m):
+            snapshot.slots.append((slots, name, value))
+            if isinstance(value, torch.Tensor) and saved:
+                snapshot.keep(value)
         if type(m).get_extra_state is not nn.Module.get_extra_state:
             snapshot.extra_states.append((m, copy.deepcopy(m.get_extra_state())))
     for handle in _get_fsdp_handles(module):  # the shards themselves (their storage is the parameters')

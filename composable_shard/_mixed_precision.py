@@ -109,9 +109,9 @@ def _keep_full_precision(module: nn.Module) -> None:
 
 def _cast_buffers(module: nn.Module, dtype: torch.dtype) -> None:
     original: Dict[str, torch.dtype] = {}
-    for name, buf in list(module._buffers.items()):
-        if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
+    for name, buf in list(module.named_buffers(recurse=False, remove_duplicate=False)):
+        if buf.is_floating_point() and buf.dtype != dtype:
             original[name] = buf.dtype
-            module._buffers[name] = buf.to(dtype)
+            setattr(module, name, buf.to(dtype))  # an existing buffer slot: keeps its persistence
     if original:
         register_buffer_dtypes(module, original)

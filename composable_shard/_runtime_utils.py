@@ -1,21 +1,27 @@
-"""The training step of ``fully_shard``: one function per transition, hook registration, and
-the end-of-backward callback.
+"""The training step of ``fully_shard``: the hooks, which decide *when*; the handle
+(``_flat_param.FlatParamHandle``) does each transition; the root's end-of-backward callback.
 
-[Note: Life of a parameter]  FULL_SHARD, one handle, one training step
-  idle          data: group.flat_param (ceil(N/W) elems)        module.weight: orig param, 1-D view of my slice
-  pre_forward   all-gather -> group.padded_unsharded_flat        module.weight: full-shape view (plain tensor)
-  post_forward  free unsharded storage (the root keeps it)       module.weight: orig param again
-  pre_backward  all-gather again (or prefetched earlier)         module.weight: full-shape view
-  post_backward unsharded_grad = leaf.grad -> reduce-scatter (async); free unsharded parameter storage;
-                earlier handles' reductions waited: their unsharded_grad released, shard accumulated
-  end_backward  wait the rest; agree on which parameters got a gradient; orig.grad = view of sharded_grad
+[Note: Life of a parameter]  FULL_SHARD, one handle, one training step. Left: the hook here;
+middle: the handle method it calls (``_flat_param.py``; collectives in ``_collectives.py``);
+right: what ``module.weight`` is.
+  idle          group.flat_param holds ceil(N/W) elements                     orig param, 1-D view of my slice
+  pre_forward   enter(FORWARD); unshard(): issue_gathers (all-gather into      full-shape view (plain tensor)
+                group.padded_unsharded_flat), wait_gathers, use_unsharded_views
+  post_forward  enter(IDLE); reshard(free) (the root keeps its storage)       orig param again
+  pre_backward  enter(BACKWARD_PRE); unshard() (or prefetched: issue_gathers   full-shape view
+                earlier)
+  split hook    release_earlier_reductions(): earlier handles' unsharded gradients dropped, shards accumulated
+  post_backward take_unsharded_grad(); reduce(): a Reduction issues the reduce-scatter (async);
+                enter(BACKWARD_POST); reshard(free)
+  end_backward  (here) finish_reductions -> Reduction.finish -> accumulate_sharded_grad; agree on which
+                parameters got a gradient; attach_grads: orig.grad = view of the sharded gradient; enter(IDLE)
   optim.step    updates my slice in place (orig params share storage with flat_param)
-  zero_grad     .grad = None everywhere -> sharded_grad freed (the views own it)
+  zero_grad     .grad = None everywhere -> the sharded gradient is freed (the views own it)
 SHARD_GRAD_OP keeps the unsharded storage from pre_forward to post_backward; NO_SHARD (and a
 shard group of one rank) computes on the shard itself and all-reduces gradients. The root
 keeps its parameters unsharded from its forward to its backward (its backward comes first).
-Kept buffers are gathered again if an optimizer stepped or a parameter was edited in place
-since (see ``_watch.py``); a forward with no backward to follow frees them at once.
+Kept buffers are gathered again if an optimizer holding their parameters stepped, or a parameter
+was edited in place, since (see ``_watch.py``); a forward with no backward to follow frees them.
 
 [Note: Hook order]  for fully_shard, checkpoint and replicate stacked on one module
   forward pre-hooks:  fully_shard (registered with prepend=True) -> checkpoint -> others
@@ -30,7 +36,7 @@ views (made with grad mode on, see [Note: Views made in backward] in ``_flat_par
 (what older ``transformers`` layers do), or around a parent whose children are fully sharded,
 runs fully_shard's forward hooks again inside the backward. A forward while this root's backward
 runs is such a recomputation: its pre-hook pushes the handle's state (IDLE, BACKWARD_PRE or
-BACKWARD_POST), unshards (gathering again only if the storage was freed) and installs views;
+BACKWARD_POST), enters RECOMPUTE, unshards (gathering again only if the storage was freed) and installs views;
 its post-hook pops the state and keeps the storage, because the recomputed tensors are views of
 it and the handle's backward still needs them. Exec order, prefetch, the root's iteration
 state and the reshard-after-forward are untouched, so post-backward still counts one gradient
@@ -62,16 +68,15 @@ import functools
 import logging
 import sys
 import warnings
-from typing import Any, Callable, Dict, List, Tuple, TypeVar
+from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar, cast
 
 import torch
 import torch.nn as nn
 
 from . import _collectives, _divergence, _watch
-from ._common_utils import HandleTrainingState, TrainingState, WeakHook, _FSDPState
+from ._data_parallel import agree_used_and_steps
+from ._common_utils import HandleTrainingState, RootContext, TrainingState, WeakHook, _FSDPState
 from ._flat_param import FlatGroup, FlatParamHandle
-from ._reduction import (attach_reduced_grads, discard_reductions, finish_reductions, issue_reduction,
-                         reduce_dtype_of, release_earlier_reductions)
 from ._streams import Streams
 from ._torch_compat import is_in_backward, queue_backward_callback
 from ._traversal_utils import _get_fsdp_states, owned_modules
@@ -79,7 +84,7 @@ from ._tree_utils import convert, tensors_in
 from .contract import _get_registry
 from .api import BackwardPrefetch, ShardingStrategy
 
-__all__ = ["register_runtime_hooks", "lazy_init", "unshard", "wait_unshard", "reshard_handle",
+__all__ = ["register_runtime_hooks", "lazy_init", "wait_unshard",
            "recover_interrupted_backward", "assert_internal"]
 
 log = logging.getLogger("composable_shard")
@@ -114,16 +119,6 @@ def frees_after_backward(state: _FSDPState) -> bool:
     return state.reshard_after_backward
 
 
-def _transition(handle: FlatParamHandle, expect: Tuple[HandleTrainingState, ...], to: HandleTrainingState,
-                where: str) -> None:
-    if handle.training_state not in expect:
-        raise RuntimeError(
-            f"handle of {handle.fqn or '<root>'!r}: expected {'/'.join(s.name for s in expect)}, "
-            f"found {handle.training_state.name} in {where}"
-        )
-    handle.training_state = to
-
-
 def assert_internal(condition: bool, message: str) -> None:
     """Internal invariant check that survives ``python -O``."""
     if not condition:
@@ -135,12 +130,6 @@ def _root_of(state: _FSDPState) -> _FSDPState:
     root = state.root
     assert_internal(root is not None, f"{state.describe()} used before lazy init")
     return root  # type: ignore[return-value]  # checked above
-
-
-def _streams_of(state: _FSDPState) -> Streams:
-    streams = state.streams
-    assert_internal(streams is not None, f"{state.describe()}: no streams (fully_shard did not finish)")
-    return streams  # type: ignore[return-value]  # checked above
 
 
 # ---------------------------------------------------------------------------- lazy init
@@ -159,78 +148,47 @@ def lazy_init(state: _FSDPState) -> None:
         s.fqn = names.get(id(s.module), s.fqn)  # FQNs relative to the root, for messages and tags
         if s.handle is not None:
             s.handle.fqn = s.fqn
-    state._all_fsdp_states = states
-    state._all_handles = [s.handle for s in states if s.handle is not None]
+    state._ctx = RootContext(states, [s.handle for s in states if s.handle is not None])
     for index, handle in enumerate(state._all_handles):
         handle.index = index
     for s in states:
         if s.handle is not None and s.module is not None:
             s.handle.recomputes_in_backward |= any("checkpoint" in (_get_registry(m) or {})
                                                    for _, m in owned_modules(s, s.module))
-    state.handle_states = {id(s.handle): s for s in states if s.handle is not None}
     state.streams = Streams(state.compute_device)
     for s in states:
         s.streams = state.streams
-    state.debug_checks = _divergence.debug_mode()
-    state.seen_changes_epoch = -1  # check for model changes made before the first forward too
-    state.step_counter = _watch.StepCounter(p for h in state._all_handles for g in h.groups for p in g.orig_params)
+    state.ctx.debug_checks = _divergence.debug_mode()
+    state.ctx.step_counter = _watch.StepCounter(p for h in state._all_handles for g in h.groups for p in g.orig_params)
     _divergence.check_layout_across_ranks(state)
 
 
 # ---------------------------------------------------------------------------- unshard / reshard
-def unshard(state: _FSDPState, handle: FlatParamHandle) -> None:
-    """Issue the all-gathers of ``handle`` (async) unless its buffers are filled or in flight."""
-    if not handle.needs_unshard() or any(g.pending_unshard is not None for g in handle.groups):
-        return
+def _state_of(handle: FlatParamHandle) -> _FSDPState:
+    """The runtime state of the fully sharded module that owns ``handle``."""
+    return cast(_FSDPState, handle.owner())
+
+
+def _issue_gathers(state: _FSDPState, handle: FlatParamHandle) -> None:
+    """The ranks agree on the gather first (first iteration, debug mode: see [Note: Agreement]
+    in ``_divergence.py``), then the handle issues it."""
     root = state.root
-    if root is not None and (root.check_order or root.debug_checks):
+    if root is not None and (root.ctx.check_order or root.ctx.debug_checks) and handle.will_gather():
         _divergence.agree_before_gather(root, state, handle)
-    streams = _streams_of(state)
-    # Buffers are allocated on the compute stream, which also frees them (no record_stream).
-    gathers = [(group, *handle.prepare_gather(group)) for group in handle.groups if not group.aliases_shard]
-    with streams.run_on(streams.all_gather):
-        for group, output, shard in gathers:
-            if state.process_group is None:  # a shard group of one rank (NO_SHARD): the shard, cast
-                output.copy_(shard)
-                group.pending_unshard = _collectives.Pending(None, output, "all_gather", tag=handle.fqn)
-            else:
-                group.pending_unshard = _collectives.all_gather_into(output, shard, state.process_group, tag=handle.fqn,
-                                                                     match=handle.index + 1)
-        event = streams.record(streams.all_gather)
-    for group in handle.groups:
-        if group.pending_unshard is not None:
-            group.pending_unshard.event = event
+    handle.issue_gathers()
 
 
 def wait_unshard(state: _FSDPState, handle: FlatParamHandle, forward: bool = False) -> None:
-    """Unshard ``handle`` if needed, wait for its all-gathers, and install unsharded views
-    (``forward``: for a grad-mode forward, see ``FlatParamHandle.use_unsharded_views``)."""
-    unshard(state, handle)
-    _wait_gathers(handle)
-    handle.use_unsharded_views(forward=forward)
-
-
-def _wait_gathers(handle: FlatParamHandle) -> None:
-    for group in handle.groups:
-        pending = group.pending_unshard
-        if pending is not None:
-            pending.wait()
-            Streams.wait(pending.event)
-            group.pending_unshard = None
-            group.comm_shard = None
-
-
-def reshard_handle(state: _FSDPState, handle: FlatParamHandle, free: bool) -> None:
-    """Original parameters back in the module; unsharded storage freed if ``free``."""
-    _wait_gathers(handle)  # a prefetched gather must land before its buffer is freed
-    handle.reshard(free=free)
+    """Gather ``handle`` (agreed, see :func:`_issue_gathers`) and install its unsharded views."""
+    _issue_gathers(state, handle)
+    handle.unshard(forward=forward)
 
 
 def _prefetch_forward(state: _FSDPState, handle: FlatParamHandle) -> None:
     """Unshard the handle whose forward comes after ``handle``'s (pre-forward order)."""
     root = _root_of(state)
     if handle.exec_index is not None:
-        _prefetch(root, root.exec_order, handle.exec_index + 1)
+        _prefetch(root, root.ctx.exec_order, handle.exec_index + 1)
 
 
 def _prefetch_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
@@ -238,7 +196,7 @@ def _prefetch_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
     forward just before it (so the root, which finishes last, prefetches the last block)."""
     root = _root_of(state)
     if handle.post_forward_index is not None:
-        _prefetch(root, root.post_forward_order, handle.post_forward_index - 1)
+        _prefetch(root, root.ctx.post_forward_order, handle.post_forward_index - 1)
 
 
 def _prefetch(root: _FSDPState, order: List[FlatParamHandle], index: int) -> None:
@@ -246,7 +204,7 @@ def _prefetch(root: _FSDPState, order: List[FlatParamHandle], index: int) -> Non
         target = order[index]
         if target.training_state in (HandleTrainingState.IDLE, HandleTrainingState.BACKWARD_PRE) and target.needs_unshard():
             _collectives.trace("prefetch", target.fqn)
-            unshard(root.handle_states[id(target)], target)
+            _issue_gathers(_state_of(target), target)
 
 
 # ---------------------------------------------------------------------------- forward
@@ -267,12 +225,12 @@ def _pre_forward(state: _FSDPState, module: nn.Module, args: Tuple[Any, ...], kw
     if handle is None:
         return args, kwargs
     _collectives.trace("pre_forward", handle.fqn)
-    _transition(handle, (HandleTrainingState.IDLE,), HandleTrainingState.FORWARD, "pre_forward")
+    handle.enter(HandleTrainingState.FORWARD, "pre_forward", expect=(HandleTrainingState.IDLE,))
     first_use = _record_exec_order(state, handle)
     if handle.is_stale():  # kept from an earlier step; the shards changed since
-        reshard_handle(state, handle, free=True)
+        handle.reshard(free=True)
     wait_unshard(state, handle, forward=torch.is_grad_enabled())
-    if first_use and state.forward_prefetch and _root_of(state).exec_order_recorded:
+    if first_use and state.forward_prefetch and _root_of(state).ctx.exec_order_recorded:
         _prefetch_forward(state, handle)
     return args, kwargs
 
@@ -285,19 +243,19 @@ def _root_pre_forward(root: _FSDPState, args: Tuple[Any, ...], kwargs: Dict[str,
         if s.training_state is TrainingState.SUMMON_FULL_PARAMS:
             raise RuntimeError(f"{s.describe()}: forward called inside summon_full_params/unshard_params; "
                                "exit the context first.")
-    if root.final_callback_queued and not is_in_backward():
+    if root.ctx.final_callback_queued and not is_in_backward():
         recover_interrupted_backward(root)
-    if root.seen_changes_epoch != _watch.changes_epoch():
+    if root.ctx.changes_to_check:
         _watch.raise_on_model_change(root._all_fsdp_states)
-        root.seen_changes_epoch = _watch.changes_epoch()
+        root.ctx.changes_to_check = False
     _follow_user_changes(root)
-    root.forward_in_progress = True
-    root.exec_index = 0
-    root.forward_seen.clear()
-    root.check_order = not root.exec_order_recorded
-    if not root.exec_order_recorded:
-        root.exec_order.clear()
-        root.post_forward_order.clear()
+    root.ctx.forward_in_progress = True
+    root.ctx.exec_index = 0
+    root.ctx.forward_seen.clear()
+    root.ctx.check_order = not root.ctx.exec_order_recorded
+    if not root.ctx.exec_order_recorded:
+        root.ctx.exec_order.clear()
+        root.ctx.post_forward_order.clear()
         for h in root._all_handles:
             h.exec_index = None
             h.post_forward_index = None
@@ -321,11 +279,11 @@ def _follow_user_changes(root: _FSDPState) -> None:
     for handle in root._all_handles:
         detached, hooked = handle.unusable_params()
         if detached:
-            _raise_detached(root.handle_states[id(handle)], detached)
+            _raise_detached(_state_of(handle), detached)
         if hooked:
-            _raise_hooked(root.handle_states[id(handle)], hooked)
+            _raise_hooked(_state_of(handle), hooked)
         for group in handle.refresh_requires_grad():
-            _register_post_backward(root.handle_states[id(handle)], handle, group)
+            _register_post_backward(_state_of(handle), handle, group)
 
 
 def _raise_detached(state: _FSDPState, fqns: List[str]) -> None:
@@ -388,16 +346,16 @@ def _record_exec_order(state: _FSDPState, handle: FlatParamHandle) -> bool:
     """Record (first iteration) or check (later ones) ``handle``'s place in the pre-forward
     order; False when it already ran its forward in this iteration (see [Note: Handle order])."""
     root = _root_of(state)
-    if id(handle) in root.forward_seen:
+    if id(handle) in root.ctx.forward_seen:
         return False
-    root.forward_seen.add(id(handle))
-    if not root.exec_order_recorded:
-        handle.exec_index = len(root.exec_order)
-        root.exec_order.append(handle)
+    root.ctx.forward_seen.add(id(handle))
+    if not root.ctx.exec_order_recorded:
+        handle.exec_index = len(root.ctx.exec_order)
+        root.ctx.exec_order.append(handle)
         return True
-    expected = root.exec_order[root.exec_index] if root.exec_index < len(root.exec_order) else None
-    if expected is not handle and not root.warned_order_change:
-        root.warned_order_change = True
+    expected = root.ctx.exec_order[root.ctx.exec_index] if root.ctx.exec_index < len(root.ctx.exec_order) else None
+    if expected is not handle and not root.ctx.warned_order_change:
+        root.ctx.warned_order_change = True
         warnings.warn(
             f"fully_shard: forward order changed after the first iteration (expected "
             f"{expected.fqn if expected else 'no more handles'!r}, got {handle.fqn!r}); prefetching "
@@ -405,7 +363,7 @@ def _record_exec_order(state: _FSDPState, handle: FlatParamHandle) -> bool:
             "between ranks, collectives mismatch: run with COMPOSABLE_SHARD_DEBUG=1 to check every step.",
             stacklevel=3,
         )
-    root.exec_index += 1
+    root.ctx.exec_index += 1
     return True
 
 
@@ -433,15 +391,15 @@ def _post_forward(state: _FSDPState, module: nn.Module, args: Tuple[Any, ...], o
     handle = state.handle
     if handle is not None:
         _collectives.trace("post_forward", handle.fqn)
-        _transition(handle, (HandleTrainingState.FORWARD,), HandleTrainingState.IDLE, "post_forward")
+        handle.enter(HandleTrainingState.IDLE, "post_forward", expect=(HandleTrainingState.FORWARD,))
         _record_post_forward_order(state, handle)
-        reshard_handle(state, handle, free=frees_after_forward(state) or not needs_backward)
+        handle.reshard(free=frees_after_forward(state) or not needs_backward)
         if needs_backward:
             hook = functools.partial(_pre_backward_hook, state, handle)
             for tensor in tensors:
                 tensor.register_hook(hook)
     if state.is_root:
-        state.forward_in_progress = False
+        state.ctx.forward_in_progress = False
         if not needs_backward:  # nothing to differentiate: the iteration ends here
             _end_iteration(state)
     return output
@@ -449,9 +407,9 @@ def _post_forward(state: _FSDPState, module: nn.Module, args: Tuple[Any, ...], o
 
 def _record_post_forward_order(state: _FSDPState, handle: FlatParamHandle) -> None:
     root = _root_of(state)
-    if not root.exec_order_recorded and handle.post_forward_index is None:
-        handle.post_forward_index = len(root.post_forward_order)
-        root.post_forward_order.append(handle)
+    if not root.ctx.exec_order_recorded and handle.post_forward_index is None:
+        handle.post_forward_index = len(root.ctx.post_forward_order)
+        root.ctx.post_forward_order.append(handle)
 
 
 def _check_forward_on_full_params(state: _FSDPState) -> None:
@@ -477,13 +435,13 @@ def _recomputing(state: _FSDPState) -> bool:
     """Is this forward running inside a backward of this root? Then it is activation
     checkpointing recomputing it (see [Note: Recomputation in backward])."""
     root = state.root
-    return root is not None and root.final_callback_queued and is_in_backward()
+    return root is not None and root.ctx.final_callback_queued and is_in_backward()
 
 
 @_profiled("cs::pre_recompute")
 def _pre_recompute(state: _FSDPState, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
     """Pre: a backward of this root is running. Post: the handle's previous state is pushed,
-    handle FORWARD with unsharded views (gathered again if its storage was freed). Inputs are
+    handle RECOMPUTE with unsharded views (gathered again if its storage was freed). Inputs are
     cast as in the original forward; nothing of the iteration's bookkeeping changes."""
     args, kwargs = _cast_inputs(state, args, kwargs)
     handle = state.handle
@@ -492,7 +450,7 @@ def _pre_recompute(state: _FSDPState, args: Tuple[Any, ...], kwargs: Dict[str, A
     _collectives.trace("pre_recompute", handle.fqn)
     handle.recomputes_in_backward = True
     handle.states_before_recompute.append(handle.training_state)
-    handle.training_state = HandleTrainingState.FORWARD
+    handle.enter(HandleTrainingState.RECOMPUTE, "pre_recompute")
     wait_unshard(state, handle)
     return args, kwargs
 
@@ -509,9 +467,9 @@ def _post_recompute(state: _FSDPState, output: Any) -> Any:
     if handle is None:
         return output
     _collectives.trace("post_recompute", handle.fqn)
-    assert_internal(bool(handle.states_before_recompute) and handle.training_state is HandleTrainingState.FORWARD,
+    assert_internal(bool(handle.states_before_recompute) and handle.training_state is HandleTrainingState.RECOMPUTE,
                     f"handle of {handle.fqn!r}: post-forward of a recomputation without its pre-forward")
-    handle.training_state = handle.states_before_recompute.pop()
+    handle.enter(handle.states_before_recompute.pop(), "post_recompute")
     if handle.training_state is HandleTrainingState.IDLE and output is not None and torch.is_grad_enabled():
         hook = functools.partial(_pre_backward_hook, state, handle)
         try:
@@ -528,17 +486,17 @@ def _abort_forward(state: _FSDPState) -> None:
     """The forward raised: put this handle back (and, at the root, every handle) to IDLE with
     its unsharded storage freed, waiting for gathers in flight so ranks stay matched."""
     if state.handle is not None and state.handle.training_state is HandleTrainingState.FORWARD:
-        reshard_handle(state, state.handle, free=True)
-        state.handle.training_state = HandleTrainingState.IDLE
+        state.handle.reshard(free=True)
+        state.handle.enter(HandleTrainingState.IDLE, "forward that raised")
     if not state.is_root:
         return
     log.debug("forward raised: resharding every handle of %s", state.describe())
     for s in state._all_fsdp_states:
         h = s.handle
         if h is not None and h.training_state in (HandleTrainingState.IDLE, HandleTrainingState.FORWARD):
-            reshard_handle(s, h, free=True)
-            h.training_state = HandleTrainingState.IDLE
-    state.forward_in_progress = False
+            h.reshard(free=True)
+            h.enter(HandleTrainingState.IDLE, "forward that raised")
+    state.ctx.forward_in_progress = False
     _end_iteration(state)
 
 
@@ -561,13 +519,13 @@ def _pre_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
         return
     handle.needs_pre_backward = False
     root = _root_of(state)
-    if not root.final_callback_queued:
-        root.final_callback_queued = True
+    if not root.ctx.final_callback_queued:
+        root.ctx.final_callback_queued = True
         queue_backward_callback(functools.partial(_finalize_backward, root))
     _collectives.trace("pre_backward", handle.fqn)
-    _transition(handle, (HandleTrainingState.IDLE,), HandleTrainingState.BACKWARD_PRE, "pre_backward")
-    if handle.recomputes_in_backward and root.pending_reductions and state.sync_gradients:
-        release_earlier_reductions(root, handle)  # before the recomputation, see [Note: Reductions in flight]
+    handle.enter(HandleTrainingState.BACKWARD_PRE, "pre_backward", expect=(HandleTrainingState.IDLE,))
+    if handle.recomputes_in_backward:
+        handle.release_earlier_reductions()  # before the recomputation, see [Note: Reductions in flight]
     wait_unshard(state, handle)
     if state.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
         _prefetch_backward(state, handle)
@@ -589,16 +547,16 @@ def _post_backward(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup)
     unsharded_grad = handle.take_unsharded_grad(group)
     group.grad_ready = True
     if unsharded_grad is not None:
-        if root.debug_checks:
+        if root.ctx.debug_checks:
             _divergence.agree_before_reduction(root, state, handle, group.index, state.sync_gradients)
         if state.sync_gradients:
-            issue_reduction(root, state, handle, group, unsharded_grad)
+            handle.reduce(group, unsharded_grad)
         else:
-            handle.keep_unreduced(group, unsharded_grad, reduce_dtype_of(state, group))
+            handle.keep_unreduced(group, unsharded_grad, handle.reduce_dtype(group))
     if all(g.grad_ready for g in handle.groups if g.requires_grad):
-        handle.training_state = HandleTrainingState.BACKWARD_POST
+        handle.enter(HandleTrainingState.BACKWARD_POST, "post_backward")
         if frees_after_backward(state):
-            reshard_handle(state, handle, free=True)
+            handle.reshard(free=True)
         if state.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             _prefetch_backward(state, handle)
 
@@ -614,7 +572,7 @@ def _finalize_backward(root: _FSDPState) -> None:
     finish_reductions(root)
     steps_disagree = attach_reduced_grads(root)
     _reset_after_backward(root)
-    root.exec_order_recorded = True
+    root.ctx.exec_order_recorded = True
     if steps_disagree is not None:  # raised last: the model is consistent and idle
         raise RuntimeError(steps_disagree)
 
@@ -639,19 +597,72 @@ def _take_deferred_arrivals(root: _FSDPState) -> None:
             if group.forward_grad_due:
                 group.forward_grad_due = False
                 if group.padded_unsharded_flat.grad is not None and not group.grad_ready:
-                    _post_backward(root.handle_states[id(handle)], handle, group)
+                    _post_backward(_state_of(handle), handle, group)
 
 
 def _reduce_leftover_unsynced(root: _FSDPState) -> None:
     """A handle that got gradients in unsynced backwards but none in this synced one still
     has them to reduce (in handle order, the same on every rank)."""
     for handle in root._all_handles:
-        state = root.handle_states[id(handle)]
+        state = _state_of(handle)
         if not state.sync_gradients:
             continue
         for group in handle.groups:
             if group.unreduced_grad is not None and not group.grad_ready:
-                issue_reduction(root, state, handle, group, handle.take_unsharded_grad(group))  # type: ignore[arg-type]  # not None
+                handle.reduce(group, handle.take_unsharded_grad(group))  # type: ignore[arg-type]  # not None
+
+
+def finish_reductions(root: _FSDPState) -> None:
+    """End of a synced backward: finish every reduction still in flight, in issue order."""
+    for reduction in root.ctx.pending_reductions:
+        reduction.finish()
+    root.ctx.pending_reductions = []
+
+
+def discard_reductions(root: _FSDPState) -> None:
+    """Recovery from a backward that raised: wait for and drop every reduction in flight."""
+    for reduction in root.ctx.pending_reductions:
+        reduction.discard()
+    root.ctx.pending_reductions = []
+
+
+def attach_reduced_grads(root: _FSDPState) -> Optional[str]:
+    """Give original parameters their ``.grad`` views after the reductions of a synced
+    backward. Whether a parameter got a gradient on *some* rank is agreed on with one small
+    all-reduce per process-group pair (a parameter unused everywhere keeps ``.grad = None``, as
+    in local training; one used on another rank gets the averaged gradient). The same
+    all-reduce agrees on the optimizer steps taken since the last one ([Note: Step agreement] in
+    ``_watch.py``): returns the error to raise if the ranks differ, else ``None``."""
+    batches: Dict[Tuple[int, int], List[Tuple[_FSDPState, FlatParamHandle, FlatGroup]]] = {}
+    for handle in root._all_handles:
+        state = _state_of(handle)
+        for group in handle.groups:
+            if group.reduced:
+                handle.land_offloaded_grad(group)
+                key = (id(state.process_group), id(state.replicate_group))
+                batches.setdefault(key, []).append((state, handle, group))
+    disagreement: Optional[str] = None
+    steps = root.ctx.step_counter.take() if batches and root.ctx.step_counter is not None else []
+    for members in batches.values():
+        first = members[0][0]
+        local = [u for _, _, g in members for u in g.used]
+        used, differs = agree_used_and_steps(local, steps, [first.process_group, first.replicate_group],
+                                             first.compute_device, api="fully_shard", consequence=_SKIPPED,
+                                             tag="used_params")
+        disagreement = disagreement or differs
+        offset = 0
+        for state, handle, group in members:
+            shard_group = state.process_group if state.process_group is not None and state.world_size > 1 else None
+            handle.attach_grads(group, [bool(u) for u in used[offset:offset + len(group.orig_params)]],
+                                shard_group, state.compute_device)
+            offset += len(group.orig_params)
+    return disagreement
+
+
+_SKIPPED = ("Each rank updates its own slice of every parameter, so the slices of the ranks that did not step were "
+            "left behind: the model is now one that no single process would have computed. torch.amp.GradScaler "
+            "skips steps this way (it looks at this rank's gradient slices only); use torch's ShardedGradScaler "
+            "(the sharded_grad_scaler module of its FSDP package), which decides on all ranks' gradients together.")
 
 
 def _reset_after_backward(root: _FSDPState) -> None:
@@ -659,15 +670,15 @@ def _reset_after_backward(root: _FSDPState) -> None:
         h = s.handle
         if h is not None:
             if h.is_unsharded or not h.unsharded_storage_freed():
-                reshard_handle(s, h, free=frees_after_backward(s))
-            h.training_state = HandleTrainingState.IDLE
+                h.reshard(free=frees_after_backward(s))
+            h.enter(HandleTrainingState.IDLE, "end of backward")
             h.states_before_recompute.clear()
             h.needs_pre_backward = True
             for g in h.groups:
                 g.grad_ready = False
                 g.forward_grad_due = False
         s.training_state = TrainingState.IDLE
-    root.final_callback_queued = False
+    root.ctx.final_callback_queued = False
 
 
 def recover_interrupted_backward(root: _FSDPState) -> None:
@@ -675,13 +686,12 @@ def recover_interrupted_backward(root: _FSDPState) -> None:
     every reduction it issued, forget every gradient it produced, reshard everything: after
     ``zero_grad()`` the next step is exactly a clean step."""
     log.debug("recovering from a backward that raised (%s)", root.describe())
-    if root.debug_checks:
+    if root.ctx.debug_checks:
         _divergence.agree_on_failed_backward(root)
     discard_reductions(root)
     for handle in root._all_handles:
         handle.discard_backward()
-        state = root.handle_states[id(handle)]
-        reshard_handle(state, handle, free=True)
+        handle.reshard(free=True)
     _reset_after_backward(root)
 
 
@@ -702,8 +712,6 @@ def register_runtime_hooks(state: _FSDPState, module: nn.Module) -> None:
         for group in handle.groups:
             if group.requires_grad:
                 _register_post_backward(state, handle, group)
-        handle.before_unsharded_grad = functools.partial(_before_unsharded_grad, state, handle)
-        handle.unshard_fn = functools.partial(wait_unshard, state, handle)
         for name, holder in _param_holders(handle):
             if holder is not module:
                 holder.register_forward_pre_hook(functools.partial(_check_called_unsharded, state, name))
@@ -755,14 +763,6 @@ def _check_called_unsharded(state: _FSDPState, name: str, module: nn.Module, arg
         f"full only during the forward and backward of {owner}: call {owner} instead; for the full parameters "
         "outside training, call it under `with unshard_params(model), torch.no_grad():`; or apply fully_shard to "
         f"{full_name!r} so it gathers its own parameters.")
-
-
-def _before_unsharded_grad(state: _FSDPState, handle: FlatParamHandle) -> None:
-    """Every parameter gradient of ``handle`` is computed; its unsharded gradient is about to be
-    allocated: release what earlier reductions hold first (see [Note: Reductions in flight])."""
-    root = state.root
-    if root is not None and root.pending_reductions and state.sync_gradients:
-        release_earlier_reductions(root, handle)
 
 
 def _register_post_backward(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup) -> None:

@@ -5,13 +5,13 @@ A fully sharded module's rank holds, of each original parameter, the flattened e
 ``[start, end)``: a contiguous range that in general starts and ends mid-row. A ``DTensor``
 cannot describe it (``Shard(0)`` fixes the row split to ``torch.chunk`` boundaries), so the
 sharded state dict uses this type instead. It reports the parameter's global shape and dtype,
-owns no full-size storage, and implements DCP's extension hooks:
+owns no full-size storage, and implements DCP's extension hooks (``_torch_compat.DCPTensorHooks``):
 
-* ``__create_write_items__`` / ``__create_chunk_list__``: the boxes (global offsets and sizes)
+* ``dcp_write_items`` / ``dcp_chunk_list``: the boxes (global offsets and sizes)
   this rank holds. A contiguous range of a row-major tensor is a partial row, whole rows and a
   partial row, each partial row recursively the same in the lower dimensions: for a matrix, at
   most three boxes.
-* ``__get_tensor_shard__``: the box's elements, sharing memory with the slice, so ``dcp.save``
+* ``dcp_tensor_shard``: the box's elements, sharing memory with the slice, so ``dcp.save``
   reads and ``dcp.load`` writes the rank's storage directly (for a parameter, the flat shard).
 
 [Note: Boxes DCP handles without copies]
@@ -20,7 +20,7 @@ owns no full-size storage, and implements DCP's extension hooks:
   * ``FileSystemWriter`` copies every tensor whose storage is larger than the tensor (a view
     would otherwise save its whole base) and keeps each written tensor until the rank's file is
     finished. A plain view of the flat shard would be copied: a rank's whole sharded state,
-    alive at once. ``__get_tensor_shard__`` therefore returns the box over a storage of exactly
+    alive at once. ``dcp_tensor_shard`` therefore returns the box over a storage of exactly
     its bytes that shares the slice's memory (``UntypedStorage`` slicing keeps the base alive):
     nothing is copied on the CPU. (On an accelerator DCP copies each item to the host anyway.)
   * A load reads each saved chunk that overlaps a request whole, into fresh host buffers.
@@ -46,7 +46,7 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from ._torch_compat import make_wrapper_tensor
+from ._torch_compat import DCPTensorHooks, make_wrapper_tensor
 
 __all__ = ["ShardedSlice", "boxes_of_range", "split_boxes", "part_numel"]
 
@@ -134,7 +134,7 @@ def boxes_of_range(shape: Sequence[int], start: int, end: int) -> List[Box]:
     return boxes
 
 
-class ShardedSlice(torch.Tensor):
+class ShardedSlice(DCPTensorHooks, torch.Tensor):
     """A tensor of the global ``shape`` of which this rank holds the flattened elements
     ``[start, start + local.numel())`` in ``local`` (1-D). Saved and loaded by DCP without
     communication; other tensor operations raise. ``world_size``: the boxes of a tensor of more
@@ -190,17 +190,20 @@ class ShardedSlice(torch.Tensor):
             "(get_model_state_dict(module, full=True)) for tensor operations.")
 
     # ------------------------------------------------------------------ DCP extension hooks
-    def __create_write_items__(self, fqn: str, obj: Any) -> List[WriteItem]:
+    def dcp_write_items(self, fqn: str) -> List[WriteItem]:
+        """DCP's write items for this rank's boxes of the tensor saved as ``fqn``."""
         properties = TensorProperties(dtype=self.dtype)
         return [WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
                           tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
                                                       properties=properties, size=self.shape))
                 for offsets, sizes, _ in self.boxes]
 
-    def __create_chunk_list__(self) -> List[ChunkStorageMetadata]:
+    def dcp_chunk_list(self) -> List[ChunkStorageMetadata]:
+        """This rank's boxes, as DCP's chunks."""
         return [ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)) for offsets, sizes, _ in self.boxes]
 
-    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+    def dcp_tensor_shard(self, index: MetadataIndex) -> torch.Tensor:
+        """The box at ``index.offset`` over exactly its bytes of this rank's storage (no copy)."""
         for offsets, sizes, flat in self.boxes:
             if index.offset is not None and tuple(index.offset) == offsets:
                 numel = 1

@@ -47,9 +47,10 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -62,7 +63,7 @@ from ._shard_math import param_offsets
 from ._sharded_tensor import ShardedSlice
 from ._traversal_utils import _get_fsdp_handles, _get_fsdp_states
 from ._load_transaction import transactional
-from ._torch_compat import unwrap_compiled
+from ._torch_compat import tensor_slots, unwrap_compiled
 from ._unshard_params import check_between_steps
 from .api import FullStateDictConfig, ShardedStateDictConfig, StateDictType
 
@@ -73,6 +74,7 @@ __all__ = ["state_dict_type", "get_model_state_dict", "set_model_state_dict", "r
 _REGISTRY_KEY = "_composable_shard_state_dict"  # in a registration module's __dict__: {param name: Managed}
 _BUFFER_DTYPES_KEY = "_composable_shard_buffer_dtypes"  # in a module's __dict__: {buffer name: dtype before buffer_dtype}
 _OWNER_KEY = "_composable_shard_state_dict_owner"  # in an owner's __dict__: its _FSDPState
+_HOOKED_KEY = "_composable_shard_sd_hooks"  # in a module's __dict__: True once it carries the hooks below
 
 
 class Managed(NamedTuple):
@@ -107,11 +109,66 @@ class _Session:
     values: Dict[Tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (id(group), param index) -> output
 
 
-_SESSIONS: Dict[int, _Session] = {}  # id(handle) -> open session
+@dataclass(eq=False)  # compared by identity (on the stack of calls)
+class _Call:
+    """One ``state_dict()`` call in progress on this thread (see [Note: One call's state])."""
+
+    module: Callable[[], Optional[nn.Module]]  # weak reference to the module it was called on
+    depth: int = 0  # modules of the call whose state_dict() our hooks saw start and not yet end
+    keep_vars: bool = False  # the call's keep_vars
+    sessions: Dict[int, _Session] = field(default_factory=dict)  # id(handle) -> open session
+    scratch: Dict[Tuple[torch.device, torch.dtype], torch.Tensor] = field(default_factory=dict)  # see _scratch
+    owned: Dict[Tuple[Any, ...], torch.Tensor] = field(default_factory=dict)  # a live tensor's (storage, layout) -> its copy
+
+
+# [Note: One call's state]  Sessions, the rank0_only scratch buffer and the ownership copies
+# belong to one state_dict() call, kept on a per-thread stack of calls: a call made inside
+# another (a module's get_extra_state taking another model's state dict) pushes its own and pops
+# it when its last hooked module is done, so the outer call's gathered groups and tied copies
+# survive it, and two threads never share one. torch gives pre-hooks no handle on the call, so a
+# call starts at an outermost module (prefix "") or at the first hooked module when none is in
+# progress; each module is counted once (by its state-dict hooks, or by the ownership hooks
+# where it has none). A call that raised is never popped: the next call on its module drops it.
+_LOCAL = threading.local()  # .calls: this thread's calls in progress, innermost last
 # module -> (type, config) of each open state_dict_type over it, innermost last. Not in the
 # module's __dict__: a copy of the module (deepcopy inside a context) must not inherit it.
 _CONTEXTS: "weakref.WeakKeyDictionary[nn.Module, List[Tuple[StateDictType, Any]]]" = weakref.WeakKeyDictionary()
-_DEPTH = 0  # nesting of hooked modules' state_dict() calls; reset by an outermost call (prefix "")
+
+
+def _calls() -> List[_Call]:
+    calls: Optional[List[_Call]] = getattr(_LOCAL, "calls", None)
+    if calls is None:
+        calls = _LOCAL.calls = []
+    return calls
+
+
+def _enter(module: nn.Module, prefix: str, keep_vars: bool) -> _Call:
+    """The call ``module``'s ``state_dict()`` belongs to, counting it in (a new one if outermost)."""
+    calls = _calls()
+    if not prefix or not calls:
+        calls[:] = [c for c in calls if c.module() is not None and c.module() is not module]  # left by a raise
+        calls.append(_Call(weakref.ref(module)))
+    call = calls[-1]
+    call.depth += 1
+    call.keep_vars = keep_vars
+    return call
+
+
+def _current() -> _Call:
+    calls = _calls()
+    return calls[-1] if calls else _Call(lambda: None)  # (hooks installed in the middle of a call)
+
+
+def _leave(call: _Call) -> None:
+    """A module of ``call`` is done; the call too once its outermost one is."""
+    call.depth -= 1
+    calls = _calls()
+    if call.depth <= 0 and call in calls:
+        calls.remove(call)
+
+
+def _has_sd_hooks(module: nn.Module) -> bool:
+    return bool(module.__dict__.get(_HOOKED_KEY))
 
 
 def global_rank() -> int:
@@ -141,9 +198,9 @@ def _registry(module: nn.Module) -> Dict[str, Managed]:
 
 
 def _install_hooks(module: nn.Module) -> None:
-    if module.__dict__.get("_composable_shard_sd_hooks"):
+    if _has_sd_hooks(module):
         return
-    module.__dict__["_composable_shard_sd_hooks"] = True
+    module.__dict__[_HOOKED_KEY] = True
     module.register_state_dict_pre_hook(_pre_state_dict)
     module.register_state_dict_post_hook(_post_state_dict)
     module.register_load_state_dict_pre_hook(_pre_load_state_dict)
@@ -236,23 +293,17 @@ def _config(state: _FSDPState) -> Tuple[StateDictType, Any]:
 
 # ---------------------------------------------------------------------------- saving
 def _pre_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-    global _DEPTH
-    if not prefix:  # an outermost call: forget what a call that raised may have left
-        _DEPTH = 0
-        _SESSIONS.clear()
-        _SCRATCH.clear()
-    _DEPTH += 1
+    call = _enter(module, prefix, keep_vars)
     state = module.__dict__.get(_OWNER_KEY)
     if state is None or state.handle is None:
         return
     check_between_steps([state], "state_dict()")
     if _config(state)[0] is StateDictType.FULL_STATE_DICT:
-        _SESSIONS[id(state.handle)] = _Session()
+        call.sessions[id(state.handle)] = _Session()
 
 
 def _post_state_dict(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any) -> None:
-    global _DEPTH
-    _DEPTH = max(_DEPTH - 1, 0)
+    call = _current()
     try:
         for name, dtype in module.__dict__.get(_BUFFER_DTYPES_KEY, {}).items():
             value = state_dict.get(prefix + name)
@@ -264,17 +315,16 @@ def _post_state_dict(module: nn.Module, state_dict: Dict[str, Any], prefix: str,
             once = _Session()  # for handles whose owner's state_dict() is not running
             for name, m in registry.items():
                 if prefix + name in state_dict:
-                    _save_entry(state_dict, prefix + name, m, _SESSIONS.get(id(m.state.handle), once))
+                    _save_entry(state_dict, prefix + name, m, call.sessions.get(id(m.state.handle), once), call)
     finally:
         state = module.__dict__.get(_OWNER_KEY)
         if state is not None and state.handle is not None:
-            _SESSIONS.pop(id(state.handle), None)
-        if _DEPTH == 0:  # the outermost hooked module's state_dict() is done
-            _SCRATCH.clear()
-            _SESSIONS.clear()
+            call.sessions.pop(id(state.handle), None)
+        if module not in _CONTEXTS:  # else its ownership post-hook, which runs next, counts it out
+            _leave(call)
 
 
-def _save_entry(state_dict: Dict[str, Any], key: str, m: Managed, session: _Session) -> None:
+def _save_entry(state_dict: Dict[str, Any], key: str, m: Managed, session: _Session, call: _Call) -> None:
     kind, config = _config(m.state)
     if kind is StateDictType.SHARDED_STATE_DICT:
         local = m.local.detach()
@@ -285,7 +335,7 @@ def _save_entry(state_dict: Dict[str, Any], key: str, m: Managed, session: _Sess
     if config.rank0_only and global_rank() != 0:
         if id(m.group) not in session.gathered:  # take part in the all-gather, keep nothing
             _gather_flat(m.state, m.group.flat_param.data, m.group.padded_numel, tag=f"state_dict:{m.state.describe()}",
-                         out=_scratch(m.group.flat_param.data, m.group.padded_numel, m.state.compute_device))
+                         out=_scratch(call, m.group.flat_param.data, m.group.padded_numel, m.state.compute_device))
             session.gathered[id(m.group)] = None
         del state_dict[key]
         return
@@ -315,37 +365,28 @@ def _full_value(m: Managed, session: _Session) -> torch.Tensor:
     return value
 
 
-_SCRATCH: Dict[Tuple[torch.device, torch.dtype], torch.Tensor] = {}  # rank0_only's discarded gathers
-
-
-def _scratch(like: torch.Tensor, numel: int, device: torch.device) -> torch.Tensor:
+def _scratch(call: _Call, like: torch.Tensor, numel: int, device: torch.device) -> torch.Tensor:
     """A reused buffer for all-gathers whose result is dropped (``rank0_only`` on other
     ranks): one allocation however many handles, even while gloo's worker thread still holds
-    the previous all-gather's output. Freed when no state dict is being taken."""
+    the previous all-gather's output. Freed with the call."""
     key = (device, like.dtype)
-    buffer = _SCRATCH.get(key)
+    buffer = call.scratch.get(key)
     if buffer is None or buffer.numel() < numel:
-        _SCRATCH.pop(key, None)
-        buffer = _SCRATCH[key] = torch.empty(numel, dtype=like.dtype, device=device)
+        call.scratch.pop(key, None)
+        buffer = call.scratch[key] = torch.empty(numel, dtype=like.dtype, device=device)
     return buffer[:numel]
 
 
 # ---------------------------------------------------------------------------- ownership
-_OWNED: Dict[Tuple[Any, ...], torch.Tensor] = {}  # a live tensor's (storage, layout) -> its copy, for one call
-_OWNED_CALL = {"depth": 0, "keep_vars": False}  # nesting of hooked state_dict() calls; the outermost's keep_vars
-
-
 def _pre_owned_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-    if not prefix:  # an outermost call: forget what a call that raised may have left
-        _OWNED.clear()
-        _OWNED_CALL.update(depth=0, keep_vars=keep_vars)
-    _OWNED_CALL["depth"] += 1
+    if not _has_sd_hooks(module):  # else _pre_state_dict, which ran first, counted it in
+        _enter(module, prefix, keep_vars)
 
 
 def _post_owned_state_dict(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any) -> None:
     """See [Note: State dicts own their tensors]: this module's own entries, copied where they
     alias live state, or dropped on ranks other than 0 under ``rank0_only``."""
-    _OWNED_CALL["depth"] = max(_OWNED_CALL["depth"] - 1, 0)
+    call = _current()
     try:
         stack = _CONTEXTS.get(module)
         if not stack or stack[-1][0] is not StateDictType.FULL_STATE_DICT:
@@ -356,23 +397,19 @@ def _post_owned_state_dict(module: nn.Module, state_dict: Dict[str, Any], prefix
                 continue
             if config.rank0_only and global_rank() != 0:
                 del state_dict[key]
-            elif not _OWNED_CALL["keep_vars"]:
-                state_dict[key] = owned(state_dict[key], {t.untyped_storage().data_ptr() for t in live}, _OWNED)
+            elif not call.keep_vars:
+                state_dict[key] = owned(state_dict[key], {t.untyped_storage().data_ptr() for t in live}, call.owned)
     finally:
-        if _OWNED_CALL["depth"] == 0:
-            _OWNED.clear()
+        _leave(call)
 
 
 def _own_entries(module: nn.Module, prefix: str) -> Iterator[Tuple[str, List[torch.Tensor]]]:
     """``module``'s own state-dict keys, each with the live tensors its value may alias."""
-    registry = managed_params(module)
-    for name, p in module._parameters.items():
-        if p is not None:
+    registry = managed_params(module)  # parameter names only
+    for _, name, t, saved in tensor_slots(module):
+        if saved and t is not None:
             m = registry.get(name)
-            yield prefix + name, [p] if m is None else [p, m.group.flat_param]
-    for name, b in module._buffers.items():
-        if b is not None and name not in module._non_persistent_buffers_set:
-            yield prefix + name, [b]
+            yield prefix + name, [t] if m is None else [t, m.group.flat_param]
     if type(module).get_extra_state is not nn.Module.get_extra_state:
         yield prefix + "_extra_state", [*module.parameters(recurse=False), *module.buffers(recurse=False)]
 
@@ -489,12 +526,10 @@ def _expected_entries(module: nn.Module) -> Dict[str, _Expected]:
         prefix = path + "." if path else ""
         registry = managed_params(m)
         cast = m.__dict__.get(_BUFFER_DTYPES_KEY, {})  # state dicts hold these in their original dtype
-        for name, p in m._parameters.items():
-            if p is not None:
-                entries[prefix + name] = _Expected(registry[name].shape if name in registry else p.shape, p.dtype)
-        for name, b in m._buffers.items():
-            if b is not None and name not in m._non_persistent_buffers_set:
-                entries[prefix + name] = _Expected(b.shape, cast.get(name, b.dtype))
+        for _, name, t, saved in tensor_slots(m):  # registry: parameter names; cast: buffer names
+            if saved and t is not None:
+                entries[prefix + name] = _Expected(registry[name].shape if name in registry else t.shape,
+                                                   cast.get(name, t.dtype))
         if type(m).get_extra_state is not nn.Module.get_extra_state:
             entries[prefix + "_extra_state"] = _Expected(None, None)
     return entries

@@ -47,30 +47,53 @@ versions checked (2.6, 2.11, 2.13, unless an entry says otherwise).
   device's gradients with ``torch._foreach_norm`` when asked for ``foreach`` (and per tensor with
   ``torch.linalg.vector_norm`` otherwise); ``_interop.ShardedGrad`` must recognise that call to
   combine the norms over ranks. It has no public name (unchanged in 2.6 through 2.13).
-* ``object_collectives_without_numpy``: ``torch.distributed.checkpoint`` exchanges its plans and
-  metadata with ``gather_object``/``broadcast_object_list``/``all_gather_object``, which decode
-  what arrives with ``distributed_c10d._tensor_to_object`` through ``Tensor.numpy()``. The
-  library needs torch alone (API.md), and without numpy every ``save_checkpoint`` and
-  ``load_checkpoint`` failed (one rank crashed, the other waited). While DCP runs and numpy
-  cannot be imported, that private function is replaced by one that reads the bytes with
-  ``Tensor.tolist()``. Its signature ``(tensor, tensor_size, group)`` and the module-level
-  ``_unpickler`` it uses are unchanged in 2.6 through 2.13; the object collectives look it up in
-  the module's globals at each call, so the swap takes effect. With numpy present nothing is
-  replaced.
+* ``BATCH_NORM``: ``MixedPrecision``'s default keeps batch norms in full precision, as torch's
+  own ``MixedPrecision`` does. Their common base (``BatchNorm1d/2d/3d``, the lazy ones,
+  ``SyncBatchNorm``) is ``torch.nn.modules.batchnorm._BatchNorm``; no public class covers
+  exactly those (``nn.modules.batchnorm._NormBase`` takes the instance norms too). Read in 2.13.
+* ``tensor_slots``: the state-dict checks and the all-or-nothing load walk a module's own
+  parameter and buffer slots as ``Module.state_dict`` does (``Module._save_to_state_dict`` reads
+  ``_parameters``, ``_buffers`` and ``_non_persistent_buffers_set``), empty slots included, and
+  a failed load puts objects back into the slots themselves. ``named_parameters``/``named_buffers``
+  skip empty slots, do not say which buffers a state dict leaves out, and may be overridden by a
+  model. Names and meaning read in the 2.13 sources.
+* ``is_view_of``: a new reduced gradient is added in place into the sharded gradient only if
+  every original parameter's ``.grad`` is still the view of it the library gave out (else each
+  ``.grad`` is added separately). ``Tensor._base`` (the tensor a view was taken of, None for a
+  non-view) has no public accessor; read in 2.13.
+* ``DCPTensorHooks``: ``torch.distributed.checkpoint`` saves and loads a tensor subclass that
+  defines ``__create_write_items__``, ``__create_chunk_list__`` and ``__get_tensor_shard__``
+  (the protocol ``DTensor`` implements; ``torch.distributed._checkpointable``). DCP finds them
+  with ``hasattr`` (``planner_helpers._create_write_items``/``_create_chunk_list``,
+  ``utils._get_tensor_shard``); the protocol is not documented as public. Read in 2.13.
+* ``DCP_METADATA_GLOBALS``: the globals DCP pickles into a checkpoint's ``.metadata`` (what the
+  allow-list unpickler of ``_checkpoint_io`` may resolve), private ones among them
+  (``_MEM_FORMAT_ENCODING``, ``filesystem._StorageInfo``, ``torch.serialization._get_layout``).
+  Listed from the 2.13 sources and checked by saving and loading there; a torch that pickles
+  another one makes ``load_checkpoint`` refuse it, naming the global.
+* ``GuardedApplyHook``: ``nn.Module._apply(fn, recurse=True)`` is the one method behind
+  ``.to()``, ``.half()``, ``.cuda()``, ``.float()``, ``.to_empty()``, ...; overriding it is the
+  only way to see every cast and move of a sharded or replicated module (``_apply_guard``).
+  Signature read in 2.13.
+* ``ALL_GATHER_SINGLE``, ``REDUCE_SCATTER_SINGLE``: not private, but the one version switch:
+  torch 2.13 names the single-tensor collectives ``all_gather_single``/``reduce_scatter_single``
+  and deprecates ``all_gather_into_tensor``/``reduce_scatter_tensor`` (a ``FutureWarning``);
+  older versions have only the old names.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
 import sys
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
-import torch.distributed.distributed_c10d as _c10d
+import torch.distributed as dist
+import torch.nn as nn
 
 __all__ = ["queue_backward_callback", "set_module_tensor", "is_in_backward", "tensor_version", "make_wrapper_tensor",
-           "is_compiled_module", "object_collectives_without_numpy", "plain_torch_function", "as_plain", "FOREACH_NORM"]
+           "is_compiled_module", "plain_torch_function", "as_plain", "FOREACH_NORM", "BATCH_NORM", "tensor_slots",
+           "is_view_of", "DCPTensorHooks", "DCP_METADATA_GLOBALS", "GuardedApplyHook", "ALL_GATHER_SINGLE",
+           "REDUCE_SCATTER_SINGLE"]
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:
@@ -128,33 +151,6 @@ def unwrap_compiled(module: "torch.nn.Module") -> "torch.nn.Module":
     return module
 
 
-def _numpy_importable() -> bool:
-    try:
-        import numpy  # noqa: F401  # only asks whether it can be imported
-    except ImportError:
-        return False
-    return True
-
-
-def _tensor_to_object_from_bytes(tensor: "torch.Tensor", tensor_size: Any, group: Any) -> Any:
-    data = bytes(tensor.cpu()[: int(tensor_size)].tolist())
-    return _c10d._unpickler(io.BytesIO(data)).load()  # type: ignore[attr-defined]  # private, see module docstring
-
-
-@contextlib.contextmanager
-def object_collectives_without_numpy() -> Iterator[None]:
-    """While active, torch's object collectives decode without numpy if numpy is missing."""
-    if _numpy_importable():
-        yield
-        return
-    original = _c10d._tensor_to_object  # type: ignore[attr-defined]  # private, see module docstring
-    _c10d._tensor_to_object = _tensor_to_object_from_bytes  # type: ignore[attr-defined]  # same signature
-    try:
-        yield
-    finally:
-        _c10d._tensor_to_object = original  # type: ignore[attr-defined]  # restored
-
-
 FOREACH_NORM = torch._foreach_norm  # private, see module docstring
 
 
@@ -170,3 +166,66 @@ def as_plain(tensor: "torch.Tensor") -> "torch.Tensor":
     """``tensor`` (maybe of a subclass) as a plain tensor sharing its storage, without running
     the subclass's ``__torch_function__``."""
     return plain_torch_function(torch.Tensor.as_subclass, (tensor, torch.Tensor), {})  # type: ignore[no-any-return]
+
+
+BATCH_NORM = nn.modules.batchnorm._BatchNorm  # private, see module docstring
+
+
+def tensor_slots(module: nn.Module) -> Iterator[Tuple[Dict[str, Any], str, Optional[torch.Tensor], bool]]:
+    """``(slots, name, value, saved)`` for each parameter slot, then each buffer slot, of
+    ``module`` itself, empty ones included: ``slots`` is the dict holding it (writing
+    ``slots[name]`` puts an object back), ``saved`` whether ``module.state_dict()`` holds it."""
+    for name, param in module._parameters.items():  # private, see module docstring
+        yield module._parameters, name, param, param is not None
+    for name, buf in module._buffers.items():
+        yield module._buffers, name, buf, buf is not None and name not in module._non_persistent_buffers_set
+
+
+def is_view_of(tensor: torch.Tensor, base: torch.Tensor) -> bool:
+    """True if ``tensor`` is a view taken of ``base``."""
+    return tensor._base is base  # private, see module docstring
+
+
+class DCPTensorHooks:
+    """Mixin of a tensor subclass that ``torch.distributed.checkpoint`` saves and loads: DCP's
+    hooks, handed to the class's ``dcp_write_items(fqn)``, ``dcp_chunk_list()`` and
+    ``dcp_tensor_shard(index)``."""
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> Any:
+        return self.dcp_write_items(fqn)  # type: ignore[attr-defined]  # defined by the subclass
+
+    def __create_chunk_list__(self) -> Any:
+        return self.dcp_chunk_list()  # type: ignore[attr-defined]  # defined by the subclass
+
+    def __get_tensor_shard__(self, index: Any) -> Any:
+        return self.dcp_tensor_shard(index)  # type: ignore[attr-defined]  # defined by the subclass
+
+
+_DCP_METADATA_CLASSES = {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                         "TensorProperties", "StorageMeta", "MetadataIndex", "_MEM_FORMAT_ENCODING"}
+DCP_METADATA_GLOBALS: Dict[str, set] = {  # module -> names; see module docstring
+    "torch.distributed.checkpoint.metadata": _DCP_METADATA_CLASSES,
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch": {"Size", "device"} | {n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)},
+    "torch.serialization": {"_get_layout"},  # a layout by its name ("torch.strided")
+    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class GuardedApplyHook:
+    """Mixin of a module class: every ``nn.Module._apply`` call (``.to()``, ``.half()``, ...)
+    runs as ``self._cs_guarded_apply(apply)``, ``apply()`` being the call itself."""
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        parent_apply = super()._apply  # type: ignore[misc]  # nn.Module's, next in the module class's MRO
+        return self._cs_guarded_apply(lambda: parent_apply(fn, recurse))
+
+    def _cs_guarded_apply(self, apply: Callable[[], Any]) -> Any:
+        """Run ``apply()`` (``nn.Module._apply`` on this module) and return its result."""
+        return apply()
+
+
+# See module docstring: torch 2.13's names, else the older ones.
+ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

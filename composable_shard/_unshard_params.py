@@ -77,7 +77,7 @@ def unshard_params(module: nn.Module, *, recurse: bool = True, writeback: bool =
     for s in states:
         s.training_state = TrainingState.SUMMON_FULL_PARAMS
         if s.handle is not None:
-            s.handle.training_state = HandleTrainingState.SUMMON_FULL_PARAMS
+            s.handle.enter(HandleTrainingState.SUMMON_FULL_PARAMS, "unshard_params")
             summoned.extend(_gather(s, s.handle, g, writeback, with_grads) for g in s.handle.groups)
     try:
         for item in summoned:
@@ -89,7 +89,7 @@ def unshard_params(module: nn.Module, *, recurse: bool = True, writeback: bool =
         for s in states:
             s.training_state = TrainingState.IDLE
             if s.handle is not None:
-                s.handle.training_state = HandleTrainingState.IDLE
+                s.handle.enter(HandleTrainingState.IDLE, "unshard_params exit")
 
 
 def _check_no_unsynced_views(states: List[_FSDPState]) -> None:
@@ -116,10 +116,10 @@ def check_between_steps(states: List[_FSDPState], what: str = "unshard_params/su
     between steps is accepted."""
     roots = {id(s.root): s.root for s in states if s.root is not None}
     for root in roots.values():
-        if root.forward_in_progress or (root.final_callback_queued and is_in_backward()):
+        if root.ctx.forward_in_progress or (root.ctx.final_callback_queued and is_in_backward()):
             raise RuntimeError(f"{root.describe()}: {what} cannot be used during forward "
                                "or backward; call it between steps.")
-        if root.final_callback_queued:
+        if root.ctx.final_callback_queued:
             recover_interrupted_backward(root)
     for s in states:
         handle_state = s.handle.training_state if s.handle is not None else HandleTrainingState.IDLE

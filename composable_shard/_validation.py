@@ -173,6 +173,16 @@ def check_config(api: str, config: Dict[str, Any]) -> None:
                         f"{type(prefetch).__name__} ({prefetch!r})")
     for name in ("forward_prefetch", "limit_all_gathers"):
         check_bool(api, name, config[name])
+    # [Note: limit_all_gathers]  torch's FSDP1 rate-limits all-gathers because it frees unsharded
+    # buffers with record_stream, so a CPU thread running ahead of the GPU could hold many. Here a
+    # buffer is allocated and freed on the compute stream and prefetch runs one handle ahead, so
+    # at most two handles' all-gathers are ever in flight without any limiter (the runtime tests
+    # count them). There is no unbounded mode to switch to: False is refused, not ignored.
+    if config["limit_all_gathers"] is False:
+        raise ValueError(
+            f"{api}: limit_all_gathers=False (unbounded all-gathers) is not supported: composable_shard always keeps "
+            "at most two handles' all-gathers in flight (the current one and one prefetched), by stream order and "
+            "without blocking the CPU, so that bound costs nothing to keep. Drop the argument (True is the default).")
 
 
 def check_fully_shard_arguments(module: Any, kwargs: Dict[str, Any]) -> Dict[str, Any]:

@@ -23,9 +23,10 @@
 * **Optimizer steps.** Unsharded buffers kept across steps (``SHARD_GRAD_OP`` after a forward
   without backward, ``set_reshard_after_backward(False)``, a manual ``unshard()``) must not
   outlive an update of the shards they were gathered from. In-place edits bump the parameters'
-  version counters, but fused optimizers do not, so every optimizer step also bumps a global
-  epoch through torch's global optimizer step hook; a kept buffer gathered before the last
-  epoch is gathered again (:func:`optimizer_epoch`). In-place writes through ``param.data``
+  version counters, but fused optimizers do not, so each handle also counts, through torch's
+  global optimizer step hook, the steps of the optimizers that hold one of its parameters
+  (:class:`OptimizerSteps`); a kept buffer gathered before the handle's last counted step is
+  gathered again. Another model's optimizer is not counted. In-place writes through ``param.data``
   (``p.data.copy_(...)``) are seen by neither; use ``unshard_params(writeback=True)`` or in-place
   ops on the parameter instead. (Assigning ``param.data = ...`` is caught at the next forward.)
 * **Optimizer steps on some ranks only.** See [Note: Step agreement].
@@ -45,6 +46,19 @@ collective (:class:`StepCounter`). ``d`` is capped at 255 so the sums stay exact
 Optimizers that hold none of the module's parameters are not counted: a rank may train a model
 of its own.
 
+[Note: Hooks for as long as a model needs them]  torch's global hooks are installed when the
+first state is tracked or the first :class:`OptimizerSteps` is made, and removed
+(``RemovableHandle.remove``) when the last of them is garbage collected (``weakref.finalize``),
+so a process whose sharded models are gone runs none of our code at each registration or step.
+No counter is process-wide: a structure change is recorded on the owning state and flags its
+root (``root.ctx.changes_to_check``: the per-step check is one attribute read), and step epochs
+belong to each handle (:class:`OptimizerSteps`). torch calls the global hooks while iterating
+over its dict of them, and a finalizer can run inside one of our hooks (any allocation may
+collect the last model), so while one of our hooks runs (in any thread) the removal is skipped:
+the hooks stay, find nothing tracked and return at once, and the next model keeps using them.
+(A model freed on one thread while another thread is between two of torch's global hooks can
+still change that dict under it; nothing outside torch can tell.)
+
 [Note: Tracked modules]  Every module of a fully sharded module's subtree that is not ignored,
 not managed by ``replicate`` and not inside a nested fully sharded module is tracked with the
 parameters its slots held when the handle was built. A module registered later under a tracked
@@ -53,9 +67,10 @@ module is tracked too (if it brings no parameters), so parameters added to it la
 
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Sequence, Set, Tuple
 
 import torch.nn as nn
 from torch.nn.modules.module import (register_module_module_registration_hook,
@@ -64,49 +79,79 @@ from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook
 
 from .contract import _get_registry
 
-if TYPE_CHECKING:
-    from ._common_utils import _FSDPState
+__all__ = ["track", "raise_on_model_change", "OptimizerSteps", "StepCounter", "STEP_AGREEMENT_INTS"]
 
-__all__ = ["track", "raise_on_model_change", "optimizer_epoch", "changes_epoch", "StepCounter",
-           "STEP_AGREEMENT_INTS"]
+
+class _Owner(Protocol):
+    """What this file reads and sets on a fully sharded module's ``_FSDPState`` (not imported:
+    ``_common_utils`` imports ``_flat_param``, which imports this file)."""
+
+    fqn: str
+    model_change: Optional[str]
+
+    @property
+    def ctx(self) -> Any: ...  # root only: RootContext, whose changes_to_check this file sets
+
+    @property
+    def root(self) -> Optional["_Owner"]: ...
+
+    def describe(self) -> str: ...
 
 
 @dataclass
 class _Tracked:
-    state_ref: Callable[[], Optional["_FSDPState"]]  # weak reference to the owning state
+    state_ref: Callable[[], Optional[_Owner]]  # weak reference to the owning state
     name: str  # the module's FQN relative to the owning fully sharded module ("" for itself)
     slots: Dict[str, Any] = field(default_factory=dict)  # parameter name -> the object the handle owns
 
 
 _tracked: "weakref.WeakKeyDictionary[nn.Module, _Tracked]" = weakref.WeakKeyDictionary()
-_counters = {"optimizer_epoch": 0, "changes_epoch": 0}
-_installed: List[Any] = []  # the global hook handles, installed once
-_step_counters: "weakref.WeakSet[StepCounter]" = weakref.WeakSet()  # alive with their module's state
+_installed: List[Any] = []  # torch's global hook handles, while some state or OptimizerSteps lives
+_users: "weakref.WeakSet[Any]" = weakref.WeakSet()  # those states and OptimizerSteps
+_live_users = [0]  # how many of them are alive (counted by their finalizers, whatever order weakref callbacks run in)
+_step_watches: "weakref.WeakSet[OptimizerSteps]" = weakref.WeakSet()  # alive with their handle or state
+_in_hook = [0]  # our hooks running now, in any thread (see [Note: Hooks for as long as a model needs them])
+_lock = threading.RLock()  # guards the counts and _installed (a finalizer may run while this thread holds it)
 
 
-def _install() -> None:
-    if not _installed:
-        _installed.append(register_module_parameter_registration_hook(_on_parameter))
-        _installed.append(register_module_module_registration_hook(_on_module))
-        _installed.append(register_optimizer_step_post_hook(_on_optimizer_step))
+def _hook_started() -> None:
+    with _lock:
+        _in_hook[0] += 1
 
 
-def optimizer_epoch() -> int:
-    """How many optimizer steps (of any optimizer) this process has taken."""
-    return _counters["optimizer_epoch"]
+def _hook_done() -> None:
+    with _lock:
+        _in_hook[0] -= 1
 
 
-def changes_epoch() -> int:
-    """How many structure changes of tracked modules this process has seen (a root compares it
-    with the value it last checked, so the per-step check is one integer comparison)."""
-    return _counters["changes_epoch"]
+def _use_hooks(user: Any) -> None:
+    """Install torch's global hooks (if none are) for as long as ``user`` lives."""
+    if user in _users:
+        return
+    with _lock:
+        _live_users[0] += 1  # first: a finalizer run by an allocation below never sees none left
+        if not _installed:
+            _installed.extend([register_module_parameter_registration_hook(_on_parameter),
+                               register_module_module_registration_hook(_on_module),
+                               register_optimizer_step_post_hook(_on_optimizer_step)])
+    _users.add(user)
+    weakref.finalize(user, _release_hooks).atexit = False  # at exit nothing is left to spare
 
 
-def track(state: "_FSDPState", modules: Iterable[tuple], params_by_slot: Dict[int, Dict[str, Any]]) -> None:
+def _release_hooks() -> None:
+    """A user died: remove the hooks if it was the last (not from inside one of them)."""
+    with _lock:
+        _live_users[0] -= 1
+        if not _live_users[0] and not _in_hook[0]:
+            while _installed:
+                _installed.pop().remove()
+
+
+def track(state: _Owner, modules: Iterable[tuple], params_by_slot: Dict[int, Dict[str, Any]]) -> None:
     """Track ``modules`` (``(name, module)`` pairs relative to ``state.module``) as owned by
     ``state``; ``params_by_slot[id(module)]`` holds the parameters its slots own. Modules
     already tracked (by a nested fully sharded module, annotated first) are left alone."""
-    _install()
+    _use_hooks(state)
     ref = weakref.ref(state)
     for name, module in modules:
         if module not in _tracked:
@@ -119,7 +164,8 @@ def _record(tracked: _Tracked, what: str) -> None:
         return
     if state.model_change is None:
         state.model_change = what
-    _counters["changes_epoch"] += 1
+    if state.root is not None:  # before lazy init, the first forward checks anyway
+        state.root.ctx.changes_to_check = True
 
 
 def _fqn(tracked: _Tracked, name: str) -> str:
@@ -129,25 +175,33 @@ def _fqn(tracked: _Tracked, name: str) -> str:
 
 
 def _on_parameter(module: nn.Module, name: str, param: Any) -> None:
-    tracked = _tracked.get(module)
-    if tracked is None or tracked.slots.get(name) is param:
-        return
-    action = "removed" if param is None else ("replaced" if name in tracked.slots else "registered")
-    _record(tracked, f"parameter {_fqn(tracked, name)!r} was {action} after fully_shard")
+    _hook_started()  # from here on a finalizer leaves the hooks in place
+    try:
+        tracked = _tracked.get(module)
+        if tracked is None or tracked.slots.get(name) is param:
+            return
+        action = "removed" if param is None else ("replaced" if name in tracked.slots else "registered")
+        _record(tracked, f"parameter {_fqn(tracked, name)!r} was {action} after fully_shard")
+    finally:
+        _hook_done()
 
 
 def _on_module(module: nn.Module, name: str, submodule: Any) -> None:
-    tracked = _tracked.get(module)
-    if tracked is None or not isinstance(submodule, nn.Module):
-        return
-    new_params = _untracked_params(submodule)
-    if new_params:
-        _record(tracked, f"submodule {_fqn(tracked, name)!r} with parameters {new_params} was added after "
-                         "fully_shard")
-        return
-    for sub_name, sub in submodule.named_modules():
-        if sub not in _tracked:
-            _tracked[sub] = _Tracked(tracked.state_ref, ".".join(p for p in (tracked.name, name, sub_name) if p))
+    _hook_started()
+    try:
+        tracked = _tracked.get(module)
+        if tracked is None or not isinstance(submodule, nn.Module):
+            return
+        new_params = _untracked_params(submodule)
+        if new_params:
+            _record(tracked, f"submodule {_fqn(tracked, name)!r} with parameters {new_params} was added after "
+                             "fully_shard")
+            return
+        for sub_name, sub in submodule.named_modules():
+            if sub not in _tracked:
+                _tracked[sub] = _Tracked(tracked.state_ref, ".".join(p for p in (tracked.name, name, sub_name) if p))
+    finally:
+        _hook_done()
 
 
 def _untracked_params(submodule: nn.Module) -> List[str]:
@@ -169,27 +223,37 @@ def _untracked_params(submodule: nn.Module) -> List[str]:
 
 
 def _on_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    _counters["optimizer_epoch"] += 1
-    for counter in list(_step_counters):
-        counter.count(optimizer)
+    _hook_started()
+    try:
+        for watch in list(_step_watches):
+            watch.count(optimizer)
+    finally:
+        _hook_done()
 
 
 _MAX_STEPS_AGREED = 255  # d * d summed over ranks stays exact in int32 up to 33,000 ranks
 STEP_AGREEMENT_INTS = 2  # what StepCounter.take() adds to a used-flags all-reduce: d and d * d
 
 
-class StepCounter:
-    """The optimizer steps taken on one module's parameters, agreed across ranks once per synced
-    backward ([Note: Step agreement]). An optimizer counts if one of its parameter groups holds
-    one of ``params``; which optimizers do is cached per optimizer until its groups change size."""
+class OptimizerSteps:
+    """The steps of the optimizers that hold one of ``params``, as a monotonic ``epoch`` (a
+    handle's kept unsharded buffers are gathered again after one). An optimizer counts if one
+    of its parameter groups holds one of ``params``; which optimizers do is cached per
+    optimizer until its groups change size.
+
+    Example::
+
+        steps = OptimizerSteps(model.parameters())
+        optim.step()
+        assert steps.epoch == 1
+    """
 
     def __init__(self, params: Iterable[Any]) -> None:
-        _install()
         self.param_ids: Set[int] = {id(p) for p in params}
         self.holds: "weakref.WeakKeyDictionary[Optimizer, Tuple[Tuple[int, int], bool]]" = weakref.WeakKeyDictionary()
-        self.pending: int = 0  # steps since the last take(); counted as they happen, so an
-        # optimizer freed at different times on different ranks changes nothing
-        _step_counters.add(self)
+        self.epoch: int = 0  # steps counted so far
+        _use_hooks(self)
+        _step_watches.add(self)
 
     def count(self, optimizer: Optimizer) -> None:
         """Called for every optimizer step in the process: count it if it holds our parameters."""
@@ -200,7 +264,24 @@ class StepCounter:
             cached = (size, any(id(p) in self.param_ids for g in groups for p in g["params"]))
             self.holds[optimizer] = cached
         if cached[1]:
-            self.pending += 1
+            self.epoch += 1
+            self.stepped()
+
+    def stepped(self) -> None:
+        """Called once per counted step (after ``epoch`` was bumped)."""
+
+
+class StepCounter(OptimizerSteps):
+    """The optimizer steps taken on one module's parameters, agreed across ranks once per synced
+    backward ([Note: Step agreement])."""
+
+    def __init__(self, params: Iterable[Any]) -> None:
+        self.pending: int = 0  # steps since the last take(); counted as they happen, so an
+        # optimizer freed at different times on different ranks changes nothing
+        super().__init__(params)
+
+    def stepped(self) -> None:
+        self.pending += 1
 
     def take(self) -> List[int]:
         """``[d, d * d]`` for the used-parameter all-reduce: ``d`` steps since the last call."""
@@ -222,7 +303,7 @@ class StepCounter:
                 "condition first (all_reduce it).")
 
 
-def raise_on_model_change(states: Iterable["_FSDPState"]) -> None:
+def raise_on_model_change(states: Iterable[_Owner]) -> None:
     """Raise ``RuntimeError`` naming the first recorded structure change among ``states``."""
     for s in states:
         if s.model_change is not None:

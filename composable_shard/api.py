@@ -10,6 +10,8 @@ from typing import Optional, Sequence, Type
 import torch
 import torch.nn as nn
 
+from ._torch_compat import BATCH_NORM
+
 __all__ = [
     "ShardingStrategy",
     "BackwardPrefetch",
@@ -68,7 +70,7 @@ class MixedPrecision:
     keep_low_precision_grads: bool = False
     cast_forward_inputs: bool = False
     cast_root_forward_inputs: bool = True
-    _module_classes_to_ignore: Sequence[Type[nn.Module]] = (nn.modules.batchnorm._BatchNorm,)
+    _module_classes_to_ignore: Sequence[Type[nn.Module]] = (BATCH_NORM,)
 
     @property
     def effective_reduce_dtype(self) -> Optional[torch.dtype]:

@@ -22,12 +22,12 @@ import torch.nn as nn
 
 from . import _apply_guard, _collectives
 from ._common_utils import FSDP_API_NAME, _FSDPState
+from ._data_parallel import check_set_requires_gradient_sync
 from ._init_utils import apply_plan, plan_agreed, resolve_groups
 from ._mixed_precision import apply_mixed_precision
 from ._validation import check_bool, check_real
-from ._runtime_utils import register_runtime_hooks, reshard_handle, wait_unshard
+from ._runtime_utils import register_runtime_hooks, wait_unshard
 from ._state_dict import check_model_state_dict, register_state_dict_hooks
-from ._streams import Streams
 from ._interop import ForeignWrapperGuard
 from ._subclass import _NoCopyMixin, make_subclass
 from ._traversal_utils import _get_fsdp_states
@@ -38,7 +38,7 @@ from .contract import _get_module_state, _register_api, contract
 __all__ = ["fully_shard", "FSDPModule", "clip_grad_norm_"]
 
 
-class FSDPModule(ForeignWrapperGuard, _NoCopyMixin):
+class FSDPModule(ForeignWrapperGuard, _NoCopyMixin, _apply_guard.GuardedApply):
     """Mixin of every fully sharded module (its class becomes ``FSDP<Orig>`` with bases
     ``(FSDPModule, Orig)``). ``copy.deepcopy``/pickle raise: use the state-dict APIs."""
 
@@ -56,13 +56,6 @@ class FSDPModule(ForeignWrapperGuard, _NoCopyMixin):
                      "low-precision compute use mixed_precision=MixedPrecision(param_dtype=...). A model built on "
                      "the meta device needs no to_empty() afterwards: fully_shard materialized it (param_init_fn=, "
                      "or each module's reset_parameters()).")
-
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "FSDPModule":
-        """Behind ``.to()``, ``.half()``, ``.cuda()``, ``.float()`` ...: a call that would give a
-        sharded parameter new storage (a cast, a move) raises and leaves the module unchanged;
-        one that changes nothing (``.to(<its own device>)``) is allowed. See ``_apply_guard.py``."""
-        parent_apply = super()._apply  # type: ignore[misc]  # nn.Module's, through the FSDP<Orig> class
-        return _apply_guard.guard_apply(self, lambda: parent_apply(fn, recurse))  # type: ignore[arg-type,return-value]  # self is an nn.Module
 
     def _guarded_params(self) -> List[torch.Tensor]:
         """The original parameters of this module's own handle (for ``_apply_guard``)."""
@@ -88,13 +81,12 @@ class FSDPModule(ForeignWrapperGuard, _NoCopyMixin):
         """Free this module's unsharded parameters. Idempotent."""
         state = self._fsdp_state()
         if state.handle is not None:
-            reshard_handle(state, state.handle, free=True)
+            state.handle.reshard(free=True)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: backward communicates nothing and accumulates unsharded gradients; the next
         backward with True reduces their sum. Example: gradient accumulation over micro-batches."""
-        check_bool("FSDPModule.set_requires_gradient_sync", "requires_gradient_sync", requires_gradient_sync)
-        check_bool("FSDPModule.set_requires_gradient_sync", "recurse", recurse)
+        check_set_requires_gradient_sync(self, requires_gradient_sync, recurse)
         for s in self._states(recurse):
             s.sync_gradients = requires_gradient_sync
 
@@ -144,7 +136,7 @@ def fully_shard(
     device_id: Union[int, torch.device, None] = None,
     param_init_fn: Optional[Callable[[nn.Module], None]] = None,
     sync_module_states: bool = False,
-    forward_prefetch: bool = False,
+    forward_prefetch: bool = True,
     backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE,
     limit_all_gathers: bool = True,
 ) -> nn.Module:
@@ -182,8 +174,9 @@ def fully_shard(
         sync_module_states: broadcast parameters and buffers from rank 0 first.
         forward_prefetch: all-gather the next handle before the current forward computes.
         backward_prefetch: when to all-gather the next handle in backward (None: never).
-        limit_all_gathers: at most two unsharded handles in flight. Prefetch runs one handle
-            ahead, so the bound holds by construction, without blocking the CPU thread.
+        limit_all_gathers: at most two handles' all-gathers in flight. Prefetch runs one handle
+            ahead, so the bound always holds, without blocking the CPU thread; False (no bound)
+            raises ``ValueError`` (see [Note: limit_all_gathers] in ``_validation.py``).
     """
     kwargs = dict(process_group=process_group, mesh=mesh, policy=policy, strategy=strategy,
                   mixed_precision=mixed_precision, cpu_offload=cpu_offload, ignored_modules=ignored_modules,
@@ -200,7 +193,6 @@ def _finish_target(module: nn.Module, state: _FSDPState) -> None:
     """Attach the state, swap the class, register the hooks."""
     if _get_module_state(module, _FSDPState) is not state:
         _register_api(module, FSDP_API_NAME, state)
-    state.streams = Streams(state.compute_device)
     make_subclass(module, "FSDP", FSDPModule)
     register_runtime_hooks(state, module)
     register_state_dict_hooks(state)

@@ -50,7 +50,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Sequence, Set, Tuple, Union, cast
+from typing import Any, Dict, Iterable, List, Optional, Protocol, Sequence, Set, Tuple, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -59,6 +59,8 @@ from torch.utils.hooks import RemovableHandle
 
 from . import _apply_guard, _collectives, _init_utils, _watch
 from ._common_utils import WeakGroup, WeakHook
+from ._data_parallel import (agree_used_and_steps, broadcast_from_rank0, check_composition,
+                             check_set_requires_gradient_sync, normalize_device)
 from ._validation import (check_dense_gradients, check_device_id, check_mixed_precision, check_modules,
                           check_process_group, check_real)
 from ._interop import ForeignWrapperGuard
@@ -72,7 +74,6 @@ __all__ = ["replicate", "ReplicateModule"]
 
 logger = logging.getLogger("composable_shard")
 
-_BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024  # init broadcast bound, as DDP's
 _MB = 1024 * 1024
 _FIRST_BUCKET_BYTES = 1 * _MB  # the first bucket closes early, so an all-reduce starts soon into backward
 _SPARSE_WHY = "replicate's buckets cannot reduce (torch's DDP can; replicate reduces dense gradients only)"
@@ -150,7 +151,7 @@ class _ReplicateState(_State):
         return f"replicate (of the module with parameters {', '.join(self.param_names[:3])}{', ...' if len(self.param_names) > 3 else ''})"
 
 
-class ReplicateModule(ForeignWrapperGuard, _NoCopyMixin):
+class ReplicateModule(ForeignWrapperGuard, _NoCopyMixin, _apply_guard.GuardedApply):
     """Methods a module gains from :func:`replicate` (its class becomes ``Replicate<Orig>``)."""
 
     _api_name = "replicate"
@@ -159,22 +160,16 @@ class ReplicateModule(ForeignWrapperGuard, _NoCopyMixin):
     _apply_advice = ("their gradients would no longer be averaged across ranks (each rank would keep its own). "
                      "Cast or move the model before replicate (device_id= moves it there).")
 
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "ReplicateModule":
-        """Behind ``.to()``, ``.half()``, ``.cuda()`` ...: a cast or move of a managed parameter
-        raises and leaves the module unchanged (gradient buckets, their dtype and device, and the
-        hooks were built for the parameters as they were); ``.to(<its own device>)`` is allowed.
-        See ``_apply_guard.py``."""
-        parent_apply = super()._apply  # type: ignore[misc]  # nn.Module's, through the Replicate<Orig> class
-        return _apply_guard.guard_apply(self, lambda: parent_apply(fn, recurse))  # type: ignore[arg-type,return-value]  # self is an nn.Module
-
     def _guarded_params(self) -> List[torch.Tensor]:
         """The parameters this module's replicate manages (for ``_apply_guard``)."""
         return list(_state_of(self).params)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """``False``: backward passes communicate nothing and gradients accumulate locally;
-        the next backward with ``True`` averages the accumulated sum (DDP's ``no_sync``)."""
-        _state_of(self).sync_gradients = bool(requires_gradient_sync)
+        the next backward with ``True`` averages the accumulated sum (DDP's ``no_sync``). Not a
+        bool: ``TypeError``, the flag unchanged ([Note: One behaviour for both APIs])."""
+        check_set_requires_gradient_sync(self, requires_gradient_sync)
+        _state_of(self).sync_gradients = requires_gradient_sync
 
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """Reduce each bucket with ``hook(state, bucket) -> Future[Tensor]`` (torch DDP's
@@ -250,7 +245,7 @@ def replicate(
     names, params = _managed_params(module, skipped)
     states = _module_states(module, skipped)
     candidates = [(n, cast(nn.Parameter, t)) for n, t in states if isinstance(t, nn.Parameter)]
-    _broadcast_module_states(states, process_group)
+    broadcast_from_rank0([t for _, t in states], [_group_or_world(process_group)], None, tag="replicate::init_broadcast")
     make_subclass(module, "Replicate", ReplicateModule)
     state = _state_of(module)
     state.api = api
@@ -274,8 +269,8 @@ def _check(api: str, module: nn.Module, device_id: Union[int, torch.device, None
     if not 0 < check_real(api, "bucket_cap_mb", bucket_cap_mb) < math.inf:
         raise ValueError(f"{api}: bucket_cap_mb must be a positive, finite number of MiB, got {bucket_cap_mb!r}")
     check_mixed_precision(api, mixed_precision)
-    reduce_dtype = _validate(module, bucket_cap_mb, mixed_precision)
-    device = _resolve_device(device_id)
+    reduce_dtype = _validate(module, mixed_precision)
+    device = normalize_device(device_id)
     skipped = _skipped_subtrees(module, ignored_modules)
     check_dense_gradients(api, _kept_modules(module, skipped), {id(p) for p in _managed_params(module, skipped)[1]},
                           _SPARSE_WHY)
@@ -285,25 +280,14 @@ def _check(api: str, module: nn.Module, device_id: Union[int, torch.device, None
 
 
 
-def _validate(
-    module: nn.Module, bucket_cap_mb: float, mixed_precision: Optional[MixedPrecision]
-) -> Optional[torch.dtype]:
-    """Raise for bad arguments or compositions; return the reduce dtype."""
+def _validate(module: nn.Module, mixed_precision: Optional[MixedPrecision]) -> Optional[torch.dtype]:
+    """Raise for bad compositions or mixed precision options (types checked already); return
+    the reduce dtype."""
     name = type(module).__name__
-    if "fully_shard" in (_get_registry(module) or ()):
-        raise RuntimeError(
-            f"replicate({name}): this module is already managed by fully_shard, and one module "
-            "can be managed by one data-parallel API. Apply replicate to a module fully_shard "
-            "does not manage, or use fully_shard(..., strategy=ShardingStrategy.NO_SHARD) for "
-            "DDP-like behaviour.")
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(f"replicate({name}) needs a process group: call dist.init_process_group first.")
-    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
-        raise ValueError(f"replicate({name}): bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
+    check_composition(f"replicate({name})", module, "fully_shard", "Apply replicate to a module fully_shard does "
+                      "not manage, or use fully_shard(..., strategy=ShardingStrategy.NO_SHARD) for DDP-like behaviour.")
     if mixed_precision is None:
         return None
-    if not isinstance(mixed_precision, MixedPrecision):
-        raise TypeError(f"replicate({name}): mixed_precision must be a MixedPrecision, got {mixed_precision!r}")
     if mixed_precision.param_dtype is not None or mixed_precision.buffer_dtype is not None:
         raise NotImplementedError(
             f"replicate({name}): replicate computes in the parameters' dtype and only supports "
@@ -311,22 +295,11 @@ def _validate(
     return mixed_precision.effective_reduce_dtype
 
 
-def _resolve_device(device_id: Union[int, torch.device, None]) -> Optional[torch.device]:
-    if device_id is None or isinstance(device_id, torch.device):
-        return device_id
-    if isinstance(device_id, int) and not isinstance(device_id, bool):
-        return torch.device("cuda", device_id)
-    raise TypeError(f"replicate: device_id must be an int, a torch.device or None, got {device_id!r}")
-
-
 def _skipped_subtrees(module: nn.Module, ignored_modules: Optional[Iterable[nn.Module]]) -> Set[nn.Module]:
     """Roots of subtrees replicate leaves alone: ignored ones and ones another data-parallel
     API manages (a subtree ``fully_shard`` or a nested ``replicate`` owns)."""
     skipped: Set[nn.Module] = set()
-    for m in ignored_modules or ():
-        if not isinstance(m, nn.Module):
-            raise TypeError(f"replicate: ignored_modules must hold nn.Modules, got {type(m).__name__}")
-        skipped.add(m)
+    skipped.update(ignored_modules or ())  # nn.Modules (check_modules)
     for sub in module.modules():
         registry = _get_registry(sub) or ()
         if sub is not module and ("fully_shard" in registry or "replicate" in registry):
@@ -402,28 +375,6 @@ def _check_same_on_all_ranks(module: nn.Module, skipped: Set[nn.Module], group: 
 # ---------------------------------------------------------------- init: mutate
 
 
-@torch.no_grad()
-def _broadcast_module_states(states: List[Tuple[str, torch.Tensor]], group: Optional[dist.ProcessGroup]) -> None:
-    """Make every rank start from rank 0's parameters and buffers: one broadcast per
-    (dtype, device) chunk of up to _BROADCAST_CHUNK_BYTES."""
-    if dist.get_world_size(group) == 1:
-        return
-    chunks: Dict[Tuple[torch.dtype, torch.device], List[List[torch.Tensor]]] = {}
-    for _, t in states:
-        key_chunks = chunks.setdefault((t.dtype, t.device), [[]])
-        if sum(x.numel() * x.element_size() for x in key_chunks[-1]) >= _BROADCAST_CHUNK_BYTES:
-            key_chunks.append([])
-        key_chunks[-1].append(t)
-    for key_chunks in chunks.values():
-        for tensors in key_chunks:
-            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-            _collectives.broadcast(flat, 0, group, tag="replicate::init_broadcast")
-            offset = 0
-            for t in tensors:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
-
-
 def _init_state(
     state: _ReplicateState, group: Optional[dist.ProcessGroup], names: List[str],
     params: List[nn.Parameter], bucket_cap_bytes: int, reduce_dtype: Optional[torch.dtype],
@@ -481,7 +432,7 @@ def _build_buckets(state: _ReplicateState, order: Sequence[int]) -> List[_Bucket
         key = (p.dtype, p.device)
         members, nbytes = open_buckets.pop(key, ([], 0))
         members.append(i)
-        nbytes += p.numel() * _element_size(state.reduce_dtype or p.dtype)
+        nbytes += p.numel() * (state.reduce_dtype or p.dtype).itemsize
         if nbytes >= (state.bucket_cap_bytes if closed else min(state.bucket_cap_bytes, _FIRST_BUCKET_BYTES)):
             closed.append(members)
         else:
@@ -493,10 +444,6 @@ def _build_buckets(state: _ReplicateState, order: Sequence[int]) -> List[_Bucket
         _Bucket(k, members, [state.params[i] for i in members], state.reduce_dtype or state.params[members[0]].dtype)
         for k, members in enumerate(closed)
     ]
-
-
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 @torch.no_grad()
@@ -615,7 +562,10 @@ def _end_backward(state: _ReplicateState) -> None:
         return
     with torch.profiler.record_function("replicate::end_backward"):
         _launch_remaining(state, backward)
-        is_used, steps_disagree = _all_reduce_used(state)
+        steps = state.step_counter.take() if state.step_counter is not None else []
+        is_used, steps_disagree = agree_used_and_steps(
+            state.used_since_sync, steps, [_group_or_world(state.process_group)], state.device, api=state.api,
+            consequence=_REPLICAS_DRIFT, tag="replicate::used_params")
         _write_back(state, is_used)
         state.used_since_sync = [False] * len(state.params)
         if state.num_rebuilds == 0:
@@ -649,23 +599,16 @@ def _launch_remaining(state: _ReplicateState, backward: _BackwardPass) -> None:
     backward.next_launch = len(state.buckets)
 
 
-def _all_reduce_used(state: _ReplicateState) -> Tuple[List[bool], Optional[str]]:
-    """Per parameter: did any rank give it a gradient since the last sync. The same all-reduce
-    agrees on the optimizer steps taken since ([Note: Step agreement] in ``_watch.py``): the
-    error to raise if the ranks differ, else ``None``."""
-    steps = state.step_counter.take() if state.step_counter is not None else [0, 0]
-    used = torch.tensor(state.used_since_sync + steps, dtype=torch.int32, device=state.device)
-    summed = _collectives.all_reduce(used, state.process_group, tag="replicate::used_params").wait().tolist()
-    n = len(state.used_since_sync)
-    disagreement = _watch.StepCounter.disagreement(steps, summed[n:], state.world_size, state.api, _REPLICAS_DRIFT)
-    return [bool(v) for v in summed[:n]], disagreement
+def _group_or_world(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
+    """The group replicate averages over (``None`` stands for the default group)."""
+    return group if group is not None else cast(dist.ProcessGroup, dist.group.WORLD)
 
 
 _REPLICAS_DRIFT = "The replicas now differ: from here on each rank trains a different model."
 
 
 @torch.no_grad()
-def _write_back(state: _ReplicateState, is_used: List[bool]) -> None:
+def _write_back(state: _ReplicateState, is_used: Sequence[int]) -> None:
     """Wait every bucket in order and make its result the gradients of the parameters some
     rank used; the gradients of parameters no rank used stay as they were."""
     for bucket in state.buckets:

@@ -54,11 +54,13 @@ class _Routed(nn.Module):
 
 
 def _routed(same_shapes: bool) -> _Routed:
+    """Without forward prefetch, so a changed order shows at the first all-gather (with it, the
+    gathers follow the first iteration's order and the difference shows at the reductions)."""
     torch.manual_seed(0)
     model = _Routed(same_shapes)
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, forward_prefetch=False)
+    fully_shard(model, forward_prefetch=False)
     return model
 
 
@@ -161,14 +163,14 @@ def test_debug_mode_checks_every_iteration() -> None:
 
 
 # ---------------------------------------------------------------------------- what only times out
-def _routed_with_short_timeout() -> _Routed:
+def _routed_with_short_timeout(forward_prefetch: bool = False) -> _Routed:
     """``_Routed(True)`` sharded on a process group whose collectives time out after 3 s."""
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=3))
     torch.manual_seed(0)
     model = _Routed(True)
     for block in model.blocks:
-        fully_shard(block, process_group=group)
-    fully_shard(model, process_group=group)
+        fully_shard(block, process_group=group, forward_prefetch=forward_prefetch)
+    fully_shard(model, process_group=group, forward_prefetch=forward_prefetch)
     return model
 
 
@@ -199,16 +201,22 @@ def test_unagreed_divergence_times_out_naming_the_collective() -> None:
     run_distributed(_timeout_names_the_collective, 2, timeout=90)
 
 
-def _order_diverges_later() -> None:
+def _order_diverges_later(forward_prefetch: bool) -> None:
     rank = dist.get_rank()
-    model = _routed_with_short_timeout()
+    model = _routed_with_short_timeout(forward_prefetch)
     _step(model)  # the first iteration: ranks agree on the order
     model.zero_grad()
     model.order = [0, 1] if rank == 0 else [1, 0]
+    # With forward prefetch every rank gathers in the recorded order (each block computes on its
+    # own parameters); the reductions, in backward order, then differ.
+    expected = "reduce_scatter of" if forward_prefetch else f"the all_gather of 'blocks.{rank}' did not complete on rank {rank}"
     with pytest.warns(UserWarning, match="forward order changed") if rank == 1 else contextlib.nullcontext():
-        _expect_error(lambda: _step(model), f"the all_gather of 'blocks.{rank}' did not complete on rank {rank}",
-                      "COMPOSABLE_SHARD_DEBUG=1")
+        _expect_error(lambda: _step(model), expected, "did not complete", "COMPOSABLE_SHARD_DEBUG=1")
     dist.barrier()
+
+
+def _orders_diverging_later() -> None:
+    run_subtests(_order_diverges_later, {"forward_prefetch": [False, True]})
 
 
 def test_order_diverging_after_the_first_iteration_times_out_instead_of_mixing_shards() -> None:
@@ -217,7 +225,7 @@ def test_order_diverging_after_the_first_iteration_times_out_instead_of_mixing_s
     rides in gloo's point-to-point tag), so every rank fails after the process group's timeout
     naming its handle. Before, rank 0's gather of 'blocks.0' paired with rank 1's of 'blocks.1':
     both ranks finished the step on parameters assembled from two different blocks, silently."""
-    run_distributed(_order_diverges_later, 2, timeout=90)
+    run_distributed(_orders_diverging_later, 2, timeout=120)
 
 
 def _called_on_rank_0_only(call: str) -> None:

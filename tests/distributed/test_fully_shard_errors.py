@@ -182,6 +182,7 @@ def _fully_shard_argument_errors() -> None:
         ({"forward_prefetch": "yes"}, TypeError, ("forward_prefetch", "bool", "'yes'")),
         ({"backward_prefetch": "BACKWARD_PRE"}, TypeError, ("backward_prefetch", "BackwardPrefetch")),
         ({"limit_all_gathers": 1}, TypeError, ("limit_all_gathers", "bool", "int")),
+        ({"limit_all_gathers": False}, ValueError, ("limit_all_gathers=False", "not supported", "at most two")),
         ({"mesh": None, "process_group": dist.group.WORLD, "strategy": ShardingStrategy.NO_SHARD,
           "policy": CustomPolicy(lambda m: {"strategy": "NO_SHARD"} if isinstance(m, nn.Linear) else False)},
          TypeError, ("policy's options for '0'", "strategy", "ShardingStrategy")),

@@ -313,6 +313,42 @@ def test_prefetch_is_issued_before_compute() -> None:
     run_distributed(_prefetch_grid, 2, timeout=120)
 
 
+def test_at_most_two_handles_gathered() -> None:
+    """limit_all_gathers (always on): no more than two blocks' all-gathers in flight, in forward
+    and in backward, with forward and backward prefetch on."""
+    run_distributed(_gathers_in_flight, 2, timeout=60)
+
+
+def _gathers_in_flight() -> None:
+    """At every block's compute and at the start of every block's backward, at most two blocks
+    hold gathered (unsharded) storage: the current one and the one prefetched; and two do at
+    some point, so prefetch is on and the bound is what is checked."""
+    model = make_model(num_blocks=4)
+    for block in model.blocks:
+        fully_shard(block)  # forward_prefetch=True, BACKWARD_PRE, limit_all_gathers=True: the defaults
+    fully_shard(model)
+    handles = [_get_fsdp_handles(block)[0] for block in model.blocks]
+    seen: List[Tuple[str, int]] = []
+
+    def count(where: str) -> None:
+        seen.append((where, sum(not h.unsharded_storage_freed() for h in handles)))
+
+    def on_output(module: nn.Module, args: Any, output: torch.Tensor, i: int = 0) -> None:
+        if output.requires_grad:  # runs after fully_shard's pre-backward hook on the same output
+            output.register_hook(lambda grad, i=i: count(f"backward blocks.{i}"))
+
+    for i, block in enumerate(model.blocks):  # both run after fully_shard's own hooks
+        block.register_forward_pre_hook(lambda m, a, i=i: count(f"compute blocks.{i}"))
+        block.register_forward_hook(lambda m, a, o, i=i: on_output(m, a, o, i))
+    for step in range(2):  # the first iteration records the order; the second prefetches by it
+        seen.clear()
+        local_backward(model, step)
+        model.zero_grad()
+    assert max(n for _, n in seen) == 2, seen
+    assert [n for w, n in seen if w.startswith("compute")][:3] == [2, 2, 2], seen  # blocks.3 has none to prefetch
+    assert sum(w.startswith("backward") for w, _ in seen) == 4, seen
+
+
 # ---------------------------------------------------------------------------- a module called twice
 class Reused(nn.Module):
     """blocks.0 runs twice per forward (before and after blocks.1): weights shared across two

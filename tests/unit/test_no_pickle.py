@@ -41,11 +41,6 @@ _EXEMPT = {
     # only DCP's metadata classes, sizes, dtypes and paths (refusals tested in test_checkpoint_crash).
     ("_checkpoint_io.py", "_MetadataUnpickler", "unpickler"),
     ("_checkpoint_io.py", "SafeFileSystemReader.read_metadata", "unpickler"),
-    # torch's own decoding of the plans DCP exchanges through its object collectives (the ranks
-    # of this job, inside dcp.save/dcp.load), swapped in only while numpy is missing: the same
-    # ``_unpickler(...).load()`` torch's ``_tensor_to_object`` runs, reading the bytes without
-    # numpy (see ``object_collectives_without_numpy``). It adds no input torch would not unpickle.
-    ("_torch_compat.py", "_tensor_to_object_from_bytes", "unpickler"),
 }
 
 
