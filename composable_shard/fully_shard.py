@@ -163,20 +163,15 @@ def fully_shard(
         ignored_modules: modules whose parameters are left alone (not sharded, not reduced).
         ignored_states: parameters (or modules) left alone.
         device_id: compute device; CPU-initialized modules are moved there first.
-        param_init_fn: materializes meta-device tensors, as torch FSDP1's does: for each fully
-            sharded module that still has some (children first), ``param_init_fn(m)`` runs on
-            every module ``m`` of its subtree, breadth-first, stopping at modules fully sharded
-            already or ignored; it initializes ``m``'s own tensors and may replace them
-            (``setattr(m, name, nn.Parameter(...))``), e.g. ``lambda m: m.to_empty(device=dev,
-            recurse=False)`` with ``sync_module_states=True``. Without it each module's
-            ``reset_parameters()`` runs once. Meta tensors left raise ``ValueError`` on every
-            rank (any refusal before the first collective is agreed by all ranks).
+        param_init_fn: materializes meta-device tensors per module, as torch FSDP1's does
+            (``param_init_fn(m)`` on each module of the subtree, breadth-first; see docs/api.md);
+            without it each module's ``reset_parameters()`` runs once. Meta tensors left raise
+            ``ValueError`` on every rank (refusals are agreed by all ranks first).
         sync_module_states: broadcast parameters and buffers from rank 0 first.
         forward_prefetch: all-gather the next handle before the current forward computes.
         backward_prefetch: when to all-gather the next handle in backward (None: never).
-        limit_all_gathers: at most two handles' all-gathers in flight. Prefetch runs one handle
-            ahead, so the bound always holds, without blocking the CPU thread; False (no bound)
-            raises ``ValueError`` (see [Note: limit_all_gathers] in ``_validation.py``).
+        limit_all_gathers: at most two handles' all-gathers in flight, always (prefetch runs one
+            ahead); False raises ``ValueError`` ([Note: limit_all_gathers] in ``_validation.py``).
     """
     kwargs = dict(process_group=process_group, mesh=mesh, policy=policy, strategy=strategy,
                   mixed_precision=mixed_precision, cpu_offload=cpu_offload, ignored_modules=ignored_modules,

@@ -206,10 +206,9 @@ def replicate(
 ) -> nn.Module:
     """Make ``module`` data parallel in place with DDP semantics; returns the same object.
 
-    Parameters and buffers are broadcast from rank 0; during backward gradients are averaged
-    over ``process_group`` by bucketed all-reduces that start as buckets fill, and are
-    complete when ``backward()`` returns. The class becomes ``Replicate<Orig>``; FQNs and
-    ``state_dict`` are unchanged.
+    Parameters and buffers are broadcast from rank 0; in backward, bucketed all-reduces average
+    gradients over ``process_group`` as buckets fill (done when ``backward()`` returns). The
+    class becomes ``Replicate<Orig>``; FQNs and ``state_dict`` are unchanged.
 
     Example::
 
