@@ -390,6 +390,7 @@ class FlatParamHandle:
         self.exec_index: Optional[int] = None  # position in the root's pre-forward order
         self.post_forward_index: Optional[int] = None  # position in the root's post-forward order
         self.index: int = -1  # position in the root's handles (set at lazy init; names it across ranks)
+        self.prefetched_for_forward: bool = False  # gathered by forward prefetch, its forward not run yet
         self.recomputes_in_backward: bool = False  # its forward runs again in backward (activation checkpointing)
         self.states_before_recompute: List[HandleTrainingState] = []  # pushed per recomputed forward in progress
         self.state: Optional[_Owner] = None  # the owning module's runtime state (set by fully_shard)

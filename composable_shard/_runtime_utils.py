@@ -185,10 +185,24 @@ def wait_unshard(state: _FSDPState, handle: FlatParamHandle, forward: bool = Fal
 
 
 def _prefetch_forward(state: _FSDPState, handle: FlatParamHandle) -> None:
-    """Unshard the handle whose forward comes after ``handle``'s (pre-forward order)."""
+    """Unshard the handle whose forward comes after ``handle``'s (pre-forward order); marked
+    so that the end of the forward releases it if this forward never runs it."""
     root = _root_of(state)
     if handle.exec_index is not None:
-        _prefetch(root, root.ctx.exec_order, handle.exec_index + 1)
+        target = _prefetch(root, root.ctx.exec_order, handle.exec_index + 1)
+        if target is not None:
+            target.prefetched_for_forward = True
+
+
+def _release_unused_prefetches(root: _FSDPState) -> None:
+    """[Note: Prefetched but not run]  Forward prefetch gathers the next handle of the first
+    iteration's order. A forward that then skips it (a block behind data-dependent control flow,
+    an early exit) would hold its unsharded parameters through the whole backward; the root's
+    post-forward releases every handle still marked as prefetched (its gather landed first)."""
+    for handle in root.ctx.handles:
+        if handle.prefetched_for_forward:
+            handle.prefetched_for_forward = False
+            handle.reshard(free=True)
 
 
 def _prefetch_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
@@ -199,12 +213,15 @@ def _prefetch_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
         _prefetch(root, root.ctx.post_forward_order, handle.post_forward_index - 1)
 
 
-def _prefetch(root: _FSDPState, order: List[FlatParamHandle], index: int) -> None:
+def _prefetch(root: _FSDPState, order: List[FlatParamHandle], index: int) -> Optional[FlatParamHandle]:
+    """Issue the gathers of ``order[index]`` if it is idle and sharded; returns it if they were."""
     if 0 <= index < len(order):
         target = order[index]
         if target.training_state in (HandleTrainingState.IDLE, HandleTrainingState.BACKWARD_PRE) and target.needs_unshard():
             _collectives.trace("prefetch", target.fqn)
             _issue_gathers(_state_of(target), target)
+            return target
+    return None
 
 
 # ---------------------------------------------------------------------------- forward
@@ -226,6 +243,7 @@ def _pre_forward(state: _FSDPState, module: nn.Module, args: Tuple[Any, ...], kw
         return args, kwargs
     _collectives.trace("pre_forward", handle.fqn)
     handle.enter(HandleTrainingState.FORWARD, "pre_forward", expect=(HandleTrainingState.IDLE,))
+    handle.prefetched_for_forward = False  # this forward uses it
     first_use = _record_exec_order(state, handle)
     if handle.is_stale():  # kept from an earlier step; the shards changed since
         handle.reshard(free=True)
@@ -400,6 +418,7 @@ def _post_forward(state: _FSDPState, module: nn.Module, args: Tuple[Any, ...], o
                 tensor.register_hook(hook)
     if state.is_root:
         state.ctx.forward_in_progress = False
+        _release_unused_prefetches(state)
         if not needs_backward:  # nothing to differentiate: the iteration ends here
             _end_iteration(state)
     return output
@@ -496,6 +515,8 @@ def _abort_forward(state: _FSDPState) -> None:
         if h is not None and h.training_state in (HandleTrainingState.IDLE, HandleTrainingState.FORWARD):
             h.reshard(free=True)
             h.enter(HandleTrainingState.IDLE, "forward that raised")
+        if h is not None:
+            h.prefetched_for_forward = False
     state.ctx.forward_in_progress = False
     _end_iteration(state)
 
