@@ -53,7 +53,7 @@ import torch.nn as nn
 
 from . import _init_utils, _shard_math
 from ._common_utils import _FSDPState
-from ._flat_param import compute_dtype_of, plan_groups
+from ._flat_param import compute_dtype_of, plan_groups, reduce_dtype_of
 from ._mixed_precision import full_precision_classes
 from ._torch_compat import unwrap_compiled
 from ._watch import STEP_AGREEMENT_INTS
@@ -246,7 +246,7 @@ def _runtime_handles(model: nn.Module) -> Dict[int, _HandleInfo]:
         replicate_world = dist.get_world_size(state.replicate_group) if state.replicate_group is not None else 1
         mp = state.mixed_precision
         groups = tuple(_GroupInfo(g.flat_param.dtype, g.requires_grad, int(g.flat_param._unpadded_unsharded_size.numel()),
-                                  len(g.orig_params), g.compute_dtype, _reduce_dtype(mp, g.compute_dtype, g.full_precision))
+                                  len(g.orig_params), g.compute_dtype, reduce_dtype_of(mp, g.compute_dtype, g.full_precision))
                        for g in (state.handle.groups if state.handle is not None else []))
         aliases = state.handle is not None and all(g.aliases_shard for g in state.handle.groups)
         out[id(m)] = _HandleInfo(
@@ -331,12 +331,8 @@ def _plan_groups(module: nn.Module, params: List[nn.Parameter], mp: Optional[Mix
                                                                        full_precision_classes(mp))[0].items():
         compute = compute_dtype_of(dtype, param_dtype, full_precision)
         out.append(_GroupInfo(dtype, requires_grad, sum(p.numel() for p, _ in members), len(members), compute,
-                              _reduce_dtype(mp, compute, full_precision)))
+                              reduce_dtype_of(mp, compute, full_precision)))
     return tuple(out)
-
-
-def _reduce_dtype(mp: Optional[MixedPrecision], compute_dtype: torch.dtype, full_precision: bool) -> torch.dtype:
-    return compute_dtype if mp is None else mp._reduce_dtype_for(compute_dtype, full_precision)
 
 
 # ---------------------------------------------------------------------------- figures

@@ -94,7 +94,7 @@ from ._streams import Streams
 from ._torch_compat import has_grad_hooks, is_view_of, set_module_tensor, tensor_version
 
 __all__ = ["FlatParameter", "FlatParamHandle", "HandleTrainingState", "TRANSITIONS", "ParamInfo", "SharedParamInfo", "FlatGroup", "set_grad_of_any_shape",
-           "plan_groups", "compute_dtype_of"]
+           "plan_groups", "compute_dtype_of", "reduce_dtype_of"]
 
 
 class HandleTrainingState(enum.Enum):
@@ -281,6 +281,14 @@ def plan_groups(module: nn.Module, params: Sequence[nn.Parameter], param_dtype: 
             first_index[id(p)] = ((p.dtype, p.requires_grad, full_precision), len(group))
             group.append((p, ParamInfo(name, sub, sub_name)))
     return by_group, shared
+
+
+def reduce_dtype_of(mixed_precision: Any, compute_dtype: torch.dtype, full_precision: bool) -> torch.dtype:
+    """The dtype a group computing in ``compute_dtype`` reduces its gradients in: the mixed
+    precision's reduce dtype for a low-precision floating group, else ``compute_dtype``."""
+    if mixed_precision is None:
+        return compute_dtype
+    return mixed_precision._reduce_dtype_for(compute_dtype, full_precision)
 
 
 def compute_dtype_of(dtype: torch.dtype, param_dtype: Optional[torch.dtype], full_precision: bool) -> torch.dtype:
@@ -796,8 +804,7 @@ class FlatParamHandle:
     def reduce_dtype(self, group: FlatGroup) -> torch.dtype:
         """The dtype ``group``'s gradients are reduced in: the mixed precision's reduce dtype for
         a low-precision floating group, else the group's compute dtype."""
-        mp = self.owner().mixed_precision
-        return group.compute_dtype if mp is None else mp._reduce_dtype_for(group.compute_dtype, group.full_precision)
+        return reduce_dtype_of(self.owner().mixed_precision, group.compute_dtype, group.full_precision)
 
     def reduce(self, group: FlatGroup, unsharded_grad: torch.Tensor) -> None:
         """Release every earlier handle's reduction input, then issue this group's reduction
