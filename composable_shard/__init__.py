@@ -27,6 +27,8 @@ from ._optim_state_dict import get_optimizer_state_dict, set_optimizer_state_dic
 from ._sharded_tensor import ShardedSlice
 from ._checkpoint_io import export_safetensors, latest_checkpoint, load_checkpoint, save_checkpoint
 from ._describe import describe
+from .plan import MemoryPlan, plan
+from . import optim  # composable_shard.optim.Muon: optimizers that need whole matrices
 from .wrap import (
     CustomPolicy,
     ModuleWrapPolicy,
@@ -47,7 +49,7 @@ __all__ = [
     "unshard_params", "state_dict_type", "clip_grad_norm_",
     "get_model_state_dict", "set_model_state_dict", "get_optimizer_state_dict", "set_optimizer_state_dict",
     "ShardedSlice", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "export_safetensors",
-    "describe",
+    "describe", "plan", "MemoryPlan",
 ]
 
 try:

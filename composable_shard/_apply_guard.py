@@ -29,7 +29,7 @@ import torch.nn as nn
 from ._flat_param import set_grad_of_any_shape
 from ._torch_compat import GuardedApplyHook, set_module_tensor
 
-__all__ = ["guard_apply", "applying_during_init", "GuardedApply"]
+__all__ = ["guard_apply", "applying_during_init", "GuardedApply", "same_view"]
 
 _depth = {"init": 0, "apply": 0}  # fully_shard's init calls in progress; guarded _apply calls in progress
 
@@ -46,11 +46,9 @@ def applying_during_init() -> Iterator[None]:
 
 
 class GuardedApply(GuardedApplyHook):
-    """Mixin of ``FSDPModule`` and ``ReplicateModule``: behind ``.to()``, ``.half()``, ``.cuda()``,
-    ``.float()`` ...: a call that would give a managed parameter new storage (a cast, a move)
-    raises and leaves the module unchanged; one that changes nothing (``.to(<its own device>)``)
-    is allowed. The class names, for the error, what a cast cuts parameters loose from
-    (``_apply_what``) and what to do instead (``_apply_advice``)."""
+    """Mixin of ``FSDPModule`` and ``ReplicateModule`` that puts :func:`guard_apply` behind
+    ``.to()``, ``.half()``, ``.cuda()`` ...; the class names, for the error, what a cast cuts
+    parameters loose from (``_apply_what``) and what to do instead (``_apply_advice``)."""
 
     def _cs_guarded_apply(self, apply: Callable[[], Any]) -> Any:
         """Run ``apply()`` (``nn.Module._apply`` on this module) through :func:`guard_apply`."""
@@ -63,11 +61,9 @@ _Tensors = Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[to
 
 def guard_apply(module: nn.Module, apply: Callable[[], nn.Module]) -> nn.Module:
     """Run ``apply()`` (``nn.Module._apply`` on ``module``, a fully sharded or replicated
-    module). Every annotated module of its subtree names the parameters it manages
-    (``_guarded_params()``); if the call gave any of them new storage, dtype, device or object,
-    put every parameter (object, ``.data``, ``.grad``) and buffer of the subtree back and raise
-    ``RuntimeError`` naming them (relative to ``module``) with the owning API's advice. Only the
-    outermost annotated module of a call checks (it sees every nested one's parameters)."""
+    module). If it gave a parameter some annotated module of the subtree manages
+    (``_guarded_params()``) new storage, dtype, device or object, put every parameter (object,
+    ``.data``, ``.grad``) and buffer of the subtree back and raise, with the owner's advice."""
     if _depth["init"] or _depth["apply"]:  # init, or inside an outer guarded call
         return apply()
     owners: Dict[int, Any] = {id(p): m for m in module.modules() if hasattr(m, "_guarded_params")
@@ -90,7 +86,7 @@ def guard_apply(module: nn.Module, apply: Callable[[], nn.Module]) -> nn.Module:
     finally:
         _depth["apply"] -= 1
     cut_ids = {id(p) for m, slots, _ in saved for name, p in slots
-               if id(p) in owners and (getattr(m, name, None) is not p or _moved(tensors[id(p)][0], tensors[id(p)][1]))}
+               if id(p) in owners and (getattr(m, name, None) is not p or not same_view(*tensors[id(p)][:2]))}
     if not cut_ids:
         return result
     copies_only = all(_same_place_copy(getattr(m, name), tensors[id(p)][1])
@@ -108,13 +104,13 @@ def guard_apply(module: nn.Module, apply: Callable[[], nn.Module]) -> nn.Module:
         f"on {first.device}).")
 
 
-def _moved(p: torch.Tensor, before: torch.Tensor) -> bool:
-    """Does ``p`` no longer look at what ``before`` (its ``.data`` before the call, an alias of
-    the same storage) looks at? Both storage addresses are read now: a call that moves the
-    storage itself in place (``share_memory()``) keeps the parameter attached."""
-    return (p.dtype != before.dtype or p.device != before.device or p.shape != before.shape
-            or p.storage_offset() != before.storage_offset()
-            or p.untyped_storage().data_ptr() != before.untyped_storage().data_ptr())
+def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Do ``a`` and ``b`` (a parameter and its ``.data`` before a call) view the same elements of
+    the same storage? Both storage addresses are read now: a call that moves the storage itself
+    in place (``share_memory()``) keeps the parameter attached."""
+    return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.device == b.device
+            and a.dtype == b.dtype and a.storage_offset() == b.storage_offset()
+            and a.shape == b.shape and a.stride() == b.stride())
 
 
 def _same_place_copy(p: torch.Tensor, before: torch.Tensor) -> bool:

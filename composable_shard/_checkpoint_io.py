@@ -246,17 +246,9 @@ def _training_state(model: nn.Module, optim: Optional[torch.optim.Optimizer]) ->
 
 
 # ---------------------------------------------------------------------------- rank-0 decisions
-def _rank() -> int:
-    return rank_of()
-
-
-def _from_rank0(message: str) -> str:
-    """Rank 0's ``message`` on every rank (UTF-8 bytes in a tensor broadcast; '' on others)."""
-    return from_rank(message, 0)
-
-
 def _raise_from_rank0(error: str, api: str) -> None:
-    error = _from_rank0(error)
+    """Rank 0's ``error`` (UTF-8 bytes in a tensor broadcast), raised on every rank unless ''."""
+    error = from_rank(error, 0)
     if error:
         raise RuntimeError(f"{api}: {error}")
 
@@ -313,20 +305,20 @@ def _claim_new_directory(path: str, api: str, advice: str) -> str:
     """Collective: raise on every rank if ``path`` exists (rank 0 decides); else return, on
     every rank, the fresh temporary sibling rank 0 drew, to write into and publish as ``path``."""
     error, tmp = "", ""
-    if _rank() == 0:
+    if rank_of() == 0:
         tmp = f"{path}.tmp-{secrets.token_hex(6)}"
         if os.path.exists(path):
             error = f"{path} already exists; {advice}"
     _raise_from_rank0(error, api)
-    return _from_rank0(tmp)
+    return from_rank(tmp, 0)
 
 
-def _read_listing(path: str) -> Tuple[str, Dict[str, str]]:
-    """Rank 0: ``(error or '', {file: sha256})`` of ``path``'s ``checksums.json``, which must
-    list exactly the folder's files. Reads no other file."""
+def _read_listing(path: str) -> Dict[str, str]:
+    """Rank 0: ``{file: sha256}`` of ``path``'s ``checksums.json``, which must list exactly the
+    folder's files (else ``RuntimeError``, naming the problem). Reads no other file."""
     listing = os.path.join(path, CHECKSUMS)
     if not os.path.isdir(path):
-        return f"no checkpoint at {path} (a save that did not finish publishes nothing)", {}
+        raise RuntimeError(f"no checkpoint at {path} (a save that did not finish publishes nothing)")
     try:
         reason = _leaves_folder(path, CHECKSUMS) if os.path.lexists(listing) else ""
         if reason:
@@ -336,48 +328,35 @@ def _read_listing(path: str) -> Tuple[str, Dict[str, str]]:
         if not isinstance(expected, dict) or not all(isinstance(v, str) for v in expected.values()):
             raise ValueError("not a {file: sha256} object")
     except (OSError, ValueError) as e:
-        return (f"{listing} is missing or unreadable ({type(e).__name__}: {e}); not a checkpoint that "
-                "save_checkpoint published, or a damaged one"), {}
+        raise RuntimeError(f"{listing} is missing or unreadable ({type(e).__name__}: {e}); not a checkpoint that "
+                           "save_checkpoint published, or a damaged one") from None
     present = _files(path)
     missing, extra = sorted(set(expected) - set(present)), sorted(set(present) - set(expected))
     if missing:
-        return f"{os.path.join(path, missing[0])} is missing (listed in {CHECKSUMS})", {}
+        raise RuntimeError(f"{os.path.join(path, missing[0])} is missing (listed in {CHECKSUMS})")
     if extra:
-        return f"{os.path.join(path, extra[0])} is not part of the checkpoint (not listed in {CHECKSUMS})", {}
+        raise RuntimeError(f"{os.path.join(path, extra[0])} is not part of the checkpoint (not listed in {CHECKSUMS})")
     for name in sorted(expected):
         if os.path.basename(name) != name:
-            return f"{listing} lists {name!r}, which is not a file of the checkpoint directory", {}
-    return "", expected
-
-
-def _verify_hashes(path: str, expected: Dict[str, str]) -> str:
-    """Rank 0: every listed file of ``path`` lies in the folder and matches its sha256. Returns an error or ''."""
-    for name in sorted(expected):
-        reason = _leaves_folder(path, name)
-        if reason:
-            return f"{os.path.join(path, name)} {reason}; refused to read it"
-        actual = _sha256(os.path.join(path, name))
-        if actual != expected[name]:
-            return (f"{os.path.join(path, name)} is damaged: its sha256 is {actual}, the checkpoint recorded "
-                    f"{expected[name]} (truncated, altered or overwritten after the save)")
-    return ""
+            raise RuntimeError(f"{listing} lists {name!r}, which is not a file of the checkpoint directory")
+    return expected
 
 
 def _check_before_loading(path: str) -> None:
     """Step 1 of a load: rank 0 checks the listing; every rank reads ``.metadata`` (refusing
-    a storage path outside the folder, naming the entry); rank 0 checks every file's sha256.
-    Raises the first problem found; nothing was read but ``checksums.json``, ``.metadata``
-    and, on rank 0, the folder's files."""
-    expected: Dict[str, str] = {}
-    if _rank() == 0:
-        error, expected = _read_listing(path)
-        if error:
-            raise RuntimeError(error)
+    a storage path outside the folder, naming the entry); rank 0 checks that every listed file
+    lies in the folder and matches its sha256. Raises the first problem found; nothing was
+    read but ``checksums.json``, ``.metadata`` and, on rank 0, the folder's files."""
+    expected = _read_listing(path) if rank_of() == 0 else {}
     SafeFileSystemReader(path).read_metadata()
-    if _rank() == 0:
-        error = _verify_hashes(path, expected)
-        if error:
-            raise RuntimeError(error)
+    for name in sorted(expected):
+        reason = _leaves_folder(path, name)
+        if reason:
+            raise RuntimeError(f"{os.path.join(path, name)} {reason}; refused to read it")
+        actual = _sha256(os.path.join(path, name))
+        if actual != expected[name]:
+            raise RuntimeError(f"{os.path.join(path, name)} is damaged: its sha256 is {actual}, the checkpoint "
+                               f"recorded {expected[name]} (truncated, altered or overwritten after the save)")
 
 
 def _check_param_groups(path: str, model: nn.Module, optim: Optional[torch.optim.Optimizer]) -> Dict[str, Any]:
@@ -412,7 +391,7 @@ def save_checkpoint(path: str, model: nn.Module, optim: Optional[torch.optim.Opt
     tmp = _claim_new_directory(path, api, "a published checkpoint is never written into. Save each checkpoint to a "
                                           "new directory (e.g. one per step).")
     dcp.save(_training_state(model, optim), checkpoint_id=tmp)
-    _raise_from_rank0(_publish(tmp, path) if _rank() == 0 else "", api)
+    _raise_from_rank0(_publish(tmp, path) if rank_of() == 0 else "", api)
 
 
 def load_checkpoint(path: str, model: nn.Module, optim: Optional[torch.optim.Optimizer] = None) -> None:
@@ -472,12 +451,12 @@ def latest_checkpoint(root: str) -> Optional[Tuple[int, str]]:
         root: the directory holding ``step_<N>`` checkpoints.
     """
     found = ""
-    if _rank() == 0 and os.path.isdir(root):
+    if rank_of() == 0 and os.path.isdir(root):
         steps = {int(m.group(1)): name for name in os.listdir(root) if (m := _STEP_DIR.fullmatch(name))}
         if steps:
             step = max(steps)
             found = f"{step}\n{os.path.join(os.path.abspath(root), steps[step])}"
-    found = _from_rank0(found)
+    found = from_rank(found, 0)
     if not found:
         return None
     step_text, path = found.split("\n", 1)
@@ -506,7 +485,7 @@ def export_safetensors(path: str, model: nn.Module) -> None:
     path = os.path.abspath(os.fspath(path))
     api = "export_safetensors"
     missing = ""
-    if _rank() == 0:
+    if rank_of() == 0:
         try:
             import safetensors  # noqa: F401  # DCP's Hugging Face storage writes through it
         except ImportError:
@@ -515,7 +494,7 @@ def export_safetensors(path: str, model: nn.Module) -> None:
     tmp = _claim_new_directory(path, api, "export to a new directory.")
     state = get_model_state_dict(model, rank0_only=True, cpu_offload=True)  # collective
     error = ""
-    if _rank() == 0:
+    if rank_of() == 0:
         error = _write_safetensors(tmp, model, state)
         if not error:
             error = _publish(tmp, path)

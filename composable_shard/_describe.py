@@ -44,6 +44,7 @@ holds the most) = ``exp_avg`` and ``exp_avg_sq`` of every element rank 0 holds p
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
@@ -121,6 +122,7 @@ class ModuleRow:
     grad_bytes: int
     adamw_bytes: int
     collectives: Dict[str, Tuple[int, int]] = field(default_factory=dict)
+    optimizer_bytes: Optional[int] = None  # state the optimizers given to describe() hold for these parameters here
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,12 @@ class ShardingDescription:
         """AdamW state bytes on rank 0 (``exp_avg``, ``exp_avg_sq``, ``step``)."""
         return sum(r.adamw_bytes for r in self.rows)
 
+    @property
+    def optimizer_bytes(self) -> Optional[int]:
+        """State bytes this rank's optimizers given to :func:`describe` hold (None if none were given)."""
+        held = [r.optimizer_bytes for r in self.rows if r.optimizer_bytes is not None]
+        return sum(held) if held else None
+
     def collective_count(self, kind: Optional[str] = None) -> int:
         """Collectives of ``kind`` (all kinds if None) this rank issues per training step."""
         return sum(c for k, (c, _) in self._by_kind().items() if kind is None or k == kind)
@@ -173,7 +181,8 @@ class ShardingDescription:
 def describe(model: nn.Module, *, world_size: Optional[int] = None, policy: Any = None,
              strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
              mixed_precision: Optional[MixedPrecision] = None,
-             ignored_modules: Optional[Iterable[nn.Module]] = None) -> ShardingDescription:
+             ignored_modules: Optional[Iterable[nn.Module]] = None,
+             optimizers: Iterable[torch.optim.Optimizer] = ()) -> ShardingDescription:
     """Per-rank memory and per-step communication of ``model`` under ``fully_shard``/``replicate``.
 
     On a model that carries ``fully_shard`` or ``replicate`` already, the handles and buckets
@@ -202,6 +211,8 @@ def describe(model: nn.Module, *, world_size: Optional[int] = None, policy: Any 
         strategy: FULL_SHARD, SHARD_GRAD_OP or NO_SHARD (hybrid needs real groups).
         mixed_precision: the planned call's :class:`MixedPrecision`.
         ignored_modules: the planned call's ``ignored_modules``.
+        optimizers: on a sharded model, optimizers (e.g. ``optim.Muon`` and an AdamW) whose state
+            bytes for each row's parameters this rank holds now are reported (``optimizer_bytes``).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
@@ -219,7 +230,11 @@ def describe(model: nn.Module, *, world_size: Optional[int] = None, policy: Any 
                              "model)")
         handles, replicas = _runtime_handles(model), _runtime_replicas(model)
         world = dist.get_world_size() if dist.is_initialized() else 1
-        return _description(model, world, False, handles, replicas)
+        return _with_optimizer_state(model, _description(model, world, False, handles, replicas), handles, replicas,
+                                     list(optimizers))
+    if list(optimizers):
+        raise ValueError("describe: optimizers=... reads the state of a sharded model's optimizers; plan a plain "
+                         "model without it (its AdamW figure is adamw_bytes)")
     world = _planned_world_size(world_size)
     handles = _plan_handles(model, world, policy, strategy, mixed_precision, ignored_modules)
     return _description(model, world, True, handles, {})
@@ -275,6 +290,28 @@ def _runtime_replicas(model: nn.Module) -> Dict[int, _ReplicateState]:
             seen.add(id(state))
             out[id(m)] = state
     return out
+
+
+def _with_optimizer_state(model: nn.Module, d: ShardingDescription, handles: Dict[int, _HandleInfo],
+                          replicas: Dict[int, _ReplicateState], optimizers: List[torch.optim.Optimizer]
+                          ) -> ShardingDescription:
+    """``d`` with each row's ``optimizer_bytes``: the tensors ``optimizers`` keep in their state
+    for the row's parameters (on this rank: sharded parameters are this rank's slices)."""
+    if not optimizers:
+        return d
+    state: Dict[int, int] = {}
+    for opt in optimizers:
+        for p, entries in opt.state.items():
+            state[id(p)] = state.get(id(p), 0) + sum(v.numel() * v.element_size() for v in entries.values()
+                                                     if isinstance(v, torch.Tensor))
+    owners = {h.fqn: h.owned for h in handles.values()}
+    owners.update({fqn: frozenset(id(p) for p in replicas[id(m)].params)
+                   for fqn, m in model.named_modules() if id(m) in replicas})
+    claimed = frozenset().union(*owners.values())
+    rest = frozenset(id(p) for p in model.parameters() if id(p) not in claimed)
+    rows = tuple(dataclasses.replace(r, optimizer_bytes=sum(state.get(i, 0) for i in (
+        rest if r.api == "none" else owners.get(r.fqn, frozenset())))) for r in d.rows)
+    return dataclasses.replace(d, rows=rows)
 
 
 # ---------------------------------------------------------------------------- plan
@@ -436,6 +473,8 @@ def _render(d: ShardingDescription) -> str:
            line(tuple("-" * w for w in widths)), *(line(row) for row in body)]
     out.append(f"per rank: parameters {_mb(d.param_bytes)}, gradients {_mb(d.grad_bytes)}, "
                f"AdamW state {_mb(d.adamw_bytes)} (rank 0)")
+    if d.optimizer_bytes is not None:
+        out.append(f"optimizer state held now (this rank, the optimizers given): {_mb(d.optimizer_bytes)}")
     comm = ", ".join(f"{kind} x{d.collective_count(kind)} {_mb(d.collective_bytes(kind))}" for kind in _KINDS
                      if d.collective_count(kind))
     out.append(f"collectives per training step (bytes this rank sends): {comm or 'none'}")
@@ -444,3 +483,58 @@ def _render(d: ShardingDescription) -> str:
 
 def _mb(nbytes: int) -> str:
     return f"{nbytes:,} B ({nbytes / 1e6:.2f} MB)"
+
+
+# ---------------------------------------------------------------------------- plan() (plan.py)
+def _planned_handle(model: nn.Module, module: nn.Module, fqn: str, world: int, strategy: ShardingStrategy,
+                    mixed_precision: Optional[MixedPrecision], ignored_modules: Iterable[nn.Module] = ()
+                    ) -> _HandleInfo:
+    """The handle ``fully_shard(module, strategy=..., mixed_precision=...)`` builds when each
+    module is annotated by its own call, children first, under ``model``'s root: ``fully_shard``'s
+    planning of ``module`` alone (its annotated children passed as ``ignored_modules``, whose
+    parameters it then does not own), placed in ``model``'s tree (its FQN, root or not, the
+    root's used-flags key)."""
+    info = _plan_handles(module, world, None, strategy, mixed_precision, list(ignored_modules))[id(module)]
+    return dataclasses.replace(info, fqn=fqn, is_root=module is model, flag_key=(id(model), info.flag_key[1]))
+
+
+def _planned_replicate_row(fqn: str, module: nn.Module, world: int, reduce_dtype: Optional[torch.dtype]) -> ModuleRow:
+    """The row :func:`_replicate_row` reads from ``replicate(module)``'s state, computed before
+    the call: its managed parameters (those requiring grad, once), one bucket per 25 MiB in
+    reverse registration order (the first closing at 1 MiB, as ``replicate._build_buckets``;
+    the count may change when buckets are rebuilt after the first backward, the bytes do not)."""
+    params = list(dict.fromkeys(p for p in module.parameters() if p.requires_grad))
+    bucket_bytes = sum(p.numel() * (reduce_dtype or p.dtype).itemsize for p in params)
+    buckets, open_bytes = 0, 0
+    for p in reversed(params):
+        open_bytes += p.numel() * (reduce_dtype or p.dtype).itemsize
+        if open_bytes >= (_REPLICATE_BUCKET_BYTES if buckets else _REPLICATE_FIRST_BUCKET_BYTES):
+            buckets, open_bytes = buckets + 1, 0
+    buckets += 1 if open_bytes else 0
+    flags = 1 if world > 1 else 0
+    collectives = {"all_reduce": (buckets + flags, bucket_bytes + flags * _STEP_BYTES * (len(params) + STEP_AGREEMENT_INTS))}
+    return _full_row(fqn, "replicate", "replicate", params, reduce_dtype, bucket_bytes, collectives)
+
+
+def _planned_description(model: nn.Module, world: int, handles: Dict[int, _HandleInfo],
+                         replicated: Dict[int, ModuleRow], replicated_params: Set[int]) -> ShardingDescription:
+    """What :func:`describe` reads from ``model`` once the planned handles (``fully_shard`` calls)
+    and ``replicate`` calls (their rows; ``replicated_params`` the ids of the parameters they
+    manage) are applied: rows in DFS order, fully_shard's used-flags all-reduces as
+    :func:`_description` counts them."""
+    flags = _description(model, world, True, handles, {}).flag_collectives
+    rows: List[ModuleRow] = []
+    for _, m in model.named_modules():
+        if id(m) in handles:
+            rows.append(_handle_row(handles[id(m)]))
+        if id(m) in replicated:
+            rows.append(replicated[id(m)])
+    owned = {i for h in handles.values() for i in h.owned} | replicated_params
+    unmanaged = [p for p in model.parameters() if id(p) not in owned]
+    if unmanaged:
+        rows.append(_full_row("(not managed)", "none", "local", unmanaged, None, 0, {}))
+    return ShardingDescription(world, True, tuple(rows), flags)
+
+
+_REPLICATE_BUCKET_BYTES = 25 * 1024 * 1024  # replicate's default bucket_cap_mb=25.0
+_REPLICATE_FIRST_BUCKET_BYTES = 1024 * 1024  # replicate's first bucket closes at 1 MiB

@@ -5,8 +5,8 @@ the argument checks (``_validation.check_fully_shard_arguments``), :func:`plan_f
 (the fully sharded modules, the called module plus the policy's targets, and which parameters
 each one's handle owns; raises on any bad input or annotation without touching the model),
 meta materialization (``param_init_fn`` may replace parameters, so they are collected again)
-and the move to ``device_id`` -- then agrees on the outcome with every rank (see [Note:
-Agreed refusals]). :func:`apply_plan` then synchronizes, flattens and hands each fully
+and the move to ``device_id`` -- then agrees on the outcome with every rank ([Note: Agreed
+refusals] in ``_data_parallel.py``). :func:`apply_plan` then synchronizes, flattens and hands each fully
 sharded module to the caller to register hooks.
 
 [Note: Shared parameters]
@@ -22,67 +22,46 @@ sharded module to the caller to register hooks.
   so that a call on a sibling or a descendant sees what earlier calls own.
 
 [Note: Meta materialization]
-  Without ``param_init_fn``, every managed module with meta tensors of its own gets them
-  replaced by empty tensors on the compute device (tied parameters stay tied) and then runs its
-  ``reset_parameters()`` once, in ``.modules()`` order. With ``param_init_fn``, the calls are
-  torch FSDP1's (read in torch 2.13): for each fully sharded module with meta tensors left in
-  its subtree, targets children first, ``param_init_fn(m)`` runs on every module ``m`` of the
-  subtree breadth-first, the fully sharded module first -- modules without tensors of their own
-  too -- not entering ignored modules, modules an earlier call fully sharded, or this call's
-  nested targets (materialized before). A rank without meta tensors (rank 0 of the
-  ``sync_module_states`` idiom) makes no call. ``m.to_empty(recurse=False)`` gives each
-  registration of a tied meta parameter a new tensor of its own; torch leaves them untied
-  (accelerate re-ties them in a wrapper), which would give ranks != 0 different handles from
-  rank 0's tied model, so :func:`_retie` ties them again, to the first registration's. The
-  handles flatten what is registered after the calls. A module with meta tensors and no
-  ``reset_parameters`` is refused before anything changes; meta tensors left raise, and the
-  model then has no fully_shard state, hook or class change (the init may have materialized
-  some).
-  Either init often reaches further than its module (a Hugging Face style
-  ``reset_parameters``, a ``param_init_fn`` that calls ``to_empty`` without ``recurse=False``
-  or re-initializes every submodule), and with hand annotation the children are already
-  sharded when their parent's init runs: their parameters are 1-D views into flat shards,
-  which the init would re-draw, zero, cut loose (``to_empty`` swaps ``.data``) or replace. So
-  every init call runs inside :func:`_init_keeping_initialized`, which puts back afterwards,
-  also on error, each tensor of the subtree (ignored ones aside) that was initialized before:
-  never on meta, a sharded child's, tied to an earlier module, or -- for ``reset_parameters``
-  -- materialized for an earlier module. Same object under each of its names, same ``.data``,
-  same value; a sharded child's replaced parameter put back is no model change for the watch.
-  For ``param_init_fn``, what the calls of the same fully sharded module materialized stays
-  free: torch calls it per module, so a later call may initialize again what an earlier one
-  reached (a ``to_empty()`` without ``recurse=False`` on the parent, then each child's own
-  init: keeping the parent's garbage would be silent). Such a tensor is never changed by two
-  inits (an init may still raise on a sharded child's 1-D view, e.g. a 2-D
-  ``kaiming_uniform_``), with one exception: the tensors of this call's nested targets
-  (materialized, not yet sharded) are put back by object and ``.data`` but not by value, since
-  copying them for each ancestor's call would double a meta-built model's memory; an init that
-  re-draws them in place leaves its draw. Only the other kept tensors are copied: in
-  breadth-first (``param_init_fn``) or ``.modules()`` (``reset_parameters``) order a module's
-  descendants are still on meta when it is initialized, so there are few.
-
-[Note: Agreed refusals]
-  A rank that raised alone would leave the others waiting in the call's first collective (the
-  ``sync_module_states`` broadcast, a hybrid group's creation) or in the first forward, until
-  the process group's timeout -- forever if the raising rank caught its error and went on.
-  So :func:`plan_agreed` catches any refusal up to its end and every rank of the call meets in
-  :func:`agree`: one ``exchange`` of six integers per group (the call's group; a hybrid call's
-  shard group, then its replicate group, which together reach every rank): the lowest
-  refusing global rank, and a digest of what ``sync_module_states`` will broadcast (names,
-  shapes, dtypes; ranks whose models differ would hang or mix up data in it). Only on a refusal
-  or a difference do more collectives follow (``all_gather_json`` of the error or layouts). A
-  refusing rank re-raises its own exception; the others raise one of the same type (builtin
-  ones; else ``RuntimeError``) naming the refusing rank and quoting its message. Ranks that did
-  not refuse may have materialized meta tensors by then; none applied fully_shard. Refusals
-  with nothing to agree in raise alone: torch.distributed not initialized, a process_group or
-  mesh that is no group holding this rank; ``@contract``'s checks (a module already managed by
-  fully_shard) run before, on each rank.
+  Without ``param_init_fn``, each managed module with meta tensors of its own gets them replaced
+  by empty tensors on the compute device (ties kept), then runs ``reset_parameters()`` once, in
+  ``.modules()`` order; a module with meta tensors and no ``reset_parameters`` is refused before
+  anything changes. With ``param_init_fn`` the calls are torch FSDP1's (read in torch 2.13): for
+  each fully sharded module with meta tensors left in its subtree, children first,
+  ``param_init_fn(m)`` runs on every module ``m`` of the subtree breadth-first, the fully sharded
+  module first (modules without tensors of their own too), not entering ignored modules, modules
+  an earlier call fully sharded, or this call's nested targets (materialized before). A rank
+  without meta tensors (rank 0 of the ``sync_module_states`` idiom) makes no call.
+  ``m.to_empty(recurse=False)`` gives each registration of a tied meta parameter a tensor of its
+  own; torch leaves them untied (accelerate re-ties them in a wrapper), which would give ranks
+  != 0 other handles than rank 0's tied model, so :func:`_retie` ties them again, to the first
+  registration's. The handles flatten what is registered after the calls. Meta tensors left
+  raise, and the model then has no fully_shard state, hook or class change (the init may have
+  materialized some).
+  Either init often reaches beyond its module (a Hugging Face style ``reset_parameters``, a
+  ``param_init_fn`` calling ``to_empty`` without ``recurse=False`` or re-initializing every
+  submodule), and with hand annotation the children are already sharded when their parent's
+  init runs: their parameters are 1-D views into flat shards, which the init would re-draw, zero,
+  cut loose (``to_empty`` swaps ``.data``) or replace. So each init call runs inside
+  :func:`_init_keeping_initialized`, which puts back afterwards, also on error, each tensor of
+  the subtree (ignored ones aside) initialized before -- never on meta, a sharded child's, tied
+  to an earlier module, or (for ``reset_parameters``) materialized for an earlier module -- as
+  the same object under each of its names, with the same ``.data`` and value; a sharded child's
+  replaced parameter put back is no model change for the watch. For ``param_init_fn``, what the
+  calls of one fully sharded module materialized stays free: torch calls it per module, so a
+  later call may initialize again what an earlier one reached (``to_empty()`` without
+  ``recurse=False`` on the parent, then each child's own init: keeping the parent's garbage
+  would be silent). No such tensor is changed by two inits (an init may still raise on a sharded
+  child's 1-D view, e.g. a 2-D ``kaiming_uniform_``), except the tensors of this call's nested
+  targets (materialized, not sharded yet): put back by object and ``.data`` but not by value,
+  since copying them for each ancestor's call would double a meta-built model's memory (an init
+  that re-draws them in place leaves its draw). Only the other kept tensors are copied, and
+  there are few: in breadth-first or ``.modules()`` order a module's descendants are still on
+  meta when it is initialized.
 """
 
 from __future__ import annotations
 
-import collections
 import functools
-import hashlib
 import os
 import weakref
 from dataclasses import dataclass, field
@@ -92,18 +71,19 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _apply_guard, _collectives
+from . import _apply_guard
 from ._common_utils import _FSDPState, _is_fsdp_flattened
-from ._data_parallel import broadcast_from_rank0, check_composition, normalize_device
+from ._data_parallel import (_expand_ignored_modules, _ignored_params, _join, _managed_modules, agreed, agreement_groups,
+                             broadcast_from_rank0, check_composition, normalize_device)
 from ._flat_param import FlatParamHandle
 from ._mixed_precision import full_precision_classes
-from ._traversal_utils import _composable, _get_fsdp_states
+from ._traversal_utils import _get_fsdp_states
 from .api import CPUOffload, MixedPrecision, ShardingStrategy
 from .contract import _check_fqns_unchanged, _fqn_snapshot, _get_module_state
 from ._validation import check_config, check_dense_gradients, check_fully_shard_arguments
 from .wrap import _as_policy
 
-__all__ = ["Plan", "plan_fully_shard", "plan_agreed", "agree", "apply_plan", "resolve_groups"]
+__all__ = ["Plan", "plan_fully_shard", "plan_agreed", "apply_plan", "resolve_groups"]
 
 _HYBRID = {ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2}
 _CONFIG_KEYS = ("strategy", "mixed_precision", "cpu_offload", "forward_prefetch", "backward_prefetch", "limit_all_gathers")
@@ -146,11 +126,7 @@ class Plan:
     @property
     def strategies(self) -> List[ShardingStrategy]:
         """The distinct strategies of the targets, in target order (same on every rank)."""
-        out: List[ShardingStrategy] = []
-        for t in self.targets:
-            if t.config["strategy"] not in out:
-                out.append(t.config["strategy"])
-        return out
+        return list(dict.fromkeys(t.config["strategy"] for t in self.targets))
 
 
 def plan_fully_shard(root: nn.Module, kwargs: Dict[str, Any]) -> Plan:
@@ -185,55 +161,6 @@ def _check_not_inside_initialized_root(root: nn.Module) -> None:
                 f"fully_shard({type(root).__name__}): an ancestor ({type(other).__name__}) is already fully sharded "
                 "and has run forward; fully_shard must be applied to children before their parents and before the "
                 "first forward. Annotate this module first, then its ancestors, on a fresh model.")
-
-
-def _expand_ignored_modules(root: nn.Module, ignored_modules: Optional[List[nn.Module]],
-                            ignored_states: Optional[List[Any]]) -> Set[nn.Module]:
-    """Ignored modules with their subtrees, plus every subtree another data-parallel API
-    (replicate) manages."""
-    tops: List[nn.Module] = list(ignored_modules or [])
-    tops.extend(s for s in ignored_states or [] if isinstance(s, nn.Module))
-    out: Set[nn.Module] = set()
-    for m in tops:
-        out.update(m.modules())
-    for m in root.modules():
-        if m is not root and not _composable(m):
-            out.update(m.modules())
-    return out
-
-
-def _ignored_params(ignored_modules: Set[nn.Module], ignored_states: Optional[List[Any]]) -> Set[nn.Parameter]:
-    params: Set[nn.Parameter] = set()
-    for m in ignored_modules:
-        params.update(m.parameters(recurse=False))
-    params.update(s for s in ignored_states or [] if isinstance(s, nn.Parameter))
-    return params
-
-
-def _managed_modules(top: nn.Module, ignored_modules: Set[nn.Module],
-                     post_order: bool = False) -> List[Tuple[str, nn.Module]]:
-    """``(fqn, module)`` of ``top``'s tree that a call on ``top`` manages: not ignored, not
-    inside a module an earlier call fully sharded; each module once, left to right; pre-order
-    (``.modules()`` order) or post-order (children before parents)."""
-    order: List[Tuple[str, nn.Module]] = []
-    seen: Set[int] = set()
-    stack: List[Tuple[str, nn.Module, bool]] = [("", top, False)]
-    while stack:
-        fqn, module, expanded = stack.pop()
-        if expanded:
-            order.append((fqn, module))
-            continue
-        if id(module) in seen or module in ignored_modules:
-            continue
-        if module is not top and _get_module_state(module, _FSDPState) is not None:
-            continue
-        seen.add(id(module))
-        if post_order:
-            stack.append((fqn, module, True))
-        else:
-            order.append((fqn, module))
-        stack.extend((_join(fqn, n), c, False) for n, c in reversed(list(module.named_children())))
-    return order
 
 
 def _select_targets(plan: Plan, policy: Any, config: Dict[str, Any]) -> List[_Target]:
@@ -385,7 +312,7 @@ def _ownership_error(root: nn.Module, fqn: str, owner: _Owner, walk: _Walk) -> V
     inside = walk.sharded.get(id(owner.module))
     if inside is not None:  # an annotated child shares it with the rest of this module
         owner_fqn = _join(inside, owner.fqn)
-        lca = _common_prefix(_module_of(owner_fqn), _module_of(fqn)) or "<root>"
+        lca = ".".join(os.path.commonprefix([owner_fqn.split(".")[:-1], fqn.split(".")[:-1]])) or "<root>"
         return ValueError(
             f"{api}: parameter {fqn!r} is the same nn.Parameter as {owner_fqn!r}, which the earlier "
             f"fully_shard({inside}) owns; a parameter can belong to one handle only. Their lowest common ancestor is "
@@ -406,23 +333,6 @@ def _ownership_error(root: nn.Module, fqn: str, owner: _Owner, walk: _Walk) -> V
         "them, or untie the parameter.")
 
 
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix and name else prefix or name
-
-
-def _module_of(param_fqn: str) -> str:
-    return param_fqn.rpartition(".")[0]
-
-
-def _common_prefix(a: str, b: str) -> str:
-    parts: List[str] = []
-    for x, y in zip(a.split("."), b.split(".")):
-        if x != y:
-            break
-        parts.append(x)
-    return ".".join(p for p in parts if p)
-
-
 # ---------------------------------------------------------------------------- meta materialization
 def _direct_meta(module: nn.Module, ignored_params: Set[nn.Parameter]) -> Iterator[Tuple[str, torch.Tensor]]:
     """The module's own meta parameters (not ignored) and meta buffers."""
@@ -437,13 +347,8 @@ def _direct_meta(module: nn.Module, ignored_params: Set[nn.Parameter]) -> Iterat
 def _check_meta_initializable(plan: Plan) -> None:
     """Without ``param_init_fn``: every module that first registers a meta tensor must have a
     ``reset_parameters()`` to initialize it (checked before anything changes)."""
-    seen: Set[int] = set()
-    missing: List[str] = []
-    for fqn, module in _managed_modules(plan.root, plan.ignored_modules):
-        firsts = [name for name, t in _direct_meta(module, plan.ignored_params) if id(t) not in seen]
-        seen.update(id(t) for _, t in _direct_meta(module, plan.ignored_params))
-        if firsts and not callable(getattr(module, "reset_parameters", None)):
-            missing.extend(f"{_join(fqn, name)!r} ({type(module).__name__})" for name in firsts)
+    missing = [f"{_join(fqn, name)!r} ({type(module).__name__})" for (fqn, module, name), *_
+               in _meta_registrations(plan).values() if not callable(getattr(module, "reset_parameters", None))]
     if missing:
         raise ValueError(
             f"fully_shard({type(plan.root).__name__}): {', '.join(missing)} are on the meta device and their modules "
@@ -465,44 +370,23 @@ def _materialize(plan: Plan) -> bool:
     return True
 
 
-def _meta_registrations(plan: Plan) -> Dict[int, List[Tuple[nn.Module, str]]]:
-    """id(meta tensor) -> every ``(module, name)`` it is registered under in the call's tree
-    (several for tied weights), in ``.modules()`` order."""
-    out: Dict[int, List[Tuple[nn.Module, str]]] = {}
-    for _, module in _managed_modules(plan.root, plan.ignored_modules):
+def _meta_registrations(plan: Plan) -> Dict[int, List[Tuple[str, nn.Module, str]]]:
+    """id(meta tensor) -> every ``(module FQN, module, name)`` it is registered under in the
+    call's tree (several for tied weights), in ``.modules()`` order."""
+    out: Dict[int, List[Tuple[str, nn.Module, str]]] = {}
+    for fqn, module in _managed_modules(plan.root, plan.ignored_modules):
         for name, t in _direct_meta(module, plan.ignored_params):
-            out.setdefault(id(t), []).append((module, name))
+            out.setdefault(id(t), []).append((fqn, module, name))
     return out
 
 
-def _modules_to_materialize(top: nn.Module, plan: Plan, stop: AbstractSet[int]) -> List[nn.Module]:
-    """``top``'s subtree breadth-first, ``top`` first, not entering ignored modules, modules an
-    earlier call fully sharded, or modules whose id is in ``stop`` (this call's nested targets,
-    materialized before). Torch's FSDP1 calls ``param_init_fn`` on these modules."""
-    order: List[nn.Module] = []
-    queue = collections.deque([top])
-    seen = {id(top)}
-    while queue:
-        module = queue.popleft()
-        order.append(module)
-        for child in module.children():
-            if (id(child) in seen or id(child) in stop or child in plan.ignored_modules
-                    or _get_module_state(child, _FSDPState) is not None):
-                continue
-            seen.add(id(child))
-            queue.append(child)
-    return order
-
-
 def _call_param_init_fn(plan: Plan, init_fn: Callable[[nn.Module], None]) -> None:
-    """``init_fn(m)`` on every module to materialize of every target that still has meta
-    tensors, targets children first. What a call may change: tensors that were on meta when
-    the target's first call began (a later call may initialize again what an earlier one
-    reached, as in torch); the others are put back, those of this call's nested targets by
-    object and ``.data`` only (see [Note: Meta materialization])."""
-    target_ids = {id(t.module) for t in plan.targets}
+    """``init_fn(m)`` as torch's FSDP1 calls it; each call may change only what was on meta
+    when its target's first call began (see [Note: Meta materialization])."""
     for target in plan.targets:
-        modules = _modules_to_materialize(target.module, plan, target_ids - {id(target.module)})
+        # breadth-first, as torch's FSDP1 calls it; this call's nested targets were materialized before
+        others = {t.module for t in plan.targets if t is not target}
+        modules = [m for _, m in _managed_modules(target.module, plan.ignored_modules | others, breadth_first=True)]
         if not any(True for m in modules for _ in _direct_meta(m, plan.ignored_params)):
             continue
         inside = {id(m) for m in target.module.modules()}
@@ -515,19 +399,17 @@ def _call_param_init_fn(plan: Plan, init_fn: Callable[[nn.Module], None]) -> Non
                                       only=initialized)
 
 
-def _retie(registrations: Dict[int, List[Tuple[nn.Module, str]]]) -> None:
-    """Make every registration of one meta tensor (tied weights) hold one tensor again.
-    ``to_empty(recurse=False)``, called per module, gives each registration a new tensor of its
-    own; the one kept is the first registration's (in ``.modules()`` order, the name
-    ``named_parameters()`` reports), so the model is tied as the model built off meta is."""
+def _retie(registrations: Dict[int, List[Tuple[str, nn.Module, str]]]) -> None:
+    """Make every registration of one meta tensor (tied weights) hold one tensor again: the
+    first registration's (the name ``named_parameters()`` reports), as off meta."""
     for places in registrations.values():
         if len(places) < 2:
             continue
-        current = [getattr(owner, name, None) for owner, name in places]
+        current = [getattr(owner, name, None) for _, owner, name in places]
         keep = next((t for t in current if isinstance(t, torch.Tensor) and not t.is_meta), None)
         if keep is None:
             continue  # nothing materialized it: _raise_if_meta_left names it
-        for (owner, name), t in zip(places, current):
+        for (_, owner, name), t in zip(places, current):
             if t is not keep:
                 setattr(owner, name, keep)
 
@@ -576,14 +458,11 @@ def _init_keeping_initialized(init: Callable[[], None], module: nn.Module, plan:
                               just_materialized: AbstractSet[int] = frozenset(),
                               by_reference: AbstractSet[int] = frozenset(),
                               only: Optional[AbstractSet[int]] = None) -> None:
-    """Run ``init()`` (``module.reset_parameters()`` or ``param_init_fn(module)``) so that it
-    changes only the tensors of ``module``'s subtree that are on meta or whose ids are in
-    ``just_materialized`` (or, if ``only`` is given, not in ``only``). Every other parameter and buffer of the subtree (ignored modules
-    and parameters aside; children sharded by earlier calls included) is put back afterwards,
-    also when ``init`` raises: the same object under each of its names (``init`` may have
-    registered new ones), its original ``.data`` (``to_empty`` swaps it, which would cut a
-    sharded parameter loose from its flat shard) and its value (in-place inits), except for
-    the tensors of modules whose ids are in ``by_reference``: object and ``.data`` only."""
+    """Run ``init()`` (``module.reset_parameters()`` or ``param_init_fn(module)``); afterwards,
+    also when it raises, put back every tensor of ``module``'s subtree (ignored ones aside) not
+    on meta, not in ``just_materialized`` and (if given) in ``only``: object under each of its
+    names, ``.data`` and value -- by object and ``.data`` only for modules whose ids are in
+    ``by_reference`` (see [Note: Meta materialization])."""
     snapshot = _snapshot(module, plan, just_materialized, by_reference, only)
     try:
         with _apply_guard.applying_during_init():
@@ -594,8 +473,6 @@ def _init_keeping_initialized(init: Callable[[], None], module: nn.Module, plan:
 
 def _snapshot(module: nn.Module, plan: Plan, just_materialized: AbstractSet[int],
               by_reference: AbstractSet[int] = frozenset(), only: Optional[AbstractSet[int]] = None) -> _Snapshot:
-    """Only the kept tensors are copied (in the single-call ``.modules()`` order a parent's
-    descendants are still on meta when it is reset, so there are few)."""
     kept: Dict[int, _Kept] = {}
     snapshot = _Snapshot()
     for sub in module.modules():
@@ -628,7 +505,7 @@ def _put_back(snapshot: _Snapshot) -> None:
             for owner, name in k.names:
                 if getattr(owner, name, None) is not k.tensor:
                     setattr(owner, name, k.tensor)
-            if not _same_view(k.tensor.data, k.data):
+            if not _apply_guard.same_view(k.tensor.data, k.data):
                 k.tensor.data = k.data
             if k.value is not None:
                 k.tensor.copy_(k.value)
@@ -641,13 +518,6 @@ def _put_back(snapshot: _Snapshot) -> None:
 def _registrations(module: nn.Module) -> _Registrations:
     return ([(n, id(p)) for n, p in module.named_parameters(recurse=False, remove_duplicate=False)],
             [(n, id(c)) for n, c in module.named_children()])
-
-
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """True if ``a`` and ``b`` view the same elements of the same storage."""
-    return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.device == b.device
-            and a.dtype == b.dtype and a.storage_offset() == b.storage_offset()
-            and a.shape == b.shape and a.stride() == b.stride())
 
 
 def _raise_if_meta_left(plan: Plan) -> None:
@@ -742,117 +612,44 @@ def _local_world_size() -> int:
     return local
 
 
-def _check_groups(strategy: ShardingStrategy, process_group: Any, mesh: Any) -> None:
-    """Raise what :func:`resolve_groups` would, creating no group (creating one is collective)."""
-    if strategy in _HYBRID and process_group is None and mesh is None:
-        _local_world_size()
-    else:
-        resolve_groups(strategy, process_group, mesh)
-
-
 # ---------------------------------------------------------------------------- agreed refusals
 def plan_agreed(module: nn.Module, kwargs: Dict[str, Any]) -> Plan:
     """Check the arguments, plan, materialize and move: everything of ``fully_shard`` before its
     first collective, each refusal agreed by every rank of the call (see [Note: Agreed
-    refusals]). Returns the plan, ready for :func:`apply_plan`."""
-    groups = _agreement_groups(kwargs["process_group"], kwargs["mesh"])
-    if groups is None:  # nothing to agree in: the checks raise alone, as on one process
-        return _plan_and_prepare(module, kwargs)
-    api = f"fully_shard({type(module).__name__})"
-    try:
-        plan = _plan_and_prepare(module, kwargs)
-    except Exception as e:
-        agree(api, groups, e, None)
-        raise
-    agree(api, groups, None, _sync_layout(plan))
-    return plan
+    refusals] in ``_data_parallel.py``). Returns the plan, ready for :func:`apply_plan`."""
+    return agreed(f"fully_shard({type(module).__name__})", agreement_groups(kwargs["process_group"], kwargs["mesh"]),
+                  functools.partial(_plan_and_prepare, module, kwargs), lambda plan: [
+                      [name, list(t.shape), str(t.dtype)] for name, t in _sync_tensors(plan)
+                  ] if plan.sync_module_states else None, applied="fully_shard",
+                  what="ranks disagree on what sync_module_states broadcasts from rank 0 (names, shapes and dtypes "
+                  "must match; a model built on the meta device elsewhere is fine)", tag="fully_shard::init",
+                  digest_first=True)
 
 
 def _plan_and_prepare(module: nn.Module, kwargs: Dict[str, Any]) -> Plan:
     kwargs = check_fully_shard_arguments(module, kwargs)
     plan = plan_fully_shard(module, kwargs)
-    for strategy in plan.strategies:
-        _check_groups(strategy, kwargs["process_group"], kwargs["mesh"])
+    for strategy in plan.strategies:  # raise what resolve_groups will, creating no group (that is collective)
+        if strategy in _HYBRID and kwargs["process_group"] is None and kwargs["mesh"] is None:
+            _local_world_size()
+        else:
+            resolve_groups(strategy, kwargs["process_group"], kwargs["mesh"])
     before = _fqn_snapshot([module])
     if _materialize(plan):
         _assign_params(plan)  # the handles flatten what is registered now
         _check_fqns_unchanged(f"fully_shard({type(module).__name__}) (its param_init_fn)", before,
                               _fqn_snapshot([module]))
     if plan.device_id is not None:
-        offloaded = {id(p) for t in plan.targets if _offloads(t) for p in t.params}  # never on the device whole
+        offloaded = {id(p) for t in plan.targets if (t.config["cpu_offload"] or CPUOffload()).offload_params
+                     for p in t.params}  # never on the device whole
         for _, m in _managed_modules(plan.root, plan.ignored_modules):
-            _move_module_tensors(m, plan.device_id, keep=offloaded)
+            for p in m.parameters(recurse=False):
+                if p.device != plan.device_id and id(p) not in offloaded:
+                    p.data = p.data.to(plan.device_id)
+            for name, b in list(m.named_buffers(recurse=False)):
+                if b.device != plan.device_id:
+                    setattr(m, name, b.to(plan.device_id))
     return plan
-
-
-def _agreement_groups(process_group: Any, mesh: Any) -> Optional[List[Optional[dist.ProcessGroup]]]:
-    """The groups the call's ranks agree in (None: the default group), shard group first;
-    None when there is none: torch.distributed not initialized, or process_group/mesh not a
-    group or mesh holding this rank (the argument checks then raise on this rank alone)."""
-    if not (dist.is_available() and dist.is_initialized()) or (process_group is not None and mesh is not None):
-        return None
-    groups: List[Optional[dist.ProcessGroup]]
-    if mesh is not None:
-        from torch.distributed.device_mesh import DeviceMesh
-
-        if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2) or mesh.get_coordinate() is None:
-            return None
-        groups = [mesh.get_group(d) for d in reversed(range(mesh.ndim))]
-    elif isinstance(process_group, tuple):
-        groups = list(process_group) if len(process_group) == 2 else []
-    else:
-        groups = [process_group]
-    if not groups or any(g is not None and (not isinstance(g, dist.ProcessGroup) or dist.get_rank(g) < 0)
-                         for g in groups):
-        return None
-    return groups
-
-
-_TAG = "fully_shard::init"
-# Exception types rebuilt on the ranks that did not refuse (any other type: RuntimeError).
-_REBUILT = {e.__name__: e for e in (ValueError, TypeError, RuntimeError, NotImplementedError, KeyError,
-                                    AttributeError, IndexError, AssertionError)}
-
-
-def agree(api: str, groups: List[Optional[dist.ProcessGroup]], error: Optional[Exception],
-          layout: Optional[List[Any]]) -> None:
-    """One exchange of a few integers per group: every rank learns whether a rank refused
-    (``error``) and whether the ``layout`` s (what ``sync_module_states`` broadcasts) match.
-    If a rank refused, a rank that did not raises the lowest refusing rank's error, naming it
-    (the refusing ranks return, to raise their own); on different layouts every rank raises."""
-    me = dist.get_rank()
-    failed, differs, digest = (me if error is not None else -1), 0, _digest(layout)
-    for group in groups:
-        rows = _collectives.exchange([failed, differs, *digest], group, tag=_TAG)
-        known = [row[0] for row in rows if row[0] >= 0]
-        failed = min(known) if known else -1
-        differs = int(any(row[1] or row[2:] != rows[0][2:] for row in rows))
-    if failed >= 0:
-        rank, kind, message = _first_error(groups, me, error)
-        if error is None:
-            raise rebuilt_error(api, rank, kind, message, "fully_shard")
-        add_note = getattr(error, "add_note", None)  # Python >= 3.11
-        if add_note is not None:
-            add_note(f"{api}: refused on rank {me}; every rank of the call raises, none applied fully_shard.")
-        return
-    if differs:
-        raise RuntimeError(_describe_layouts(api, groups, layout))
-
-
-def rebuilt_error(api: str, rank: int, kind: str, message: str, applied: str) -> Exception:
-    """The error a rank that did not refuse raises for rank ``rank``'s ``kind: message``."""
-    return _REBUILT.get(kind, RuntimeError)(f"{api}: rank {rank} refused, so every rank raises and none applied "
-                                            f"{applied}. Rank {rank}'s error ({kind}): {message}")
-
-
-def _first_error(groups: List[Optional[dist.ProcessGroup]], me: int, error: Optional[Exception]) -> List[Any]:
-    """``[global rank, type name, message]`` of the lowest refusing rank, on every rank."""
-    record: Optional[List[Any]] = [me, type(error).__name__, str(error)] if error is not None else None
-    for group in groups:
-        everyone = [r for r in _collectives.all_gather_json(record, group, tag=_TAG) if r is not None]
-        record = min(everyone, key=lambda r: int(r[0])) if everyone else record
-    assert record is not None  # the exchange said a rank refused, and its record travels the same way
-    return record
 
 
 def _sync_tensors(plan: Plan) -> List[Tuple[str, torch.Tensor]]:
@@ -866,49 +663,16 @@ def _sync_tensors(plan: Plan) -> List[Tuple[str, torch.Tensor]]:
     return out
 
 
-def _sync_layout(plan: Plan) -> Optional[List[Any]]:
-    if not plan.sync_module_states:
-        return None
-    return [[name, list(t.shape), str(t.dtype)] for name, t in _sync_tensors(plan)]
-
-
-def _digest(layout: Optional[List[Any]]) -> List[int]:
-    """Four int64 words of a hash of ``layout`` (and whether there is one)."""
-    digest = hashlib.sha256(repr(layout).encode()).digest()
-    return [int.from_bytes(digest[i:i + 8], "little", signed=True) for i in range(0, 32, 8)]
-
-
-def _describe_layouts(api: str, groups: List[Optional[dist.ProcessGroup]], mine: Optional[List[Any]]) -> str:
-    """The first difference between two ranks' layouts (every rank gathers them in every group)."""
-    found: Optional[str] = None
-    for group in groups:
-        everyone = _collectives.all_gather_json(mine, group, tag=_TAG)
-        ranks = [dist.get_global_rank(group, r) if group is not None else r for r in range(len(everyone))]
-        for rank, theirs in zip(ranks[1:], everyone[1:]):
-            if found is None and theirs != everyone[0]:
-                found = _first_difference(ranks[0], everyone[0], rank, theirs)
-    return (f"{api}: ranks disagree on what sync_module_states broadcasts from rank 0, which would hang or "
-            f"mix up data; none applied fully_shard. {found or 'Another pair of ranks differs (see their error).'}")
-
-
-def _first_difference(a: int, first: Optional[List[Any]], b: int, theirs: Optional[List[Any]]) -> str:
-    if first is None or theirs is None:
-        return (f"Rank {a} passed sync_module_states={first is not None}, rank {b} "
-                f"sync_module_states={theirs is not None}: pass the same value on every rank.")
-    k = next(k for k in range(max(len(first), len(theirs)) + 1) if first[k:k + 1] != theirs[k:k + 1])
-    return (f"Rank {a} has {first[k] if k < len(first) else 'nothing'} where rank {b} has "
-            f"{theirs[k] if k < len(theirs) else 'nothing'} ([name, shape, dtype] of parameter or buffer {k}). Build "
-            "the same model on every rank (built on the meta device elsewhere is fine: names, shapes and dtypes "
-            "must match).")
-
-
 # ---------------------------------------------------------------------------- apply
 def apply_plan(plan: Plan, root_state: _FSDPState, groups: Dict[ShardingStrategy, _Groups],
                make_state: Callable[[], _FSDPState], finish_target: Callable[[nn.Module, _FSDPState], None]) -> None:
     """Mutate the plan :func:`plan_agreed` prepared (materialized, moved to ``device_id``):
     synchronize from rank 0, then build each target's state and handle, children first, and
     hand it to ``finish_target``. ``groups`` maps each of ``plan.strategies``."""
-    _sync_module_states(plan, groups[plan.targets[-1].config["strategy"]])
+    root_groups = groups[plan.targets[-1].config["strategy"]]
+    if plan.sync_module_states:
+        broadcast_from_rank0([t for _, t in _sync_tensors(plan)], [root_groups.replicate, root_groups.shard],
+                             plan.compute_device, tag="sync_module_states")
     for target in plan.targets:
         state = root_state if target.module is plan.root else make_state()
         target_groups = groups[target.config["strategy"]]
@@ -942,24 +706,3 @@ def _fill_state(state: _FSDPState, target: _Target, plan: Plan, groups: _Groups)
     state.ignored_modules = plan.ignored_modules
     state.reshard_after_backward = cfg["strategy"] is not ShardingStrategy.NO_SHARD
 
-
-def _offloads(target: _Target) -> bool:
-    offload = target.config["cpu_offload"]
-    return offload is not None and bool(offload.offload_params)
-
-
-def _move_module_tensors(module: nn.Module, device: torch.device, keep: AbstractSet[int] = frozenset()) -> None:
-    """Parameters (except those whose id is in ``keep``) and buffers of ``module`` to ``device``."""
-    for p in module.parameters(recurse=False):
-        if p.device != device and id(p) not in keep:
-            p.data = p.data.to(device)
-    for name, b in list(module.named_buffers(recurse=False)):
-        if b.device != device:
-            setattr(module, name, b.to(device))
-
-
-def _sync_module_states(plan: Plan, groups: _Groups) -> None:
-    if not plan.sync_module_states:
-        return
-    broadcast_from_rank0([t for _, t in _sync_tensors(plan)], [groups.replicate, groups.shard], plan.compute_device,
-                         tag="sync_module_states")

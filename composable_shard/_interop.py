@@ -49,6 +49,7 @@ import torch.nn as nn
 
 from . import _collectives
 from ._torch_compat import FOREACH_NORM as _FOREACH_NORM, as_plain, plain_torch_function
+from ._tree_utils import convert
 
 __all__ = ["ShardedGrad", "PartialNorm", "as_sharded_grad", "ForeignWrapperGuard"]
 
@@ -166,24 +167,15 @@ def _stackable(items: Any) -> bool:
 
 
 def _stack_partials(items: Sequence[torch.Tensor]) -> PartialNorm:
-    sources: List[_Source] = []
-    order = 0.0
-    for t in items:
-        if isinstance(t, PartialNorm):
-            sources.extend(t._cs_sources)
-            order = t._cs_ord
-        else:
-            sources.append(None)
-    stacked = torch.stack([as_plain(t) for t in items])
-    return _make_partial(stacked, tuple(sources), order)
+    """One partial norm of the stacked ``items`` (see :func:`_stackable`); a plain one has no source."""
+    sources = [source for t in items for source in (t._cs_sources if isinstance(t, PartialNorm) else (None,))]
+    order = next(t._cs_ord for t in items if isinstance(t, PartialNorm))
+    return _make_partial(torch.stack([as_plain(t) for t in items]), tuple(sources), order)
 
 
 def _resolve_all(value: Any) -> Any:
-    if isinstance(value, PartialNorm):
-        return _resolve(value)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_resolve_all(v) for v in value)
-    return value
+    """``value`` with every partial norm in it resolved (see :func:`_resolve`)."""
+    return convert(value, lambda t: _resolve(t) if isinstance(t, PartialNorm) else t)
 
 
 def _resolve(partial: PartialNorm) -> torch.Tensor:
@@ -206,16 +198,10 @@ def _resolve(partial: PartialNorm) -> torch.Tensor:
                                "reduced over was destroyed; clip before dist.destroy_process_group.")
         index = torch.tensor(members, device=flat.device)
         contribution = _to_sum_space(flat.index_select(0, index).to(device=device, dtype=torch.float32), order)
-        _collectives.all_reduce(contribution, group, tag="torch_clip_grad_norm", op=_reduce_op(order),
-                                hint=_CLIP_HINT).wait()
+        op = dist.ReduceOp.SUM if not math.isinf(order) else dist.ReduceOp.MAX if order > 0 else dist.ReduceOp.MIN
+        _collectives.all_reduce(contribution, group, tag="torch_clip_grad_norm", op=op, hint=_CLIP_HINT).wait()
         out.index_copy_(0, index, _from_sum_space(contribution, order).to(device=flat.device, dtype=flat.dtype))
     return out.reshape(local.shape)
-
-
-def _reduce_op(order: float) -> Any:
-    if math.isinf(order):
-        return dist.ReduceOp.MAX if order > 0 else dist.ReduceOp.MIN
-    return dist.ReduceOp.SUM
 
 
 def _to_sum_space(norms: torch.Tensor, order: float) -> torch.Tensor:

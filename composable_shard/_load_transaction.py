@@ -57,7 +57,7 @@ from .contract import _STATE_KEY
 from ._torch_compat import tensor_slots, unwrap_compiled
 
 __all__ = ["is_distributed", "rank_of", "from_rank", "agree_or_raise", "transaction", "Transaction", "transactional",
-           "model_group", "before_final_agreement"]
+           "model_group", "before_final_agreement", "state_entries"]
 
 T = TypeVar("T")
 
@@ -100,11 +100,6 @@ def from_rank(message: str, src: int, group: Optional[dist.ProcessGroup] = None)
     return bytes(buffer.tolist()).decode()
 
 
-def _agreed_error(api: str, kind: str, message: str, src: int) -> Exception:
-    text = message[len(api) + 2:] if message.startswith(f"{api}: ") else message
-    return _KEPT_TYPES.get(kind, RuntimeError)(f"{api}: {text}" if src == 0 else f"{api}: rank {src}: {text}")
-
-
 def agree_or_raise(error: Any, api: str, group: Optional[dist.ProcessGroup] = None) -> None:
     """Collective over ``group``: return if no rank has an error, else raise on every rank the
     same exception: the lowest failing rank's message (an exception or a non-empty string),
@@ -123,7 +118,8 @@ def agree_or_raise(error: Any, api: str, group: Optional[dist.ProcessGroup] = No
         kind, _, message = from_rank(f"{kind}\n{message}" if rank_of(group) == src else "", src, group).partition("\n")
     elif not failed:
         return
-    agreed = _agreed_error(api, kind, message, src)
+    text = message[len(api) + 2:] if message.startswith(f"{api}: ") else message
+    agreed = _KEPT_TYPES.get(kind, RuntimeError)(f"{api}: {text}" if src == 0 else f"{api}: rank {src}: {text}")
     if isinstance(error, BaseException) and rank_of(group) == src:
         raise agreed from error
     raise agreed
@@ -179,14 +175,24 @@ class _Snapshot:
             self.storages.append((live, live.clone()))
 
 
+def state_entries(module: nn.Module, prefix: str = "") -> Iterator[Tuple[str, str, Optional[torch.Tensor]]]:
+    """``(key, name, live tensor)`` for each entry ``module.state_dict()`` holds of ``module``
+    itself (``name`` in its slots); extra state: ``(prefix + "_extra_state", "_extra_state", None)``."""
+    for _, name, value, saved in tensor_slots(module):
+        if saved and value is not None:
+            yield prefix + name, name, value
+    if type(module).get_extra_state is not nn.Module.get_extra_state:
+        yield prefix + "_extra_state", "_extra_state", None
+
+
 def _take_model(snapshot: _Snapshot, module: nn.Module) -> None:
     for m in module.modules():
-        for slots, name, value, saved in tensor_slots(m):
-            snapshot.slots.append((slots, name, value))
-            if isinstance(value, torch.Tensor) and saved:
+        snapshot.slots.extend((slots, name, value) for slots, name, value, _ in tensor_slots(m))
+        for _, _, value in state_entries(m):
+            if value is None:
+                snapshot.extra_states.append((m, copy.deepcopy(m.get_extra_state())))
+            else:
                 snapshot.keep(value)
-        if type(m).get_extra_state is not nn.Module.get_extra_state:
-            snapshot.extra_states.append((m, copy.deepcopy(m.get_extra_state())))
     for handle in _get_fsdp_handles(module):  # the shards themselves (their storage is the parameters')
         for group in handle.groups:
             snapshot.keep(group.flat_param)
@@ -320,7 +326,6 @@ def model_group(module: Any) -> Tuple[bool, Optional[dist.ProcessGroup]]:
     ``(False, None)`` if it has none with more than one rank (a plain module: a local load)."""
     if not is_distributed() or not isinstance(module, nn.Module):
         return False, None
-    rank_sets: Dict[Tuple[int, ...], Optional[dist.ProcessGroup]] = {}
     world = tuple(range(dist.get_world_size()))
     groups: List[Optional[dist.ProcessGroup]] = []
     for state in _get_fsdp_states(module):
@@ -332,15 +337,11 @@ def model_group(module: Any) -> Tuple[bool, Optional[dist.ProcessGroup]]:
         rstate = m.__dict__.get(_STATE_KEY, {}).get("replicate")  # by name: replicate.py imports this file
         if rstate is not None and getattr(rstate, "world_size", 1) > 1:
             groups.append(rstate.process_group)
-    for group in groups:
-        ranks = world if group is None else tuple(dist.get_process_group_ranks(group))
-        rank_sets.setdefault(ranks, group)
-    if not rank_sets:
-        return False, None
-    if len(rank_sets) == 1:
-        ranks, group = next(iter(rank_sets.items()))
-        return True, None if ranks == world else group
-    return True, None
+    rank_sets = {world if g is None else tuple(dist.get_process_group_ranks(g)): g for g in reversed(groups)}  # first wins
+    if len(rank_sets) != 1:
+        return bool(rank_sets), None
+    ((ranks, group),) = rank_sets.items()
+    return True, None if ranks == world else group
 
 
 def transactional(api: str, *, model: bool, optim: bool) -> Callable[[Callable[..., T]], Callable[..., T]]:

@@ -29,21 +29,21 @@ from __future__ import annotations
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from . import _collectives
 from ._sharded_tensor import ShardedSlice
-from ._state_dict import Managed, full_values, global_rank, local_slice, managed_params
-from ._load_transaction import transactional
+from ._state_dict import Managed, check_get_flags, local_slice, managed_params, on_cpu
+from ._load_transaction import is_distributed, rank_of, transactional
 from ._torch_compat import unwrap_compiled
+from ._tree_utils import convert
+from ._unshard_params import check_module, gather_flat, local_flat, param_views
 
 __all__ = ["get_optimizer_state_dict", "set_optimizer_state_dict", "param_groups_by_fqn", "sharded_optim_views"]
 
 
 def _check(api: str, module: Any, optim: Any) -> None:
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"{api}: module must be an nn.Module, got {type(module).__name__}")
+    check_module(api, module)
     if not isinstance(optim, torch.optim.Optimizer):
         raise TypeError(f"{api}: optim must be a torch.optim.Optimizer, got {type(optim).__name__}")
 
@@ -69,17 +69,12 @@ def _param_names(api: str, module: nn.Module, optim: torch.optim.Optimizer) -> T
 
 
 def _copied(value: Any) -> Any:
-    """``value`` with every tensor in it (in tuples, lists, dicts) copied."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if type(value) in (tuple, list):
-        return type(value)(_copied(v) for v in value)
-    if type(value) is dict:
-        return {k: _copied(v) for k, v in value.items()}
-    return value
+    """``value`` with every tensor in it (in tuples, lists, dicts, dataclasses) copied."""
+    return convert(value, lambda t: t.detach().clone())
 
 
 def _groups(optim: torch.optim.Optimizer, fqns: List[str]) -> List[Dict[str, Any]]:
+    """``optim``'s ``param_groups``, hyper-parameters copied, each listing its parameters' FQNs."""
     groups = []
     position = 0
     for group in optim.param_groups:
@@ -110,14 +105,10 @@ def _init_state(optim: torch.optim.Optimizer) -> None:
     for p in params:
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
-    saved = []
-    for group in optim.param_groups:
-        lr = group.get("lr")
-        saved.append(lr)
-        if isinstance(lr, torch.Tensor):
-            group["lr"] = torch.zeros_like(lr)
-        elif lr is not None:
-            group["lr"] = 0.0
+    saved = [group.get("lr") for group in optim.param_groups]
+    for group, lr in zip(optim.param_groups, saved):
+        if lr is not None:
+            group["lr"] = torch.zeros_like(lr) if isinstance(lr, torch.Tensor) else 0.0
     try:
         optim.step()
     finally:
@@ -152,24 +143,15 @@ def get_optimizer_state_dict(module: nn.Module, optim: torch.optim.Optimizer, *,
         rank0_only: (full only) ranks other than 0 take part and get ``{}``.
     """
     module = unwrap_compiled(module)  # torch.compile's wrapper: the names without its prefix
-    api = "get_optimizer_state_dict"
-    _check(api, module, optim)
-    for name, flag in (("full", full), ("cpu_offload", cpu_offload), ("rank0_only", rank0_only)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{api}: {name} must be a bool, got {flag!r}")
-    if rank0_only and not full:
-        raise ValueError(f"{api}: rank0_only=True needs full=True (a sharded state dict is per rank).")
-    fqns, managed = _param_names(api, module, optim)
-    _init_state(optim)
-    dropped = rank0_only and global_rank() != 0  # takes part in the gathers, keeps nothing
-    state = _state_by_fqn(optim, fqns, managed, full=full, cpu_offload=cpu_offload, copy=not dropped)
+    _check("get_optimizer_state_dict", module, optim)
+    check_get_flags("get_optimizer_state_dict", full, cpu_offload, rank0_only)
+    dropped = rank0_only and rank_of() != 0  # takes part in the gathers, keeps nothing
+    osd = _by_fqn(module, optim, full=full, cpu_offload=cpu_offload, copy=not dropped)
     if dropped:
         return {}
-    groups = _groups(optim, fqns)
     if cpu_offload:
-        state = {f: {k: v.cpu() if isinstance(v, torch.Tensor) and not isinstance(v, ShardedSlice) else v
-                     for k, v in s.items()} for f, s in state.items()}
-    return {"state": state, "param_groups": groups}
+        osd["state"] = {f: on_cpu(s) for f, s in osd["state"].items()}
+    return osd
 
 
 def sharded_optim_views(module: nn.Module, optim: torch.optim.Optimizer) -> Dict[str, Any]:
@@ -178,20 +160,19 @@ def sharded_optim_views(module: nn.Module, optim: torch.optim.Optimizer) -> Dict
     place without a copy of the rank's state (what the checkpoint functions use). Not public:
     the values change with training (see the module docstring)."""
     module = unwrap_compiled(module)
-    api = "get_optimizer_state_dict"
-    _check(api, module, optim)
-    fqns, managed = _param_names(api, module, optim)
+    _check("get_optimizer_state_dict", module, optim)
+    return _by_fqn(module, optim, full=False, cpu_offload=False, copy=False)
+
+
+def _by_fqn(module: nn.Module, optim: torch.optim.Optimizer, *, full: bool, cpu_offload: bool,
+            copy: bool) -> Dict[str, Any]:
+    """The state dict, its state created first (see the module docstring). A sharded
+    parameter's slice-shaped states: gathered into new full tensors (``full``), else a
+    :class:`ShardedSlice` over the rank's elements (copied if ``copy``, else a view). Every
+    other value (``step``, a whole parameter's state) is copied if ``copy``, else the
+    optimizer's own."""
+    fqns, managed = _param_names("get_optimizer_state_dict", module, optim)
     _init_state(optim)
-    return {"state": _state_by_fqn(optim, fqns, managed, full=False, cpu_offload=False, copy=False),
-            "param_groups": _groups(optim, fqns)}
-
-
-def _state_by_fqn(optim: torch.optim.Optimizer, fqns: List[str], managed: Dict[str, Managed], *, full: bool,
-                  cpu_offload: bool, copy: bool) -> Dict[str, Dict[str, Any]]:
-    """Each parameter's state by FQN. A sharded parameter's slice-shaped states: gathered into
-    new full tensors (``full``), else a :class:`ShardedSlice` over the rank's elements (copied
-    if ``copy``, else a view). Every other value (``step``, a whole parameter's state) is
-    copied if ``copy``, else the optimizer's own."""
     params = [p for g in optim.param_groups for p in g["params"]]
     state: Dict[str, Dict[str, Any]] = {}
     for fqn, p in zip(fqns, params):
@@ -209,11 +190,11 @@ def _state_by_fqn(optim: torch.optim.Optimizer, fqns: List[str], managed: Dict[s
                     local = local.cpu()  # a new tensor already
                 elif copy:
                     local = local.clone()
-                entries[name] = ShardedSlice(local, where.param_range[0], where.shape, where.state.world_size)
+                entries[name] = where.sharded(local)
         state[fqn] = entries
     if full:
         _gather_states(state, managed, params, fqns)
-    return state
+    return {"state": state, "param_groups": _groups(optim, fqns)}
 
 
 _OPTIM_HINT = _collectives.collective_call_hint(
@@ -228,9 +209,8 @@ def _gather_states(state: Dict[str, Dict[str, Any]], managed: Dict[str, Managed]
     per flat group and state name, in an order every rank agrees on."""
     local_kinds = {f: sorted((k, str(v.dtype)) for k, v in state.get(f, {}).items() if _is_sliced(v, p))
                    for f, p in zip(fqns, params) if f in managed}
-    world = dist.is_available() and dist.is_initialized()
     everyone = (_collectives.all_gather_json(local_kinds, None, tag="optim_state_kinds", hint=_OPTIM_HINT)
-                if world else [local_kinds])
+                if is_distributed() else [local_kinds])
     kinds: Dict[str, Dict[str, str]] = {}
     for per_rank in everyone:
         for f, pairs in per_rank.items():
@@ -249,7 +229,9 @@ def _gather_states(state: Dict[str, Dict[str, Any]], managed: Dict[str, Managed]
             for index, f in members.items():
                 value = state.get(f, {}).get(name)
                 locals_[index] = value if isinstance(value, torch.Tensor) else None
-            fulls = full_values(where.state, group, locals_, dtype, tag=f"optim_state:{name}", hint=_OPTIM_HINT)
+            full = gather_flat(where.state, local_flat(group, locals_, dtype), group.padded_numel,
+                               f"optim_state:{name}", _OPTIM_HINT)
+            fulls = [v.clone() for v in param_views(group, full)]
             for index, f in members.items():
                 if name in kinds[f]:
                     state.setdefault(f, {})[name] = fulls[index]
@@ -282,10 +264,8 @@ def set_optimizer_state_dict(module: nn.Module, optim: torch.optim.Optimizer, st
         raise ValueError(f"{api}: the state dict has {len(saved_groups)} param_groups, the optimizer "
                          f"{len(optim.param_groups)}")
     index_of = {f: i for i, f in enumerate(fqns)}
-    position, local_groups = 0, []
-    for i, (saved, group) in enumerate(zip(saved_groups, optim.param_groups)):
-        mine = fqns[position:position + len(group["params"])]
-        position += len(group["params"])
+    local_groups = []
+    for i, (saved, mine) in enumerate(zip(saved_groups, (group["params"] for group in _groups(optim, fqns)))):
         theirs = list(saved.get("params", []))
         if set(theirs) != set(mine):
             raise ValueError(f"{api}: param_groups[{i}] holds {sorted(set(theirs) ^ set(mine))} in only one of the "

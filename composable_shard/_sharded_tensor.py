@@ -40,6 +40,7 @@ FSDP2). Any other tensor operation raises: the value is not a full tensor.
 
 from __future__ import annotations
 
+import math
 from typing import Any, List, Sequence, Tuple
 
 import torch
@@ -62,9 +63,7 @@ def part_numel(shape: Sequence[int], world_size: int) -> int:
     shape = tuple(int(d) for d in shape)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    numel = 1
-    for d in shape:
-        numel *= d
+    numel = math.prod(shape)
     if not shape or numel == 0:
         return max(numel, 1)
     row = numel // shape[0]
@@ -103,9 +102,7 @@ def boxes_of_range(shape: Sequence[int], start: int, end: int) -> List[Box]:
     """The boxes that the flattened elements ``[start, end)`` of a row-major tensor of
     ``shape`` form, in order; each as ``(offsets, sizes, flat_start)``."""
     shape = tuple(int(d) for d in shape)
-    numel = 1
-    for d in shape:
-        numel *= d
+    numel = math.prod(shape)
     if not 0 <= start <= end <= numel:
         raise ValueError(f"range [{start}, {end}) outside a tensor of {numel} elements")
     if start == end:
@@ -193,10 +190,9 @@ class ShardedSlice(DCPTensorHooks, torch.Tensor):
     def dcp_write_items(self, fqn: str) -> List[WriteItem]:
         """DCP's write items for this rank's boxes of the tensor saved as ``fqn``."""
         properties = TensorProperties(dtype=self.dtype)
-        return [WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
-                                                      properties=properties, size=self.shape))
-                for offsets, sizes, _ in self.boxes]
+        return [WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=self.shape))
+                for chunk in self.dcp_chunk_list()]
 
     def dcp_chunk_list(self) -> List[ChunkStorageMetadata]:
         """This rank's boxes, as DCP's chunks."""
@@ -206,9 +202,6 @@ class ShardedSlice(DCPTensorHooks, torch.Tensor):
         """The box at ``index.offset`` over exactly its bytes of this rank's storage (no copy)."""
         for offsets, sizes, flat in self.boxes:
             if index.offset is not None and tuple(index.offset) == offsets:
-                numel = 1
-                for d in sizes:
-                    numel *= d
-                box = self.local[flat - self.start:flat - self.start + numel].view(sizes)
+                box = self.local[flat - self.start:flat - self.start + math.prod(sizes)].view(sizes)
                 return _same_memory_exact_storage(box)
         raise ValueError(f"{index.fqn}: this rank holds no box at offsets {index.offset}")

@@ -53,7 +53,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Set, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from . import _collectives
@@ -62,19 +61,25 @@ from ._flat_param import FlatGroup
 from ._shard_math import param_offsets
 from ._sharded_tensor import ShardedSlice
 from ._traversal_utils import _get_fsdp_handles, _get_fsdp_states
-from ._load_transaction import transactional
-from ._torch_compat import tensor_slots, unwrap_compiled
-from ._unshard_params import check_between_steps
+from ._load_transaction import rank_of, state_entries, transactional
+from ._torch_compat import unwrap_compiled
+from ._unshard_params import check_between_steps, check_module, gather_flat
+from ._validation import check_bool
 from .api import FullStateDictConfig, ShardedStateDictConfig, StateDictType
 
 __all__ = ["state_dict_type", "get_model_state_dict", "set_model_state_dict", "register_state_dict_hooks",
-           "check_model_state_dict", "managed_params", "Managed", "full_values", "global_rank", "register_buffer_dtypes",
-           "sharded_model_views", "owned", "live_storages"]
+           "check_model_state_dict", "managed_params", "Managed", "local_slice", "register_buffer_dtypes",
+           "sharded_model_views", "check_get_flags", "on_cpu"]
 
 _REGISTRY_KEY = "_composable_shard_state_dict"  # in a registration module's __dict__: {param name: Managed}
 _BUFFER_DTYPES_KEY = "_composable_shard_buffer_dtypes"  # in a module's __dict__: {buffer name: dtype before buffer_dtype}
 _OWNER_KEY = "_composable_shard_state_dict_owner"  # in an owner's __dict__: its _FSDPState
 _HOOKED_KEY = "_composable_shard_sd_hooks"  # in a module's __dict__: True once it carries the hooks below
+_STATE_DICT_HINT = _collectives.collective_call_hint(
+    "Taking a full state dict (`state_dict()`, `get_model_state_dict`, Hugging Face's `save_pretrained`)",
+    "To write it from one rank, call it on every rank and write on one: "
+    "`model.save_pretrained(path, is_main_process=rank == 0)` on every rank, or "
+    "`get_model_state_dict(model, rank0_only=True)` on every rank and `torch.save` on rank 0.")
 
 
 class Managed(NamedTuple):
@@ -99,6 +104,10 @@ class Managed(NamedTuple):
         """This rank's elements (a view of the flat shard)."""
         s = self.group.flat_param._shard_slices[self.param_index]
         return self.group.flat_param.data[s.shard_start:s.shard_start + s.numel]
+
+    def sharded(self, local: torch.Tensor) -> ShardedSlice:
+        """``local``, elements laid out like :attr:`local`, as a slice of the parameter's global shape."""
+        return ShardedSlice(local, self.param_range[0], self.shape, self.state.world_size)
 
 
 @dataclass
@@ -136,10 +145,7 @@ _CONTEXTS: "weakref.WeakKeyDictionary[nn.Module, List[Tuple[StateDictType, Any]]
 
 
 def _calls() -> List[_Call]:
-    calls: Optional[List[_Call]] = getattr(_LOCAL, "calls", None)
-    if calls is None:
-        calls = _LOCAL.calls = []
-    return calls
+    return _LOCAL.__dict__.setdefault("calls", [])  # type: ignore[no-any-return]  # threading.local's own dict
 
 
 def _enter(module: nn.Module, prefix: str, keep_vars: bool) -> _Call:
@@ -167,14 +173,6 @@ def _leave(call: _Call) -> None:
         calls.remove(call)
 
 
-def _has_sd_hooks(module: nn.Module) -> bool:
-    return bool(module.__dict__.get(_HOOKED_KEY))
-
-
-def global_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 # ---------------------------------------------------------------------------- registration
 def register_state_dict_hooks(state: _FSDPState) -> None:
     """Install the hooks of [Note: State dict hooks] for ``state``'s handle (called once by
@@ -186,19 +184,12 @@ def register_state_dict_hooks(state: _FSDPState) -> None:
     _install_hooks(owner)
     for group in (handle.groups if handle is not None else []):
         for module, _, name, index in group.registrations():
-            _registry(module)[name] = Managed(state, group, index)
-
-
-def _registry(module: nn.Module) -> Dict[str, Managed]:
-    registry = module.__dict__.get(_REGISTRY_KEY)
-    if registry is None:
-        registry = module.__dict__[_REGISTRY_KEY] = {}
-        _install_hooks(module)
-    return registry  # type: ignore[no-any-return]
+            module.__dict__.setdefault(_REGISTRY_KEY, {})[name] = Managed(state, group, index)
+            _install_hooks(module)
 
 
 def _install_hooks(module: nn.Module) -> None:
-    if _has_sd_hooks(module):
+    if module.__dict__.get(_HOOKED_KEY):
         return
     module.__dict__[_HOOKED_KEY] = True
     module.register_state_dict_pre_hook(_pre_state_dict)
@@ -238,8 +229,7 @@ def state_dict_type(module: nn.Module, state_dict_type: StateDictType,
         state_dict_config: a :class:`FullStateDictConfig` / :class:`ShardedStateDictConfig`
             matching the type (default: the type's defaults).
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"state_dict_type: module must be an nn.Module, got {type(module).__name__}")
+    check_module("state_dict_type", module)
     if not isinstance(state_dict_type, StateDictType):
         raise TypeError(f"state_dict_type: expected a StateDictType, got {state_dict_type!r}")
     expected = FullStateDictConfig if state_dict_type is StateDictType.FULL_STATE_DICT else ShardedStateDictConfig
@@ -285,12 +275,6 @@ def _close_context(modules: List[nn.Module], hooks: List[Any]) -> None:
         hook.remove()
 
 
-def _config(state: _FSDPState) -> Tuple[StateDictType, Any]:
-    if state.state_dict_config is None:
-        return state.state_dict_type, FullStateDictConfig()
-    return state.state_dict_type, state.state_dict_config
-
-
 # ---------------------------------------------------------------------------- saving
 def _pre_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
     call = _enter(module, prefix, keep_vars)
@@ -298,7 +282,7 @@ def _pre_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
     if state is None or state.handle is None:
         return
     check_between_steps([state], "state_dict()")
-    if _config(state)[0] is StateDictType.FULL_STATE_DICT:
+    if state.state_dict_type is StateDictType.FULL_STATE_DICT:
         call.sessions[id(state.handle)] = _Session()
 
 
@@ -325,17 +309,16 @@ def _post_state_dict(module: nn.Module, state_dict: Dict[str, Any], prefix: str,
 
 
 def _save_entry(state_dict: Dict[str, Any], key: str, m: Managed, session: _Session, call: _Call) -> None:
-    kind, config = _config(m.state)
+    kind, config = m.state.state_dict_type, m.state.state_dict_config or FullStateDictConfig()  # None: the defaults
     if kind is StateDictType.SHARDED_STATE_DICT:
         local = m.local.detach()
-        if config.offload_to_cpu and local.device.type != "cpu":
-            local = local.cpu()
-        state_dict[key] = ShardedSlice(local, m.param_range[0], m.shape, m.state.world_size)
+        state_dict[key] = m.sharded(local.cpu() if config.offload_to_cpu else local)
         return
-    if config.rank0_only and global_rank() != 0:
+    if config.rank0_only and rank_of() != 0:
         if id(m.group) not in session.gathered:  # take part in the all-gather, keep nothing
-            _gather_flat(m.state, m.group.flat_param.data, m.group.padded_numel, tag=f"state_dict:{m.state.describe()}",
-                         out=_scratch(call, m.group.flat_param.data, m.group.padded_numel, m.state.compute_device))
+            shard, numel = m.group.flat_param.data, m.group.padded_numel
+            gather_flat(m.state, shard, numel, f"state_dict:{m.state.describe()}", _STATE_DICT_HINT,
+                        _scratch(call, shard, numel, m.state.compute_device))
             session.gathered[id(m.group)] = None
         del state_dict[key]
         return
@@ -352,7 +335,8 @@ def _full_value(m: Managed, session: _Session) -> torch.Tensor:
         return cached
     full = session.gathered.get(id(m.group))
     if full is None:
-        full = _gather_flat(m.state, m.group.flat_param.data, m.group.padded_numel, tag=f"state_dict:{m.state.describe()}")
+        full = gather_flat(m.state, m.group.flat_param.data, m.group.padded_numel, f"state_dict:{m.state.describe()}",
+                           _STATE_DICT_HINT)
         session.gathered[id(m.group)] = full
     fp = m.group.flat_param
     start = param_offsets(fp._numels)[m.param_index]
@@ -379,7 +363,7 @@ def _scratch(call: _Call, like: torch.Tensor, numel: int, device: torch.device) 
 
 # ---------------------------------------------------------------------------- ownership
 def _pre_owned_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-    if not _has_sd_hooks(module):  # else _pre_state_dict, which ran first, counted it in
+    if not module.__dict__.get(_HOOKED_KEY):  # else _pre_state_dict, which ran first, counted it in
         _enter(module, prefix, keep_vars)
 
 
@@ -395,10 +379,10 @@ def _post_owned_state_dict(module: nn.Module, state_dict: Dict[str, Any], prefix
         for key, live in _own_entries(module, prefix):
             if key not in state_dict:
                 continue
-            if config.rank0_only and global_rank() != 0:
+            if config.rank0_only and rank_of() != 0:
                 del state_dict[key]
             elif not call.keep_vars:
-                state_dict[key] = owned(state_dict[key], {t.untyped_storage().data_ptr() for t in live}, call.owned)
+                state_dict[key] = owned(state_dict[key], live_storages(live), call.owned)
     finally:
         _leave(call)
 
@@ -406,12 +390,11 @@ def _post_owned_state_dict(module: nn.Module, state_dict: Dict[str, Any], prefix
 def _own_entries(module: nn.Module, prefix: str) -> Iterator[Tuple[str, List[torch.Tensor]]]:
     """``module``'s own state-dict keys, each with the live tensors its value may alias."""
     registry = managed_params(module)  # parameter names only
-    for _, name, t, saved in tensor_slots(module):
-        if saved and t is not None:
-            m = registry.get(name)
-            yield prefix + name, [t] if m is None else [t, m.group.flat_param]
-    if type(module).get_extra_state is not nn.Module.get_extra_state:
-        yield prefix + "_extra_state", [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+    for key, name, t in state_entries(module, prefix):
+        if t is None:  # extra state
+            yield key, [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        else:
+            yield key, [t] if name not in registry else [t, registry[name].group.flat_param]
 
 
 def owned(value: Any, live: Set[int], memo: Dict[Tuple[Any, ...], torch.Tensor]) -> Any:
@@ -428,45 +411,7 @@ def owned(value: Any, live: Set[int], memo: Dict[Tuple[Any, ...], torch.Tensor])
     copy = memo.get(key)
     if copy is None:
         copy = memo[key] = source.detach().clone()
-    if isinstance(value, ShardedSlice):
-        return ShardedSlice(copy, value.start, value.shape, value.world_size)
-    return copy
-
-
-_STATE_DICT_HINT = _collectives.collective_call_hint(
-    "Taking a full state dict (`state_dict()`, `get_model_state_dict`, Hugging Face's `save_pretrained`)",
-    "To write it from one rank, call it on every rank and write on one: "
-    "`model.save_pretrained(path, is_main_process=rank == 0)` on every rank, or "
-    "`get_model_state_dict(model, rank0_only=True)` on every rank and `torch.save` on rank 0.")
-
-
-def _gather_flat(state: _FSDPState, shard: torch.Tensor, padded_numel: int, tag: str,
-                 out: Optional[torch.Tensor] = None, hint: str = _STATE_DICT_HINT) -> torch.Tensor:
-    """The padded full flat tensor whose chunk ``rank`` is ``shard`` on each rank of the shard
-    group (``shard`` itself for a group of one), in ``out`` if given. ``hint``: the advice of
-    the error raised if a rank never joins (see :func:`_collectives.collective_call_hint`)."""
-    if state.world_size == 1:
-        return shard
-    if shard.device != state.compute_device:  # offloaded shards: collectives run on the compute device
-        shard = shard.to(state.compute_device)
-    full = torch.empty(padded_numel, dtype=shard.dtype, device=shard.device) if out is None else out
-    _collectives.all_gather_into(full, shard.contiguous(), state.process_group, tag=tag, hint=hint).wait()
-    return full
-
-
-def full_values(state: _FSDPState, group: FlatGroup, local_values: List[Optional[torch.Tensor]],
-                dtype: torch.dtype, tag: str, hint: str) -> List[torch.Tensor]:
-    """Full tensors of per-parameter local slices laid out like ``group``'s shard (e.g. an
-    optimizer state): one all-gather for the group. ``None`` contributes zeros. ``hint`` names
-    the calling API for the error if a rank never joins (as for :func:`_gather_flat`)."""
-    fp = group.flat_param
-    local = torch.zeros(fp.numel(), dtype=dtype, device=fp.device)
-    for value, s in zip(local_values, fp._shard_slices):
-        if value is not None and s.numel:
-            local[s.shard_start:s.shard_start + s.numel].copy_(value.reshape(-1))
-    full = _gather_flat(state, local, group.padded_numel, tag, hint=hint)
-    offsets = param_offsets(fp._numels)
-    return [full[o:o + n].view(shape).clone() for o, n, shape in zip(offsets, fp._numels, fp._shapes)]
+    return ShardedSlice(copy, value.start, value.shape, value.world_size) if isinstance(value, ShardedSlice) else copy
 
 
 # ---------------------------------------------------------------------------- loading
@@ -485,17 +430,13 @@ def local_slice(m: Managed, key: str, value: Any) -> torch.Tensor:
         return value.elements(start, end) if end > start else value.local[:0]
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"{key}: expected a tensor, got {type(value).__name__}")
-    value = _full_tensor(value)
+    from torch.distributed.tensor import DTensor  # deferred: importing DTensor is slow and seldom needed
+
+    value = value.full_tensor() if isinstance(value, DTensor) else value
     if tuple(value.shape) != tuple(m.shape):
         raise ValueError(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from checkpoint, "
                          f"the shape in current model is {tuple(m.shape)}.")
     return value.reshape(-1)[start:end]
-
-
-def _full_tensor(value: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor  # deferred: importing DTensor is slow and seldom needed
-
-    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 def _pre_load_state_dict(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any,
@@ -523,15 +464,11 @@ def _expected_entries(module: nn.Module) -> Dict[str, _Expected]:
     """The keys ``module.state_dict()`` produces, with each entry's full shape and dtype."""
     entries: Dict[str, _Expected] = {}
     for path, m in module.named_modules(remove_duplicate=False):
-        prefix = path + "." if path else ""
         registry = managed_params(m)
         cast = m.__dict__.get(_BUFFER_DTYPES_KEY, {})  # state dicts hold these in their original dtype
-        for _, name, t, saved in tensor_slots(m):  # registry: parameter names; cast: buffer names
-            if saved and t is not None:
-                entries[prefix + name] = _Expected(registry[name].shape if name in registry else t.shape,
-                                                   cast.get(name, t.dtype))
-        if type(m).get_extra_state is not nn.Module.get_extra_state:
-            entries[prefix + "_extra_state"] = _Expected(None, None)
+        for key, name, t in state_entries(m, path + "." if path else ""):  # registry: parameter names; cast: buffers'
+            entries[key] = _Expected(None, None) if t is None else _Expected(
+                registry[name].shape if name in registry else t.shape, cast.get(name, t.dtype))
     return entries
 
 
@@ -585,30 +522,37 @@ def get_model_state_dict(module: nn.Module, *, full: bool = True, cpu_offload: b
         rank0_only: (full only) ranks other than 0 take part and get ``{}``.
     """
     module = unwrap_compiled(module)  # torch.compile's wrapper: the names without its prefix
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"get_model_state_dict: module must be an nn.Module, got {type(module).__name__}")
-    for name, flag in (("full", full), ("cpu_offload", cpu_offload), ("rank0_only", rank0_only)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"get_model_state_dict: {name} must be a bool, got {flag!r}")
-    if rank0_only and not full:
-        raise ValueError("get_model_state_dict: rank0_only=True needs full=True (a sharded state dict is per rank).")
+    check_module("get_model_state_dict", module)
+    check_get_flags("get_model_state_dict", full, cpu_offload, rank0_only)
     if full:
         kind, config = StateDictType.FULL_STATE_DICT, FullStateDictConfig(cpu_offload, rank0_only)
     else:
         kind, config = StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(cpu_offload)  # type: ignore[assignment]
     with state_dict_type(module, kind, config):
         sd = module.state_dict()  # full: owned by the context's hooks (see [Note: State dicts own their tensors])
-    if rank0_only and global_rank() != 0:
+    if rank0_only and rank_of() != 0:
         return {}
     if not full:  # views of the shards and buffers: copied
         flat_params = [fp for h in _get_fsdp_handles(module) for fp in h.flat_params]
         live = live_storages(module.parameters(), module.buffers(), flat_params)
         memo: Dict[Tuple[Any, ...], torch.Tensor] = {}
         sd = type(sd)((k, owned(v, live, memo)) for k, v in sd.items())
-    if cpu_offload:
-        sd = type(sd)((k, v.cpu() if isinstance(v, torch.Tensor) and not isinstance(v, ShardedSlice) else v)
-                      for k, v in sd.items())
-    return sd  # type: ignore[no-any-return]
+    return on_cpu(sd) if cpu_offload else sd  # type: ignore[no-any-return]
+
+
+def check_get_flags(api: str, full: Any, cpu_offload: Any, rank0_only: Any) -> None:
+    """The flags of :func:`get_model_state_dict` and ``get_optimizer_state_dict``."""
+    for name, flag in (("full", full), ("cpu_offload", cpu_offload), ("rank0_only", rank0_only)):
+        check_bool(api, name, flag)
+    if rank0_only and not full:
+        raise ValueError(f"{api}: rank0_only=True needs full=True (a sharded state dict is per rank).")
+
+
+def on_cpu(entries: Mapping[str, Any]) -> Any:
+    """``entries`` (of its own mapping type) with every tensor but a ``ShardedSlice`` (made on
+    the CPU already) moved to the CPU."""
+    moved = ((k, v.cpu() if isinstance(v, torch.Tensor) and not isinstance(v, ShardedSlice) else v) for k, v in entries.items())
+    return type(entries)(moved)  # type: ignore[call-arg]  # a dict type
 
 
 def sharded_model_views(module: nn.Module) -> Dict[str, Any]:
@@ -640,9 +584,7 @@ def set_model_state_dict(module: nn.Module, state_dict: Mapping[str, Any], *, st
     The model never keeps a tensor of ``state_dict`` (values are copied in).
     """
     module = unwrap_compiled(module)  # torch.compile's wrapper: the names without its prefix
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"set_model_state_dict: module must be an nn.Module, got {type(module).__name__}")
-    if not isinstance(strict, bool):
-        raise TypeError(f"set_model_state_dict: strict must be a bool, got {strict!r}")
+    check_module("set_model_state_dict", module)
+    check_bool("set_model_state_dict", "strict", strict)
     check_model_state_dict(module, state_dict, strict, check_dtype=True, api="set_model_state_dict")
     return nn.Module.load_state_dict(module, state_dict, strict=strict)

@@ -33,20 +33,14 @@ def tensors_in(obj: Any, owner: str) -> List[torch.Tensor]:
             stack.extend(item.values())
         elif dataclasses.is_dataclass(item) and not isinstance(item, type):
             stack.extend(getattr(item, f.name) for f in dataclasses.fields(item))
-        elif _holds_tensors(item):
+        elif isinstance(getattr(item, "__dict__", None), dict) and any(
+                isinstance(v, torch.Tensor) for v in item.__dict__.values()):
             raise TypeError(
                 f"{owner} returned a {type(item).__qualname__} holding tensors, which fully_shard cannot "
                 "traverse to run its backward hooks. Return tensors in a tuple, list, dict, namedtuple or "
                 "dataclass instead."
             )
     return out
-
-
-def _holds_tensors(item: Any) -> bool:
-    attributes = getattr(item, "__dict__", None)
-    if not isinstance(attributes, dict):
-        return False
-    return any(isinstance(v, torch.Tensor) for v in attributes.values())
 
 
 def convert(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -23,12 +23,13 @@ from . import _collectives
 from ._common_utils import HandleTrainingState, TrainingState, _FSDPState
 from ._flat_param import FlatGroup, FlatParamHandle, set_grad_of_any_shape
 from ._runtime_utils import recover_interrupted_backward
+from ._shard_math import param_offsets
 from ._torch_compat import is_in_backward
 from ._validation import check_bool
 from ._traversal_utils import _get_fsdp_states
 from .contract import _get_module_state
 
-__all__ = ["unshard_params", "check_between_steps"]
+__all__ = ["unshard_params", "check_between_steps", "check_module", "gather_flat", "local_flat", "param_views"]
 
 
 @dataclass
@@ -64,8 +65,10 @@ def unshard_params(module: nn.Module, *, recurse: bool = True, writeback: bool =
         offload_to_cpu: full parameters are CPU copies (edits still written back).
         with_grads: also expose full gradients as ``.grad`` (``None`` where no rank has one).
     """
-    _check_arguments(module, recurse=recurse, writeback=writeback, rank0_only=rank0_only,
-                     offload_to_cpu=offload_to_cpu, with_grads=with_grads)
+    check_module("unshard_params", module)
+    for name, flag in (("recurse", recurse), ("writeback", writeback), ("rank0_only", rank0_only),
+                       ("offload_to_cpu", offload_to_cpu), ("with_grads", with_grads)):
+        check_bool("unshard_params", name, flag)
     if rank0_only and writeback:
         raise NotImplementedError("unshard_params(writeback=True, rank0_only=True) is not supported: ranks other "
                                   "than 0 have no full parameters to write back. Use writeback=False with rank0_only.")
@@ -103,11 +106,10 @@ def _check_no_unsynced_views(states: List[_FSDPState]) -> None:
                                "backward first.")
 
 
-def _check_arguments(module: nn.Module, **flags: bool) -> None:
+def check_module(api: str, module: Any) -> None:
+    """``TypeError`` naming ``api`` unless ``module`` is an ``nn.Module``."""
     if not isinstance(module, nn.Module):
-        raise TypeError(f"unshard_params: module must be an nn.Module, got {type(module).__name__}")
-    for name, value in flags.items():
-        check_bool("unshard_params", name, value)
+        raise TypeError(f"{api}: module must be an nn.Module, got {type(module).__name__}")
 
 
 def check_between_steps(states: List[_FSDPState], what: str = "unshard_params/summon_full_params") -> None:
@@ -145,15 +147,8 @@ _UNSHARD_HINT = _collectives.collective_call_hint(
 
 def _gather(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup, writeback: bool, with_grads: bool) -> _Summoned:
     shard = handle.on_compute_device(group.flat_param.data)
-    padded = group.padded_numel
-    if state.world_size == 1:
-        full = shard
-        saved = None if writeback else shard.clone()
-    else:
-        full = torch.empty(padded, dtype=shard.dtype, device=shard.device)
-        _collectives.all_gather_into(full, shard, state.process_group, tag=f"summon:{handle.fqn}",
-                                     hint=_UNSHARD_HINT).wait()
-        saved = None
+    full = gather_flat(state, shard, group.padded_numel, f"summon:{handle.fqn}", _UNSHARD_HINT)
+    saved = shard.clone() if full is shard and not writeback else None  # one rank: edits land in the shard
     saved_grads = [p.grad for p in group.orig_params]
     full_grad, on_some_rank = _gather_grad(state, handle, group) if with_grads else (None, [])
     return _Summoned(state, handle, group, full, saved, full_grad, on_some_rank, saved_grads)
@@ -162,38 +157,59 @@ def _gather(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup, writeb
 def _gather_grad(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup) -> Tuple[Optional[torch.Tensor], List[bool]]:
     """The padded full gradient of ``group`` (this rank's ``.grad`` slices, zeros where a
     parameter has none), and per parameter whether some rank has a ``.grad``."""
-    shard = group.flat_param.data
     has = torch.tensor([p.grad is not None for p in group.orig_params], dtype=torch.int32, device=handle.compute_device)
     if state.world_size > 1:
         _collectives.all_reduce(has, state.process_group, tag="summon_has_grad", hint=_UNSHARD_HINT).wait()
     on_some_rank = [bool(v) for v in has.tolist()]
     if not any(on_some_rank):
         return None, on_some_rank
-    local = torch.zeros_like(shard)
-    for p, s in zip(group.orig_params, group.flat_param._shard_slices):
-        if p.grad is not None and s.numel > 0:
-            local[s.shard_start:s.shard_start + s.numel].copy_(p.grad.reshape(-1))
+    local = local_flat(group, [p.grad for p in group.orig_params], group.flat_param.dtype)
+    return gather_flat(state, local, group.padded_numel, f"summon_grad:{handle.fqn}", _UNSHARD_HINT), on_some_rank
+
+
+def gather_flat(state: _FSDPState, shard: torch.Tensor, padded_numel: int, tag: str, hint: str,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The padded full flat tensor whose chunk ``rank`` is ``shard`` on each rank of the shard
+    group (``shard`` itself for a group of one), in ``out`` if given: the one full-precision
+    gather of ``unshard_params`` and of model and optimizer state dicts. ``hint``: the advice
+    of the error raised if a rank never joins (see :func:`_collectives.collective_call_hint`)."""
     if state.world_size == 1:
-        return local, on_some_rank
-    local = handle.on_compute_device(local)
-    full = torch.empty(group.padded_numel, dtype=local.dtype, device=local.device)
-    _collectives.all_gather_into(full, local, state.process_group, tag=f"summon_grad:{handle.fqn}",
-                                 hint=_UNSHARD_HINT).wait()
-    return full, on_some_rank
+        return shard
+    if shard.device != state.compute_device:  # offloaded shards: collectives run on the compute device
+        shard = shard.to(state.compute_device)
+    full = torch.empty(padded_numel, dtype=shard.dtype, device=shard.device) if out is None else out
+    _collectives.all_gather_into(full, shard.contiguous(), state.process_group, tag=tag, hint=hint).wait()
+    return full
+
+
+def local_flat(group: FlatGroup, values: Sequence[Optional[torch.Tensor]], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor laid out like ``group``'s shard holding ``values``, each original parameter's
+    slice on this rank (``None``: zeros), e.g. its ``.grad`` or an optimizer state."""
+    fp = group.flat_param
+    local = torch.zeros(fp.numel(), dtype=dtype, device=fp.device)
+    for value, s in zip(values, fp._shard_slices):
+        if value is not None and s.numel:
+            local[s.shard_start:s.shard_start + s.numel].copy_(value.reshape(-1))
+    return local
+
+
+def param_views(group: FlatGroup, full: torch.Tensor) -> List[torch.Tensor]:
+    """Each original parameter of ``group``, in its shape, as a view of ``full`` (padded full flat)."""
+    fp = group.flat_param
+    return [full[o:o + n].view(shape) for o, n, shape in zip(param_offsets(fp._numels), fp._numels, fp._shapes)]
 
 
 def _expose(item: _Summoned, rank0_only: bool, offload_to_cpu: bool) -> None:
     if rank0_only and item.state.rank != 0:
         return
-    fp = item.group.flat_param
     full = item.full.cpu() if offload_to_cpu and item.full.device.type != "cpu" else item.full
-    pieces = torch.split(full[: fp._unpadded_unsharded_size.numel()], list(fp._numels))
-    grad_pieces = torch.split(item.full_grad[: fp._unpadded_unsharded_size.numel()], list(fp._numels)) if item.full_grad is not None else None
-    for i, (p, shape) in enumerate(zip(item.group.orig_params, fp._shapes)):
+    pieces = param_views(item.group, full)
+    grad_pieces = param_views(item.group, item.full_grad) if item.full_grad is not None else None
+    for i, p in enumerate(item.group.orig_params):
         p.grad = None  # a sharded grad would not match the full shape; restored on exit
-        p.data = pieces[i].view(shape)
+        p.data = pieces[i]
         if grad_pieces is not None and item.grad_on_some_rank[i]:
-            p.grad = grad_pieces[i].view(shape).to(p.device)
+            p.grad = grad_pieces[i].to(p.device)
     item.offloaded = full is not item.full
     item.handle.full_params_exposed = True
 
@@ -204,7 +220,8 @@ def _restore(item: _Summoned, writeback: bool) -> None:
         # Edits landed in the CPU copy: bring them back into the gathered buffer first.
         full_cpu = torch.cat([p.data.reshape(-1) for p in group.orig_params])
         item.full[: full_cpu.numel()].copy_(full_cpu)
-    if writeback and item.state.world_size > 1:
+    if writeback and (item.state.world_size > 1 or item.full.data_ptr() != fp.data.data_ptr()):
+        # One rank computing on a copy of an offloaded shard: the edits are in the copy too.
         start = item.state.rank * fp.numel()
         fp.data.copy_(item.full[start:start + fp.numel()])
     if item.saved_shard is not None:

@@ -27,6 +27,12 @@ def check_bool(api: str, name: str, value: Any) -> None:
         raise TypeError(f"{api}: {name} must be a bool (True or False), got {type(value).__name__} ({value!r})")
 
 
+def _check_type(api: str, name: str, value: Any, types: Any, accepted: str, hint: str = "") -> None:
+    """``TypeError`` unless ``value`` is None or one of ``types`` (``accepted`` names them)."""
+    if value is not None and not isinstance(value, types):
+        raise TypeError(f"{api}: {name} must be {accepted}, got {type(value).__name__} ({value!r}){hint}")
+
+
 def check_real(api: str, name: str, value: Any) -> float:
     """``TypeError`` unless ``value`` is a real number (not a bool); ``ValueError`` for NaN."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -84,17 +90,13 @@ def check_device_id(api: str, device_id: Any) -> None:
 def check_mixed_precision(api: str, mixed_precision: Any) -> None:
     """A :class:`MixedPrecision` (or None) whose dtypes are floating ``torch.dtype``s and whose
     flags are bools."""
+    hint = "; build one with MixedPrecision(**your_dict)" if isinstance(mixed_precision, dict) else ""
+    _check_type(api, "mixed_precision", mixed_precision, MixedPrecision, "a composable_shard.MixedPrecision or None", hint)
     if mixed_precision is None:
         return
-    if not isinstance(mixed_precision, MixedPrecision):
-        hint = "; build one with MixedPrecision(**your_dict)" if isinstance(mixed_precision, dict) else ""
-        raise TypeError(f"{api}: mixed_precision must be a composable_shard.MixedPrecision or None, got "
-                        f"{type(mixed_precision).__name__} ({mixed_precision!r}){hint}")
     for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
         dtype = getattr(mixed_precision, name)
-        if dtype is not None and not isinstance(dtype, torch.dtype):
-            raise TypeError(f"{api}: mixed_precision.{name} must be a torch.dtype or None, got "
-                            f"{type(dtype).__name__} ({dtype!r})")
+        _check_type(api, f"mixed_precision.{name}", dtype, torch.dtype, "a torch.dtype or None")
         if dtype is not None and not dtype.is_floating_point:
             raise ValueError(f"{api}: mixed_precision.{name} must be a floating-point dtype, got {dtype}")
     for name in ("keep_low_precision_grads", "cast_forward_inputs", "cast_root_forward_inputs"):
@@ -150,9 +152,8 @@ def _check_mesh(api: str, mesh: Any) -> None:
         return
     from torch.distributed.device_mesh import DeviceMesh
 
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"{api}: mesh must be a torch.distributed.device_mesh.DeviceMesh (1-D, or 2-D (replicate, "
-                        f"shard) for hybrid strategies) or None, got {type(mesh).__name__} ({mesh!r})")
+    _check_type(api, "mesh", mesh, DeviceMesh, "a torch.distributed.device_mesh.DeviceMesh (1-D, or 2-D (replicate, "
+                "shard) for hybrid strategies) or None")
 
 
 def check_config(api: str, config: Dict[str, Any]) -> None:
@@ -162,15 +163,10 @@ def check_config(api: str, config: Dict[str, Any]) -> None:
         raise TypeError(f"{api}: strategy must be a ShardingStrategy (e.g. ShardingStrategy.FULL_SHARD), got "
                         f"{type(strategy).__name__} ({strategy!r})")
     check_mixed_precision(api, config["mixed_precision"])
-    offload = config["cpu_offload"]
-    if offload is not None and not isinstance(offload, CPUOffload):
-        raise TypeError(f"{api}: cpu_offload must be a CPUOffload or None, got {type(offload).__name__} ({offload!r})")
-    if offload is not None:
-        check_bool(api, "cpu_offload.offload_params", offload.offload_params)
-    prefetch = config["backward_prefetch"]
-    if prefetch is not None and not isinstance(prefetch, BackwardPrefetch):
-        raise TypeError(f"{api}: backward_prefetch must be a BackwardPrefetch or None, got "
-                        f"{type(prefetch).__name__} ({prefetch!r})")
+    _check_type(api, "cpu_offload", config["cpu_offload"], CPUOffload, "a CPUOffload or None")
+    if config["cpu_offload"] is not None:
+        check_bool(api, "cpu_offload.offload_params", config["cpu_offload"].offload_params)
+    _check_type(api, "backward_prefetch", config["backward_prefetch"], BackwardPrefetch, "a BackwardPrefetch or None")
     for name in ("forward_prefetch", "limit_all_gathers"):
         check_bool(api, name, config[name])
     # [Note: limit_all_gathers]  torch's FSDP1 rate-limits all-gathers because it frees unsharded

@@ -186,7 +186,13 @@ class _Frame:
             else:
                 self.module.forward(*args, **kwargs)  # not module(...): see [Note: Hook order]
         self.check_recomputed(captured)
-        return dict(enumerate(captured))
+        recomputed = dict(enumerate(captured))
+        # [Note: Recomputation graph]  The recomputation's own graph holds ``unpack`` and so this
+        # list; a tensor of it that outlives the backward (a key/value cache entry the forward
+        # stored outside) would keep every recomputed activation alive. Emptying the list leaves
+        # them to ``self.recomputed``, which gives each away once.
+        captured.clear()
+        return recomputed
 
     def check_recomputed(self, captured: List[torch.Tensor]) -> None:
         name = type(self.module).__name__

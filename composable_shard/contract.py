@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, Generic, List, Optional, Sequence, Type,
 import torch.nn as nn
 from typing_extensions import ParamSpec
 
-__all__ = ["contract", "_State", "_get_registry", "_insert_module_state", "_get_module_state", "_register_api"]
+__all__ = ["contract", "_State", "_get_registry", "_get_module_state", "_register_api"]
 
 _STATE_KEY = "__composable_shard_state__"
 _REGISTRY_KEY = "__composable_shard_registry__"
@@ -56,43 +56,29 @@ def _get_module_state(module: nn.Module, state_cls: Optional[Type[_S]] = None) -
     return None
 
 
-def _insert_module_state(module: nn.Module, state: _State, api_name: str) -> None:
-    """Attach ``state`` to ``module`` as ``api_name``'s state (one per API)."""
-    states: Dict[str, _State] = module.__dict__.setdefault(_STATE_KEY, {})
-    if api_name in states:
-        raise RuntimeError(
-            f"{type(module).__name__} already has {api_name}'s state attached; "
-            "each composable API may be applied to a module once."
-        )
-    states[api_name] = state
-
-
 def _register_api(module: nn.Module, api_name: str, state: Optional[_State] = None) -> None:
-    """Record ``api_name`` in ``module``'s registry (and attach ``state`` if given).
+    """Record ``api_name`` in ``module``'s registry and attach ``state`` if given (one per API).
 
     Used by APIs that manage more modules than the one they were called on (a wrap policy
     makes every selected module a fully sharded module of its own).
     """
     if state is not None:
-        _insert_module_state(module, state, api_name)
+        states: Dict[str, _State] = module.__dict__.setdefault(_STATE_KEY, {})
+        if api_name in states:
+            raise RuntimeError(f"{type(module).__name__} already has {api_name}'s state attached; "
+                               "each composable API may be applied to a module once.")
+        states[api_name] = state
     module.__dict__.setdefault(_REGISTRY_KEY, OrderedDict())[api_name] = _RegistryItem(api_name)
 
 
 def _unregister_api(module: nn.Module, api_name: str) -> None:
     """Undo :func:`_register_api` (used when applying an API fails)."""
-    _remove_module_state(module, api_name)
-    registry = module.__dict__.get(_REGISTRY_KEY)
-    if registry is not None:
-        registry.pop(api_name, None)
-        if not registry:
-            module.__dict__.pop(_REGISTRY_KEY, None)
-
-
-def _remove_module_state(module: nn.Module, api_name: str) -> None:
-    states: Dict[str, _State] = module.__dict__.get(_STATE_KEY, {})
-    states.pop(api_name, None)
-    if not states:
-        module.__dict__.pop(_STATE_KEY, None)
+    for key in (_STATE_KEY, _REGISTRY_KEY):
+        entries = module.__dict__.get(key)
+        if entries is not None:
+            entries.pop(api_name, None)
+            if not entries:
+                module.__dict__.pop(key, None)
 
 
 class _RegistryItem:
@@ -109,18 +95,8 @@ def _root_modules(modules: Sequence[nn.Module]) -> List[nn.Module]:
     """Modules of ``modules`` that are not inside another module of the list (first
     occurrence order)."""
     members = {id(m) for m in modules}
-    nested: set = set()
-    for m in modules:
-        for sub in m.modules():
-            if sub is not m and id(sub) in members:
-                nested.add(id(sub))
-    roots: List[nn.Module] = []
-    seen: set = set()
-    for m in modules:
-        if id(m) not in nested and id(m) not in seen:
-            seen.add(id(m))
-            roots.append(m)
-    return roots
+    nested = {id(sub) for m in modules for sub in m.modules() if sub is not m and id(sub) in members}
+    return list({id(m): m for m in modules if id(m) not in nested}.values())
 
 
 def _fqn_snapshot(modules: Sequence[nn.Module]) -> Dict[str, List[List[str]]]:
@@ -153,14 +129,12 @@ def _check_fqns_unchanged(api_name: str, before: Dict[str, List[List[str]]], aft
 class _ContractFn(Generic[_P, _S]):
     """Callable returned by :func:`contract`: the API function plus ``.state(module)``."""
 
+    __name__: str  # the API's name, set with the rest of ``fn``'s metadata by ``functools.update_wrapper``
+
     def __init__(self, fn: Callable[..., Any], state_cls: Type[_S]) -> None:
         self._fn = fn
         self._state_cls = state_cls
-        self.__name__: str = fn.__name__
-        self.__qualname__: str = getattr(fn, "__qualname__", fn.__name__)
-        self.__doc__ = fn.__doc__
-        self.__module__ = fn.__module__
-        self.__wrapped__ = fn
+        functools.update_wrapper(self, fn)  # type: ignore[arg-type]  # instance, not function
 
     def __call__(self, module: Any, *args: Any, **kwargs: Any) -> Any:
         api_name = self.__name__
@@ -224,8 +198,6 @@ def contract(state_cls: Type[_S] = _State) -> Callable[[Callable[..., Any]], _Co
         raise TypeError(f"contract(state_cls=...) needs a subclass of _State, got {state_cls!r}")
 
     def decorate(fn: Callable[..., Any]) -> _ContractFn[Any, _S]:
-        wrapped: _ContractFn[Any, _S] = _ContractFn(fn, state_cls)
-        functools.update_wrapper(wrapped, fn)  # type: ignore[arg-type]  # instance, not function
-        return wrapped
+        return _ContractFn(fn, state_cls)
 
     return decorate

@@ -57,9 +57,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from . import _apply_guard, _collectives, _init_utils, _watch
+from . import _apply_guard, _collectives, _watch
 from ._common_utils import WeakGroup, WeakHook
-from ._data_parallel import (agree_used_and_steps, broadcast_from_rank0, check_composition,
+from ._data_parallel import (_expand_ignored_modules, _ignored_params, _join, _managed_modules, agree_used_and_steps,
+                             agreed, agreement_groups, broadcast_from_rank0, check_composition,
                              check_set_requires_gradient_sync, normalize_device)
 from ._validation import (check_dense_gradients, check_device_id, check_mixed_precision, check_modules,
                           check_process_group, check_real)
@@ -68,7 +69,7 @@ from ._subclass import _NoCopyMixin, make_subclass
 from ._torch_compat import queue_backward_callback
 from .api import MixedPrecision
 from .comm_hooks import CommHook, GradBucket
-from .contract import _State, _get_module_state, _get_registry, contract
+from .contract import _State, _get_module_state, contract
 
 __all__ = ["replicate", "ReplicateModule"]
 
@@ -230,113 +231,58 @@ def replicate(
         mixed_precision: only ``effective_reduce_dtype`` is used: the dtype of the all-reduce.
     """
     api = f"replicate({type(module).__name__})"
-    check_process_group(api, process_group)  # the group the checks are agreed in (see _check_same_on_all_ranks)
-    if not (dist.is_available() and dist.is_initialized()):  # nothing to agree in: raises alone, at the latest
-        _check(api, module, device_id, ignored_modules, bucket_cap_mb, mixed_precision)  # for the missing group
-    try:
-        reduce_dtype, device, skipped = _check(api, module, device_id, ignored_modules, bucket_cap_mb, mixed_precision)
-    except Exception as e:
-        _check_same_on_all_ranks(module, set(), process_group, e)
-        raise
-    _check_same_on_all_ranks(module, skipped, process_group)
+    check_process_group(api, process_group)  # the group the checks are agreed in ([Note: Agreed refusals])
+    skipped = agreed(api, agreement_groups(process_group, None), functools.partial(
+        _check, api, module, device_id, ignored_modules, bucket_cap_mb, mixed_precision),
+        lambda skipped: [[n, list(t.shape), str(t.dtype), t.requires_grad] for n, t in _module_states(module, skipped)],
+        applied="replicate", what="ranks disagree on the parameters and buffers replicate broadcasts from rank 0 "
+        "and reduces", tag="replicate::check_states", digest_first=False)
+    device = normalize_device(device_id)
     if device is not None:
         module.to(device)
-    names, params = _managed_params(module, skipped)
     states = _module_states(module, skipped)
-    candidates = [(n, cast(nn.Parameter, t)) for n, t in states if isinstance(t, nn.Parameter)]
     broadcast_from_rank0([t for _, t in states], [_group_or_world(process_group)], None, tag="replicate::init_broadcast")
     make_subclass(module, "Replicate", ReplicateModule)
-    state = _state_of(module)
-    state.api = api
-    state.position = {id(p): k for k, (_, p) in enumerate(candidates)}
-    state.frozen = [(n, p) for n, p in candidates if not p.requires_grad]
-    _init_state(state, process_group, names, params, int(bucket_cap_mb * _MB), reduce_dtype)
-    state.step_counter = _watch.StepCounter(p for _, p in candidates)
-    if state.frozen:
-        module.register_forward_pre_hook(WeakHook(_adopt_unfrozen, state))
+    _init_state(_state_of(module), module, api, process_group, states, int(bucket_cap_mb * _MB), mixed_precision)
     return module
 
 
 # ---------------------------------------------------------------- init: validate, plan
 def _check(api: str, module: nn.Module, device_id: Union[int, torch.device, None],
            ignored_modules: Optional[Iterable[nn.Module]], bucket_cap_mb: float,
-           mixed_precision: Optional[MixedPrecision]) -> Tuple[Optional[torch.dtype], Optional[torch.device], Set[nn.Module]]:
-    """Every refusal before the first collective; returns the reduce dtype, the device and the
-    skipped subtrees."""
+           mixed_precision: Optional[MixedPrecision]) -> Set[nn.Module]:
+    """Every refusal before the first collective; returns the modules replicate leaves alone:
+    ignored subtrees and those another data-parallel API manages (``fully_shard`` or a nested
+    ``replicate``)."""
     check_device_id(api, device_id)
-    ignored_modules = check_modules(api, "ignored_modules", ignored_modules)
+    ignored = check_modules(api, "ignored_modules", ignored_modules)
     if not 0 < check_real(api, "bucket_cap_mb", bucket_cap_mb) < math.inf:
         raise ValueError(f"{api}: bucket_cap_mb must be a positive, finite number of MiB, got {bucket_cap_mb!r}")
     check_mixed_precision(api, mixed_precision)
-    reduce_dtype = _validate(module, mixed_precision)
-    device = normalize_device(device_id)
-    skipped = _skipped_subtrees(module, ignored_modules)
-    check_dense_gradients(api, _kept_modules(module, skipped), {id(p) for p in _managed_params(module, skipped)[1]},
-                          _SPARSE_WHY)
-    if device is None:
-        _check_one_device(module, _managed_params(module, skipped)[1])
-    return reduce_dtype, device, skipped
-
-
-
-def _validate(module: nn.Module, mixed_precision: Optional[MixedPrecision]) -> Optional[torch.dtype]:
-    """Raise for bad compositions or mixed precision options (types checked already); return
-    the reduce dtype."""
-    name = type(module).__name__
-    check_composition(f"replicate({name})", module, "fully_shard", "Apply replicate to a module fully_shard does "
-                      "not manage, or use fully_shard(..., strategy=ShardingStrategy.NO_SHARD) for DDP-like behaviour.")
-    if mixed_precision is None:
-        return None
-    if mixed_precision.param_dtype is not None or mixed_precision.buffer_dtype is not None:
-        raise NotImplementedError(
-            f"replicate({name}): replicate computes in the parameters' dtype and only supports "
-            "MixedPrecision(reduce_dtype=...); use fully_shard for param_dtype/buffer_dtype.")
-    return mixed_precision.effective_reduce_dtype
-
-
-def _skipped_subtrees(module: nn.Module, ignored_modules: Optional[Iterable[nn.Module]]) -> Set[nn.Module]:
-    """Roots of subtrees replicate leaves alone: ignored ones and ones another data-parallel
-    API manages (a subtree ``fully_shard`` or a nested ``replicate`` owns)."""
-    skipped: Set[nn.Module] = set()
-    skipped.update(ignored_modules or ())  # nn.Modules (check_modules)
-    for sub in module.modules():
-        registry = _get_registry(sub) or ()
-        if sub is not module and ("fully_shard" in registry or "replicate" in registry):
-            skipped.add(sub)
+    check_composition(api, module, "fully_shard", "Apply replicate to a module fully_shard does not manage, or use "
+                      "fully_shard(..., strategy=ShardingStrategy.NO_SHARD) for DDP-like behaviour.")
+    if mixed_precision is not None and (mixed_precision.param_dtype is not None
+                                        or mixed_precision.buffer_dtype is not None):
+        raise NotImplementedError(f"{api}: replicate computes in the parameters' dtype and only supports "
+                                  "MixedPrecision(reduce_dtype=...); use fully_shard for param_dtype/buffer_dtype.")
+    skipped = _expand_ignored_modules(module, ignored, None, {"fully_shard", "replicate"})
+    trainable = [t for _, t in _module_states(module, skipped) if isinstance(t, nn.Parameter) and t.requires_grad]
+    check_dense_gradients(api, _managed_modules(module, skipped), {id(p) for p in trainable}, _SPARSE_WHY)
+    if device_id is None:
+        _check_one_device(module, trainable)
     return skipped
 
 
-def _kept_modules(module: nn.Module, skipped: Set[nn.Module]) -> List[Tuple[str, nn.Module]]:
-    """``named_modules()`` order without the skipped subtrees."""
-    if module in skipped:
-        return []
-    kept = [("", module)]
-    for name, child in module.named_children():
-        for sub_name, sub in _kept_modules(child, skipped):
-            kept.append((f"{name}.{sub_name}" if sub_name else name, sub))
-    return kept
-
-
-def _skipped_param_ids(skipped: Set[nn.Module]) -> Set[int]:
-    return {id(p) for m in skipped for p in m.parameters()}
-
-
 def _module_states(module: nn.Module, skipped: Set[nn.Module]) -> List[Tuple[str, torch.Tensor]]:
-    """Parameters (frozen ones too) and buffers outside skipped subtrees, once each."""
-    seen = _skipped_param_ids(skipped)
+    """Parameters (frozen ones too) and buffers outside skipped modules, once each, registration order."""
+    seen = {id(p) for p in _ignored_params(skipped, None)}
     states: List[Tuple[str, torch.Tensor]] = []
-    for prefix, m in _kept_modules(module, skipped):
-        for name, t in list(m.named_parameters(recurse=False)) + list(m.named_buffers(recurse=False)):
-            if t is not None and id(t) not in seen:
+    for prefix, m in _managed_modules(module, skipped):
+        for name, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
+            if id(t) not in seen:
                 seen.add(id(t))
-                states.append((f"{prefix}.{name}" if prefix else name, t))
+                states.append((_join(prefix, name), t))
     return states
-
-
-def _managed_params(module: nn.Module, skipped: Set[nn.Module]) -> Tuple[List[str], List[nn.Parameter]]:
-    """Parameters whose gradients replicate reduces, registration order, with their FQNs."""
-    pairs = [(n, t) for n, t in _module_states(module, skipped) if isinstance(t, nn.Parameter) and t.requires_grad]
-    return [n for n, _ in pairs], [cast(nn.Parameter, p) for _, p in pairs]
 
 
 def _check_one_device(module: nn.Module, params: List[nn.Parameter]) -> None:
@@ -346,53 +292,36 @@ def _check_one_device(module: nn.Module, params: List[nn.Parameter]) -> None:
                                   f"{sorted(map(str, devices))}; move the module to one device (device_id=...).")
 
 
-def _check_same_on_all_ranks(module: nn.Module, skipped: Set[nn.Module], group: Optional[dist.ProcessGroup],
-                             error: Optional[Exception] = None) -> None:
-    """Ranks must hold the same states, else the init broadcast and the buckets would
-    mismatch (or hang); raise the same error on every rank instead. The same gather carries
-    this rank's refusal (``error``): a rank that refused returns (to raise its own), the
-    others raise the lowest refusing rank's error, naming it."""
-    api = f"replicate({type(module).__name__})"
-    signature: Any = ([(n, tuple(t.shape), str(t.dtype), t.requires_grad) for n, t in _module_states(module, skipped)]
-                      if error is None else {"refused": [dist.get_rank(), type(error).__name__, str(error)]})
-    everyone = _collectives.all_gather_json(signature, group, tag="replicate::check_states")
-    refusals = [s["refused"] for s in everyone if isinstance(s, dict)]
-    if refusals:
-        rank, kind, message = min(refusals, key=lambda r: int(r[0]))
-        if error is None:
-            raise _init_utils.rebuilt_error(api, rank, kind, message, "replicate")
-        return
-    for rank, other in enumerate(everyone):
-        if other != everyone[0]:
-            k = next(k for k in range(len(other) + 1) if everyone[0][k : k + 1] != other[k : k + 1])
-            raise RuntimeError(
-                f"replicate({type(module).__name__}): rank {rank} holds different parameters or buffers "
-                f"than rank 0 (first difference: rank 0 has {everyone[0][k : k + 1]}, rank {rank} has "
-                f"{other[k : k + 1]}); build the same model on every rank.")
-
-
 # ---------------------------------------------------------------- init: mutate
-
-
-def _init_state(
-    state: _ReplicateState, group: Optional[dist.ProcessGroup], names: List[str],
-    params: List[nn.Parameter], bucket_cap_bytes: int, reduce_dtype: Optional[torch.dtype],
-) -> None:
-    """Fill the state, plan the buckets and register one gradient hook per parameter."""
+def _init_state(state: _ReplicateState, module: nn.Module, api: str, group: Optional[dist.ProcessGroup],
+                states: List[Tuple[str, torch.Tensor]], bucket_cap_bytes: int,
+                mixed_precision: Optional[MixedPrecision]) -> None:
+    """Fill the state and manage the trainable parameters; with frozen ones, a forward pre-hook
+    adopts them once unfrozen ([Note: Parameters unfrozen later])."""
+    candidates = [(n, cast(nn.Parameter, t)) for n, t in states if isinstance(t, nn.Parameter)]
+    state.api, state.position = api, {id(p): k for k, (_, p) in enumerate(candidates)}
     state.process_group, state.world_size = group, dist.get_world_size(group)
-    state.params, state.param_names = params, names
-    state.device = params[0].device if params else torch.device("cpu")
-    state.bucket_cap_bytes, state.reduce_dtype = bucket_cap_bytes, reduce_dtype
-    state.used_since_sync = [False] * len(params)
-    _install_buckets(state, _build_buckets(state, list(reversed(range(len(params))))))
-    _register_grad_hooks(state)
+    state.device = next((p.device for _, p in candidates if p.requires_grad), torch.device("cpu"))
+    state.bucket_cap_bytes = bucket_cap_bytes
+    state.reduce_dtype = mixed_precision.effective_reduce_dtype if mixed_precision is not None else None
+    _manage(state, candidates, {})
+    state.step_counter = _watch.StepCounter(p for _, p in candidates)
+    if state.frozen:
+        module.register_forward_pre_hook(WeakHook(_adopt_unfrozen, state))
 
 
-def _register_grad_hooks(state: _ReplicateState) -> None:
+def _manage(state: _ReplicateState, candidates: List[Tuple[str, nn.Parameter]], used: Dict[int, bool]) -> None:
+    """Manage the trainable ``candidates`` (registration order; ``used``: id -> got a gradient
+    since the last sync), the frozen ones wait: plan the buckets in reverse order and register
+    one gradient hook per managed parameter."""
+    managed = [(n, p) for n, p in candidates if p.requires_grad]
+    state.param_names, state.params = [n for n, _ in managed], [p for _, p in managed]
+    state.frozen = [(n, p) for n, p in candidates if not p.requires_grad]
+    state.used_since_sync = [used.get(id(p), False) for p in state.params]
+    _install_buckets(state, _build_buckets(state, list(reversed(range(len(state.params))))))
     for handle in state.hook_handles:
         handle.remove()
-    state.hook_handles = [
-        # see [Note: Hooks on tensors hold weakly]
+    state.hook_handles = [  # see [Note: Hooks on tensors hold weakly]
         p.register_post_accumulate_grad_hook(WeakHook(functools.partial(_on_grad_ready, param_index=i), state))
         for i, p in enumerate(state.params)
     ]
@@ -408,12 +337,7 @@ def _adopt_unfrozen(state: _ReplicateState, module: nn.Module, args: Tuple[Any, 
     _check_one_device(module, state.params + [p for _, p in unfrozen])
     used = {id(p): u for p, u in zip(state.params, state.used_since_sync)}
     candidates = sorted(list(zip(state.param_names, state.params)) + state.frozen, key=lambda np: state.position[id(np[1])])
-    managed = [(n, p) for n, p in candidates if p.requires_grad]
-    state.param_names, state.params = [n for n, _ in managed], [p for _, p in managed]
-    state.used_since_sync = [used.get(id(p), False) for p in state.params]
-    state.frozen = [(n, p) for n, p in candidates if not p.requires_grad]  # managed ones frozen since leave too
-    _install_buckets(state, _build_buckets(state, list(reversed(range(len(state.params))))))
-    _register_grad_hooks(state)
+    _manage(state, candidates, used)  # managed ones frozen since leave too
     state.ready_order, state.num_rebuilds = [], 0
     logger.debug("replicate: adopted %d unfrozen parameter(s): %s", len(unfrozen), [n for n, _ in unfrozen])
 
@@ -467,7 +391,10 @@ def _on_grad_ready(state: _ReplicateState, param: nn.Parameter, *, param_index: 
     Pre: ``param.grad`` holds the gradient accumulated in this backward.
     Post: the parameter is ready; when syncing, its slot is filled and every bucket that is
     full and next in launch order is launched ([Note: Launch order])."""
-    backward = state.backward if state.backward is not None else _begin_backward(state)
+    if state.backward is None:  # the first hook of a backward opens its bookkeeping and queues its end
+        state.backward = _BackwardPass(state.sync_gradients, len(state.params))
+        queue_backward_callback(functools.partial(_end_backward, state))
+    backward = state.backward
     _mark_ready(state, backward, param_index)
     if not backward.syncs:
         return
@@ -475,14 +402,7 @@ def _on_grad_ready(state: _ReplicateState, param: nn.Parameter, *, param_index: 
     _fill_slot(bucket, slot, _pre_scale(state))
     bucket.num_ready += 1
     if _is_full(bucket):
-        _launch_ready_buckets(state, backward)
-
-
-def _begin_backward(state: _ReplicateState) -> _BackwardPass:
-    """First hook of a backward: open its bookkeeping and queue the end-of-backward step."""
-    state.backward = _BackwardPass(state.sync_gradients, len(state.params))
-    queue_backward_callback(functools.partial(_end_backward, state))
-    return state.backward
+        _launch_buckets(state, backward)
 
 
 def _mark_ready(state: _ReplicateState, backward: _BackwardPass, param_index: int) -> None:
@@ -509,7 +429,7 @@ def _fill_slot(bucket: _Bucket, slot: int, scale: Optional[float]) -> None:
     grad, view = bucket.params[slot].grad, bucket.slots[slot]
     if grad is None:
         view.zero_()
-    elif _is_same_tensor(grad, view):
+    elif _apply_guard.same_view(grad, view):
         if scale is not None:
             view.mul_(scale)
     elif scale is None:
@@ -518,14 +438,19 @@ def _fill_slot(bucket: _Bucket, slot: int, scale: Optional[float]) -> None:
         torch.mul(grad, scale, out=view)
 
 
-def _is_same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
-
-
-def _launch_ready_buckets(state: _ReplicateState, backward: _BackwardPass) -> None:
-    buckets = state.buckets
-    while backward.next_launch < len(buckets) and _is_full(buckets[backward.next_launch]):
-        _launch(state, buckets[backward.next_launch])
+def _launch_buckets(state: _ReplicateState, backward: _BackwardPass, remaining: bool = False) -> None:
+    """Launch, in order ([Note: Launch order]), the buckets that are full; ``remaining``: every
+    bucket that still waits, where parameters whose hook did not fire contribute their current
+    .grad (from unsynced backwards), else zeros."""
+    while backward.next_launch < len(state.buckets):
+        bucket = state.buckets[backward.next_launch]
+        if remaining:
+            for slot, i in enumerate(bucket.param_indices):
+                if not backward.is_ready[i]:
+                    _fill_slot(bucket, slot, _pre_scale(state))
+        elif not _is_full(bucket):
+            return
+        _launch(state, bucket)
         backward.next_launch += 1
 
 
@@ -560,7 +485,7 @@ def _end_backward(state: _ReplicateState) -> None:
     if backward is None or not backward.syncs:
         return
     with torch.profiler.record_function("replicate::end_backward"):
-        _launch_remaining(state, backward)
+        _launch_buckets(state, backward, remaining=True)
         steps = state.step_counter.take() if state.step_counter is not None else []
         is_used, steps_disagree = agree_used_and_steps(
             state.used_since_sync, steps, [_group_or_world(state.process_group)], state.device, api=state.api,
@@ -584,18 +509,6 @@ def _check_no_unmanaged_grads(state: _ReplicateState) -> None:
             "since, but this backward reached them before a forward of the replicated module could start "
             "averaging their gradients (a submodule called directly?). Their .grad holds this rank's gradient "
             "only. Run the forward through the replicated module itself after unfreezing.")
-
-
-def _launch_remaining(state: _ReplicateState, backward: _BackwardPass) -> None:
-    """Launch, in order, the buckets that still wait: parameters whose hook did not fire
-    contribute their current .grad (from unsynced backwards), else zeros."""
-    scale = _pre_scale(state)
-    for bucket in state.buckets[backward.next_launch :]:
-        for slot, i in enumerate(bucket.param_indices):
-            if not backward.is_ready[i]:
-                _fill_slot(bucket, slot, scale)
-        _launch(state, bucket)
-    backward.next_launch = len(state.buckets)
 
 
 def _group_or_world(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
@@ -622,7 +535,7 @@ def _write_back(state: _ReplicateState, is_used: Sequence[int]) -> None:
 
 def _set_grad(param: nn.Parameter, reduced: torch.Tensor, as_view: bool) -> None:
     if as_view:
-        if param.grad is None or not _is_same_tensor(param.grad, reduced):
+        if param.grad is None or not _apply_guard.same_view(param.grad, reduced):
             param.grad = reduced
     elif param.grad is None:
         param.grad = reduced.to(param.dtype)

@@ -88,10 +88,6 @@ def _is_managed(model: nn.Module) -> bool:
     return any(isinstance(m, (FSDPModule, ReplicateModule)) for m in model.modules())
 
 
-def _group_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 def export_process_group_env() -> None:
     """Describe the initialized default process group in the environment, as ``torchrun``
     does (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``), so that
@@ -249,7 +245,7 @@ class ShardedTrainer(transformers.Trainer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        world_size = _group_size()
+        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if self.args.world_size != world_size:
             raise RuntimeError(
                 f"ShardedTrainer: TrainingArguments describe {self.args.world_size} process(es), the process group has "

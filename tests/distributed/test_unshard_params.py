@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from composable_shard import fully_shard, unshard_params
+from composable_shard import CPUOffload, fully_shard, unshard_params
 from composable_shard._traversal_utils import _get_fsdp_handles
 from tests._harness import run_distributed, run_subtests
 from tests._models import local_backward, make_model, reference_grads, zip_same
@@ -158,11 +158,25 @@ def _offload_writeback_on(device: str) -> None:
     with unshard_params(model):
         for (name, p), (_, q) in zip_same(list(model.named_parameters()), list(reference.named_parameters())):
             assert p.device.type == device and torch.equal(p.cpu(), 2.0 * q), name
+    # Shards offloaded by fully_shard (CPUOffload) at one rank: the full parameters are the
+    # device copy of the CPU shard, and edits to them must reach the shard (they were dropped).
+    offloaded = make_model()
+    for block in offloaded.blocks:
+        fully_shard(block, device_id=torch.device(device, dist.get_rank()), cpu_offload=CPUOffload(offload_params=True))
+    fully_shard(offloaded, device_id=torch.device(device, dist.get_rank()), cpu_offload=CPUOffload(offload_params=True))
+    with unshard_params(offloaded, writeback=True):
+        with torch.no_grad():
+            for p in offloaded.parameters():
+                p.mul_(2.0)
+    with unshard_params(offloaded):
+        for (name, p), (_, q) in zip_same(list(offloaded.named_parameters()), list(reference.named_parameters())):
+            assert torch.equal(p.cpu(), 2.0 * q), f"{name}: the edit under CPUOffload at one rank was dropped"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="offload_to_cpu copies only from an accelerator (CUDA)")
 def test_offload_to_cpu_writeback_from_an_accelerator() -> None:
     """unshard_params(offload_to_cpu=True, writeback=True) on CUDA shards (one rank: the exposed
-    CPU copies are the only place the edits land): the edits are written back. On a CPU-only
+    CPU copies are the only place the edits land), and on shards offloaded by CPUOffload: the
+    edits are written back. On a CPU-only
     machine there is no copy to write back, so there is nothing to run."""
     run_distributed(_offload_writeback_on, 1, "cuda", timeout=120)

@@ -91,6 +91,9 @@ def test_describe_errors() -> None:
         describe(Net())
     with pytest.raises(ValueError, match="HYBRID_SHARD"):
         describe(Net(), world_size=4, strategy=ShardingStrategy.HYBRID_SHARD)
+    plain = Net()
+    with pytest.raises(ValueError, match="optimizers=... reads the state of a sharded model"):
+        describe(plain, world_size=2, optimizers=[torch.optim.SGD(plain.parameters(), lr=0.1)])
 
 
 def test_cli_plans_the_benchmark_model(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,438 @@
+"""Optimizers that need whole matrices, for models whose parameters ``fully_shard`` split.
+
+:class:`Muon` takes the same hyper-parameters, defaults and state layout as ``torch.optim.Muon``
+(torch 2.13), but its parameters may be the 1-D slices that ``fully_shard`` leaves on each rank:
+it keeps the momentum of this rank's elements only and brings each matrix's update together
+only for the moment it is orthogonalized.
+
+[Note: Muon on flat shards]  Per step, for each flat group (one per handle and ``(dtype,
+requires_grad)``) that holds a Muon matrix with a gradient, with ``N`` = the group's padded
+numel and ``W`` = its shard group's size:
+
+1. momentum, elementwise on this rank's elements (``state[p]["momentum_buffer"]`` is shaped
+   like ``p``, this rank's slice: at most ``ceil(N/W)`` elements per group, as AdamW's moments);
+2. the update of this rank's elements is written, in bfloat16, into a zeroed buffer of the
+   rank's chunk (``ceil(N/W)`` elements; other parameters of the group stay zero) and
+   all-gathered, as a forward gathers the group's parameters, into ``N`` bfloat16 elements;
+3. each rank orthogonalizes the matrices assigned to it (:func:`assign_matrices`: Newton-Schulz
+   work, ``rows * cols * min(rows, cols)``, balanced across the ranks of the shard group, the
+   same on every rank), writes them back into the gathered buffer and zeroes the rest of it;
+4. one reduce-scatter (sum) of that buffer gives each rank its chunk of every orthogonalized
+   matrix: exact, since every other rank contributed zeros for it;
+5. weight decay and the update, elementwise on this rank's elements.
+
+bfloat16 loses nothing: torch's Muon converts the update to bfloat16 before its first
+Newton-Schulz operation and returns a bfloat16 result, so casting the slices before the
+all-gather rounds each element exactly as torch rounds it, and a sum with zeros is exact. Per
+group and step that is one all-gather of ``2 * ceil(N/W)`` bytes per rank and one reduce-scatter
+of ``2 * N`` bytes per rank (what ``record_collectives`` counts), nothing else; a shard group
+of one rank (``NO_SHARD``, one process, the replicas of ``HYBRID_SHARD`` among themselves:
+their gradients are already equal) and full parameters (``replicate``, unmanaged modules)
+communicate nothing. Peak memory beyond a plain step: ``2 * (N + ceil(N/W))`` bytes of one group
+at a time, plus the owned matrices' Newton-Schulz temporaries.
+
+Compared with gathering each matrix to its owner and scattering the result back: that moves
+about ``2N/W`` bytes per rank per group instead of about ``4N(W-1)/W`` (half as many at W = 2,
+fewer still beyond) and buffers only the owned matrices, but needs an all-to-all with uneven
+splits (or ``W`` point-to-point pairs), which ``_collectives.py`` does not have; the scheme
+above uses the two collectives every step already runs (with gloo's point-to-point path and
+the instrumentation), and costs what one bf16 forward all-gather and one gradient reduction of
+the group cost. TODO(#37): an all-to-all gather-to-owner path for large W.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import _collectives
+from ._state_dict import Managed, managed_params
+from ._torch_compat import unwrap_compiled
+
+__all__ = ["Muon", "assign_matrices", "orthogonalize"]
+
+# torch.optim.Muon's defaults (torch 2.13), the published quintic Newton-Schulz coefficients.
+DEFAULT_NS_COEFFICIENTS: Tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
+DEFAULT_EPS = 1e-7
+DEFAULT_NS_STEPS = 5
+_ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+# gloo pairs point-to-point messages by tag: the optimizer's exchanges get a tag of their own,
+# outside the handles' (a handle's index + 1), so they never pair with a forward's or backward's
+# collective (a step skipped on one rank then times out instead of mixing buffers). Within a step
+# every rank issues them in the same (plan) order.
+_MATCH = 1 << 23
+
+def orthogonalize(matrix: torch.Tensor, ns_coefficients: Sequence[float], ns_steps: int, eps: float) -> torch.Tensor:
+    """The approximate orthogonal factor of 2-D ``matrix`` by ``ns_steps`` quintic
+    Newton-Schulz iterations in bfloat16, as ``torch.optim.Muon`` computes it (bfloat16 result).
+
+    The matrix is scaled to Frobenius norm 1 (norm clamped at ``eps``), worked on with its
+    short side first, and each iteration maps ``X`` to ``a X + (b G + c G G) X`` with ``G =
+    X X^T``. The same fused operations as torch's, in the same order, so that a matrix gives
+    the same bits here as there (the parity tests compare with ``torch.optim.Muon`` itself)."""
+    a, b, c = (float(v) for v in ns_coefficients)
+    tall = matrix.shape[0] > matrix.shape[1]
+    x = matrix.to(torch.bfloat16, copy=True)
+    if tall:
+        x = x.T
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: Optional[str], shape: Sequence[int]) -> float:
+    """The learning rate of an orthogonalized update of a ``rows x cols`` matrix:
+    ``lr * sqrt(max(1, rows / cols))`` (``"original"``, the default) or ``lr * 0.2 *
+    sqrt(max(rows, cols))`` (``"match_rms_adamw"``: updates of AdamW's RMS)."""
+    rows, cols = int(shape[0]), int(shape[1])
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    return lr * math.sqrt(max(1.0, rows / cols))
+
+
+def assign_matrices(shapes: Sequence[Sequence[int]], world_size: int, loads: Optional[List[int]] = None) -> List[int]:
+    """The rank that orthogonalizes each matrix: largest Newton-Schulz cost first (``rows *
+    cols * min(rows, cols)``, ties by position), each to the least loaded rank (ties: the
+    lowest). ``loads`` (per rank, updated in place) carries the work of earlier groups over.
+    Deterministic: every rank computes the same assignment from the shapes alone."""
+    loads = [0] * world_size if loads is None else loads
+    costs = [int(s[0]) * int(s[1]) * min(int(s[0]), int(s[1])) for s in shapes]
+    owners = [0] * len(shapes)
+    for index in sorted(range(len(shapes)), key=lambda i: (-costs[i], i)):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        owners[index] = rank
+        loads[rank] += costs[index]
+    return owners
+
+
+@dataclass(frozen=True)
+class _Matrix:
+    """One Muon parameter: where its elements live on this rank."""
+
+    param: nn.Parameter  # what the user passed: a 1-D slice view (sharded) or the parameter itself
+    fqn: str
+    shape: torch.Size  # the original 2-D shape
+    local_shape: torch.Size  # ``param``'s shape when planned (a change means the model was re-sharded)
+    flat_start: int = 0  # sharded: first element in the group's unsharded flat
+    shard_start: int = 0  # sharded: first element of this rank's part inside its chunk
+    owner: int = 0  # sharded: the shard-group rank that orthogonalizes it
+
+
+@dataclass
+class _ShardedGroup:
+    """A flat group holding Muon matrices, with its shard group of more than one rank."""
+
+    where: Managed  # any member's location: the owning state (process group, ranks) and the flat group
+    matrices: List[_Matrix]
+
+    @property
+    def chunk_numel(self) -> int:
+        return int(self.where.group.flat_param.numel())
+
+
+@dataclass
+class _Plan:
+    """What a step does: sharded groups in model order, then whole matrices."""
+
+    sharded: List[_ShardedGroup]
+    whole: List[_Matrix]  # one rank holds all of it (a shard group of one rank, replicate, unmanaged)
+
+    def is_current(self) -> bool:
+        """False if some parameter changed shape since planning (``fully_shard`` applied after
+        the optimizer was built)."""
+        return all(m.param.shape == m.local_shape for g in self.sharded for m in g.matrices) and \
+            all(m.param.shape == m.local_shape for m in self.whole)
+
+
+class Muon(torch.optim.Optimizer):
+    """``torch.optim.Muon`` for a model whose 2-D parameters ``fully_shard`` may have split across
+    ranks (see [Note: Muon on flat shards]): momentum for this rank's elements only, each matrix
+    orthogonalized whole on one rank of its shard group, the numbers of torch's Muon on the full
+    matrices. Works as well for ``replicate``'d and plain modules (no communication).
+
+    Example::
+
+        for block in model.layers:
+            fully_shard(block)
+        fully_shard(model)
+        matrices = [n for n, p in model.layers.named_parameters(prefix="layers") if n.endswith("proj.weight")]
+        muon = composable_shard.optim.Muon(model, matrices, lr=0.02)
+        adamw = torch.optim.AdamW([p for n, p in model.named_parameters() if n not in matrices], lr=3e-4)
+        loss_fn(model(inputs), targets).backward()
+        muon.step()
+        adamw.step()
+
+    Args:
+        model: the model the parameters belong to (sharded any way, or not).
+        params: its parameters (as ``model.parameters()`` shows them, sharded or not) or their
+            FQNs, or param groups (dicts with ``"params"``) of either; each must be 2-D in its
+            original shape.
+        lr: learning rate.
+        weight_decay: decoupled weight decay (``p *= 1 - lr * weight_decay``).
+        momentum: momentum factor.
+        nesterov: Nesterov momentum.
+        ns_coefficients: the quintic Newton-Schulz coefficients ``(a, b, c)``.
+        eps: the lowest norm a matrix is divided by before the iterations.
+        ns_steps: Newton-Schulz iterations (fewer than 100).
+        adjust_lr_fn: ``None``/``"original"`` or ``"match_rms_adamw"`` (see :func:`adjusted_lr`).
+    """
+
+    def __init__(self, model: nn.Module, params: Iterable[Any], lr: float = 1e-3, weight_decay: float = 0.1,
+                 momentum: float = 0.95, nesterov: bool = True,
+                 ns_coefficients: Tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS, eps: float = DEFAULT_EPS,
+                 ns_steps: int = DEFAULT_NS_STEPS, adjust_lr_fn: Optional[str] = None) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"Muon: model must be the nn.Module the parameters belong to, got {type(model).__name__}")
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                        ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
+        _check_settings(defaults, "Muon")
+        self._model: nn.Module = unwrap_compiled(model)  # names as users and checkpoints know them
+        self._plan: Optional[_Plan] = None  # made when first needed, again if the model is re-sharded
+        self._constructed: bool = False  # True once torch's constructor added the initial groups
+        if isinstance(params, (torch.Tensor, str)):
+            raise TypeError("Muon: params must be an iterable of parameters, FQNs or param groups, "
+                            f"got a single {type(params).__name__}")
+        super().__init__(params, defaults)
+        self._constructed = True
+        self._plan = self._current_plan()  # collective: the ranks agree on it now, not in the first step
+
+    # ------------------------------------------------------------------ param groups
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """torch's ``add_param_group``, with parameters given as parameters of the model or FQNs,
+        each checked to be 2-D in its original shape before anything changes. Collective once the
+        optimizer is built (the ranks agree on the new plan): call it on every rank."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"Muon: a param group must be a dict, got {type(param_group).__name__}")
+        group = dict(param_group)
+        raw = group.get("params")
+        raw_list = [raw] if isinstance(raw, (torch.Tensor, str)) else list(raw or [])
+        group["params"] = self._resolve(raw_list)
+        _check_settings({**self.defaults, **group}, "Muon: param group")
+        super().add_param_group(group)
+        self._plan = None
+        if self._constructed:  # a group added later: planned (collectively) now, as in __init__
+            self._plan = self._current_plan()
+
+    def _resolve(self, raw: List[Any]) -> List[nn.Parameter]:
+        """The model's parameters for ``raw`` (parameters or FQNs), each checked to be a 2-D matrix
+        in its original shape; raises naming the first that is not."""
+        by_name = dict(self._model.named_parameters(remove_duplicate=False))
+        names = {id(p): n for n, p in self._model.named_parameters()}
+        shapes = {id(where.group.orig_params[where.param_index]): where.shape for where in _managed(self._model).values()}
+        resolved: List[nn.Parameter] = []
+        for item in raw:
+            if isinstance(item, str):
+                if item not in by_name:
+                    raise ValueError(f"Muon: {type(self._model).__name__} has no parameter {item!r}; pass names from "
+                                     "model.named_parameters().")
+                item = by_name[item]
+            if not isinstance(item, torch.Tensor) or id(item) not in names:
+                shape = tuple(item.shape) if isinstance(item, torch.Tensor) else type(item).__name__
+                raise ValueError(f"Muon: a parameter ({shape}) is not a parameter of {type(self._model).__name__}; "
+                                 "pass the model the parameters belong to.")
+            shape = shapes.get(id(item), item.shape)
+            if len(shape) != 2:
+                raise ValueError(f"Muon: parameter {names[id(item)]!r} has shape {tuple(shape)}; Muon orthogonalizes "
+                                 "2-D matrices only. Optimize it with another optimizer (AdamW, as torch's Muon "
+                                 "advises for biases, norms and embeddings).")
+            resolved.append(item)  # type: ignore[arg-type]  # a registered parameter (checked above)
+        return resolved
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Optional[float]:  # type: ignore[override]  # torch's overloads
+        """One Muon step on every parameter with a gradient (see [Note: Muon on flat shards]).
+        Collective over each shard group that holds a matrix: every rank steps together."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        plan = self._current_plan()
+        _check_grads(plan)
+        settings = {id(p): group for group in self.param_groups for p in group["params"]}
+        for sharded in plan.sharded:
+            self._step_sharded(sharded, settings)
+        for matrix in plan.whole:
+            if matrix.param.grad is not None:
+                self._step_whole(matrix, settings[id(matrix.param)])
+        return loss
+
+    def _current_plan(self) -> _Plan:
+        if self._plan is None or not self._plan.is_current():
+            self._plan = _make_plan(self._model, [p for g in self.param_groups for p in g["params"]])
+        return self._plan
+
+    def _step_whole(self, matrix: _Matrix, settings: Dict[str, Any]) -> None:
+        """A matrix this rank holds whole: torch's Muon step on it, no communication."""
+        update = self._momentum_update(matrix, settings)
+        ortho = orthogonalize(update.reshape(matrix.shape), settings["ns_coefficients"], settings["ns_steps"],
+                              settings["eps"])
+        _apply_update(matrix, ortho.reshape(matrix.param.shape), settings)
+
+    def _step_sharded(self, sharded: _ShardedGroup, settings: Dict[int, Dict[str, Any]]) -> None:
+        """Steps 1-5 of [Note: Muon on flat shards] for one flat group."""
+        matrices = [m for m in sharded.matrices if m.param.grad is not None]  # the same on every rank
+        if not matrices:
+            return
+        state, handle = sharded.where.state, sharded.where.state.handle
+        device = handle.compute_device if handle is not None else matrices[0].param.device
+        chunk = torch.zeros(sharded.chunk_numel, dtype=torch.bfloat16, device=device)
+        for m in matrices:
+            update = self._momentum_update(m, settings[id(m.param)])
+            chunk[m.shard_start:m.shard_start + update.numel()].copy_(update.reshape(-1))
+        gathered = torch.empty(sharded.chunk_numel * state.world_size, dtype=torch.bfloat16, device=device)
+        tag = f"muon:{handle.fqn if handle is not None else ''}"
+        _collectives.all_gather_into(gathered, chunk, state.process_group, tag=tag, match=_MATCH).wait()
+        _orthogonalize_owned(gathered, matrices, state.rank, settings)
+        _collectives.reduce_scatter_into(chunk, gathered, state.process_group, tag=tag, match=_MATCH).wait()
+        del gathered
+        for m in matrices:
+            numel = m.param.numel()
+            piece = chunk[m.shard_start:m.shard_start + numel].to(m.param.device)
+            _apply_update(m, piece.view(m.param.shape), settings[id(m.param)])
+
+    def _momentum_update(self, matrix: _Matrix, settings: Dict[str, Any]) -> torch.Tensor:
+        """Update the momentum of this rank's elements of ``matrix``; return the update to
+        orthogonalize (its Nesterov form if asked), shaped like the parameter."""
+        p = matrix.param
+        grad = p.grad
+        if grad is None:
+            raise AssertionError(f"[rank {_rank()}] Muon: {matrix.fqn!r} has no gradient")
+        state = self.state[p]
+        buffer = state.get("momentum_buffer")
+        if buffer is None:
+            buffer = torch.zeros_like(grad, memory_format=torch.preserve_format)
+            state["momentum_buffer"] = buffer
+        momentum = float(settings["momentum"])
+        buffer.lerp_(grad, 1 - momentum)
+        return grad.lerp(buffer, momentum) if settings["nesterov"] else buffer
+
+
+def _check_grads(plan: _Plan) -> None:
+    """Before anything changes: every gradient is shaped like its parameter (this rank's slice)."""
+    for m in [m for g in plan.sharded for m in g.matrices] + plan.whole:
+        grad = m.param.grad
+        if grad is not None and grad.shape != m.param.shape:
+            raise RuntimeError(f"Muon.step: the gradient of {m.fqn!r} has shape {tuple(grad.shape)}, the parameter "
+                               f"{tuple(m.param.shape)}: it is this rank's unsynced gradient "
+                               "(set_requires_gradient_sync(False)). Run the last backward of the accumulation with "
+                               "gradient sync on before step().")
+
+
+def _orthogonalize_owned(gathered: torch.Tensor, matrices: List[_Matrix], rank: int,
+                         settings: Dict[int, Dict[str, Any]]) -> None:
+    """Replace each matrix this rank owns by its orthogonalized form, in ``gathered``, and zero
+    every other element (other ranks' matrices, other parameters, padding)."""
+    owned = sorted((m for m in matrices if m.owner == rank), key=lambda m: m.flat_start)
+    end = 0
+    for m in owned:
+        gathered[end:m.flat_start].zero_()
+        numel = m.shape.numel()
+        piece = gathered[m.flat_start:m.flat_start + numel]
+        s = settings[id(m.param)]
+        piece.copy_(orthogonalize(piece.view(m.shape), s["ns_coefficients"], s["ns_steps"], s["eps"]).reshape(-1))
+        end = m.flat_start + numel
+    gathered[end:].zero_()
+
+
+def _apply_update(matrix: _Matrix, ortho: torch.Tensor, settings: Dict[str, Any]) -> None:
+    """Decoupled weight decay, then the orthogonalized update at the shape-adjusted rate."""
+    lr = float(settings["lr"])
+    p = matrix.param
+    p.mul_(1 - lr * float(settings["weight_decay"]))
+    p.add_(ortho, alpha=-adjusted_lr(lr, settings["adjust_lr_fn"], matrix.shape))
+
+
+def _check_settings(settings: Dict[str, Any], where: str) -> None:
+    """ValueError/TypeError naming the first hyper-parameter torch's Muon would refuse (and the
+    Newton-Schulz ones, which torch checks only at the first step)."""
+    lr = settings["lr"]
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError(f"{where}: a tensor lr must have one element, got shape {tuple(lr.shape)}")
+    for name in ("lr", "momentum", "weight_decay"):
+        if not float(settings[name]) >= 0.0:
+            raise ValueError(f"{where}: {name} must be >= 0, got {settings[name]!r}")
+    if settings["adjust_lr_fn"] not in _ADJUST_LR_FNS:
+        raise ValueError(f"{where}: adjust_lr_fn must be one of {list(_ADJUST_LR_FNS)}, got {settings['adjust_lr_fn']!r}")
+    steps = settings["ns_steps"]
+    if not isinstance(steps, int) or isinstance(steps, bool) or not 0 <= steps < 100:
+        raise ValueError(f"{where}: ns_steps must be an int in [0, 100), got {steps!r}")
+    coefficients = settings["ns_coefficients"]
+    if not isinstance(coefficients, (tuple, list)) or len(coefficients) != 3:
+        raise ValueError(f"{where}: ns_coefficients must be three floats (a, b, c), got {coefficients!r}")
+
+
+def _managed(model: nn.Module) -> Dict[str, Managed]:
+    """Every sharded parameter of ``model`` by FQN (first registration of tied ones)."""
+    found: Dict[str, Managed] = {}
+    seen = set()
+    for path, module in model.named_modules():
+        for name, where in managed_params(module).items():
+            key = (id(where.group), where.param_index)
+            if key not in seen:
+                seen.add(key)
+                found[f"{path}.{name}" if path else name] = where
+    return found
+
+
+def _make_plan(model: nn.Module, params: List[nn.Parameter]) -> _Plan:
+    """Group the Muon parameters by flat group (model order), assign owners, and check that the
+    ranks of each shard group agree on them (a mismatch would leave collectives unmatched)."""
+    wanted = {id(p) for p in params}
+    names = {id(p): n for n, p in model.named_parameters()}
+    sharded: Dict[int, _ShardedGroup] = {}
+    whole_ids = set(wanted)
+    loads: Dict[int, List[int]] = {}
+    whole: List[_Matrix] = []
+    for fqn, where in _managed(model).items():
+        p = where.group.orig_params[where.param_index]
+        if id(p) not in wanted:
+            continue
+        whole_ids.discard(id(p))
+        if where.state.world_size == 1:
+            whole.append(_Matrix(p, fqn, where.shape, p.shape))
+            continue
+        entry = sharded.get(id(where.group))
+        if entry is None:
+            entry = sharded[id(where.group)] = _ShardedGroup(where, [])
+        offset = sum(where.group.flat_param._numels[:where.param_index])
+        s = where.group.flat_param._shard_slices[where.param_index]
+        entry.matrices.append(_Matrix(p, fqn, where.shape, p.shape, offset, s.shard_start))
+    for g in sharded.values():
+        owners = assign_matrices([m.shape for m in g.matrices], g.where.state.world_size,
+                                 loads.setdefault(g.where.state.world_size, [0] * g.where.state.world_size))
+        g.matrices = [_Matrix(m.param, m.fqn, m.shape, m.local_shape, m.flat_start, m.shard_start, owner)
+                      for m, owner in zip(g.matrices, owners)]
+    for p in params:
+        if id(p) in whole_ids:
+            whole.append(_Matrix(p, names.get(id(p), "?"), p.shape, p.shape))
+    plan = _Plan(list(sharded.values()), whole)
+    _check_agreement(plan)
+    return plan
+
+
+def _check_agreement(plan: _Plan) -> None:
+    """Every rank of each shard group plans the same matrices in the same order, or every rank
+    raises (instead of hanging in, or mixing, the step's collectives)."""
+    by_group: Dict[int, Tuple[Any, List[Any]]] = {}
+    for g in plan.sharded:
+        entry = by_group.setdefault(id(g.where.state.process_group), (g.where.state.process_group, []))
+        entry[1].append([[m.fqn, list(m.shape)] for m in g.matrices])
+    for process_group, signature in by_group.values():
+        everyone = _collectives.all_gather_json(signature, process_group, tag="muon_plan")
+        differing = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
+        if differing:
+            raise ValueError(f"Muon: shard-group ranks {differing} were given other matrices than rank 0 "
+                             f"({everyone[differing[0]]} vs {everyone[0]}); build Muon with the same parameters, in "
+                             "the same order, on every rank.")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -1,0 +1,833 @@
+"""``plan(model, example_batch, memory_budget=...)``: choose per block ``fully_shard`` /
+``replicate`` / ``checkpoint`` so that a training step fits a per-rank memory budget at the least
+communication plus recomputation.
+
+Three steps, each in its own section below:
+
+1. **Measure** (:func:`_profile`): one real forward and backward of the plain model on one rank's
+   batch, in the planning process, attributes every storage autograd saves for backward to the
+   block whose forward saved it (``torch.autograd.graph.saved_tensors_hooks`` + module forward
+   hooks), records each block's inputs (what a checkpointed block keeps) and times each block's
+   forward (the recomputation cost). Parameters, gradients, buffers and RNG state are left as
+   they were.
+2. **Count** (:func:`_static_description`): parameter, gradient, optimizer bytes and bytes sent
+   per step come from ``describe``'s own planning code (``_describe._plan_handles``, which is
+   ``fully_shard``'s planning, and ``_describe``'s row arithmetic), so ``describe(model)`` after
+   :meth:`MemoryPlan.apply` reports the same figures.
+3. **Choose** (:func:`_choose`): the peak of a step is simulated moment by moment
+   (:func:`_simulate`) for a candidate assignment; a greedy search lowers it at the least cost.
+
+[Note: Plan cost model]
+  seconds(plan) = bytes_sent(plan) / bandwidth + sum of the measured forward seconds of the
+  checkpointed blocks (each is recomputed once in backward). ``bytes_sent`` is counted exactly as
+  ``describe``/``record_collectives`` count (bytes this rank sends per step). ``bandwidth``
+  defaults to 10 GB/s (``DEFAULT_BANDWIDTH``): the order of an inter-node link or PCIe; on gloo
+  over loopback it is lower, which only makes communication dearer relative to recomputation,
+  so pass your own. Per block the options, cheapest first at W = 2: ``replicate`` (one
+  all-reduce of the gradients), ``fully_shard(SHARD_GRAD_OP)`` (one all-gather, one
+  reduce-scatter), ``fully_shard(FULL_SHARD)`` (two all-gathers, one reduce-scatter), each with or
+  without ``checkpoint``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple, cast
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import _describe, _shard_math
+from ._describe import ModuleRow, ShardingDescription
+from .api import MixedPrecision, ShardingStrategy
+from .checkpoint import checkpoint
+from .fully_shard import fully_shard
+from .replicate import replicate
+
+__all__ = ["plan", "MemoryPlan", "Choice", "BlockProfile", "DEFAULT_BANDWIDTH"]
+
+DEFAULT_BANDWIDTH = 10e9  # bytes per second, see [Note: Plan cost model]
+OPTIMIZERS = ("adamw", "adam", "sgd")  # the optimizers whose state plan() counts (sgd: no momentum, no state)
+COMPONENTS = ("parameters", "gradients", "optimizer", "activations", "unsharded_in_flight", "communication", "other")
+# [Note: Headroom] The moments below count every tensor of the model, its step and its batch, but
+# not the small ones (scalars, the used flags, a loss's reductions, autograd's bookkeeping): the
+# counting allocator found 8-16 KB of them at the peak of the plans it checked
+# (benchmarks/plan.py). "other" reserves max(OTHER_MIN_BYTES, OTHER_FRACTION of the rest) for them,
+# so that a plan chosen right at its budget still measures under it.
+OTHER_MIN_BYTES = 64 * 1024
+OTHER_FRACTION = 0.0025
+_FULL = ShardingStrategy.FULL_SHARD
+_ZERO2 = ShardingStrategy.SHARD_GRAD_OP
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What :meth:`MemoryPlan.apply` does to one module: ``api`` is ``"fully_shard"``,
+    ``"replicate"`` or ``"none"``; ``strategy`` the ShardingStrategy name (``"FULL_SHARD"``,
+    ``"SHARD_GRAD_OP"``), ``"replicate"`` or ``"-"``; ``checkpoint`` whether
+    ``composable_shard.checkpoint`` is applied to it; ``prefetch`` whether its handle is
+    prefetched (``fully_shard``'s default forward and backward prefetch). When the root's api is
+    ``"replicate"`` the whole model is one ``replicate`` call and the blocks listed as
+    ``"replicate"`` are covered by it (one bucket set for the model)."""
+
+    fqn: str
+    api: str
+    strategy: str
+    checkpoint: bool
+    prefetch: bool
+
+
+@dataclass(frozen=True)
+class BlockProfile:
+    """What one block's measured forward and backward showed (bytes of one rank's batch)."""
+
+    fqn: str
+    saved_bytes: int  # storages its forward saved for backward, each once, parameters excluded
+    input_bytes: int  # storages of its tensor inputs not already an earlier block's input
+    largest_saved: int  # the largest of those storages (its backward's transient gradients scale with it)
+    forward_seconds: float  # one forward of the block: what recomputing it costs
+
+
+@dataclass(frozen=True)
+class _Profile:
+    blocks: Tuple[BlockProfile, ...]
+    before_bytes: int  # saved outside every block before the first block's forward (embeddings)
+    after_bytes: int  # saved outside every block after it (final norm, head, loss)
+    after_largest: int  # the largest storage saved there (e.g. the log-softmax of the logits)
+    after_params: frozenset  # ids of the parameters of modules outside the blocks that ran after them (the head)
+    batch_bytes: int = 0  # the example batch's own storages: alive for the whole step
+
+
+@dataclass(frozen=True)
+class _Option:
+    api: str  # "fully_shard" or "replicate"
+    strategy: Optional[ShardingStrategy]
+    checkpoint: bool
+
+
+_OPTIONS = tuple(_Option(api, strategy, ck) for api, strategy in (("replicate", None), ("fully_shard", _ZERO2),
+                                                                   ("fully_shard", _FULL)) for ck in (False, True))
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What :func:`plan` chose. Byte figures are per rank.
+
+    ``predicted_peak`` is the sum of ``components`` at the step's highest moment (tensor bytes the
+    step holds above what existed before the model; one batch like ``example_batch`` counts as
+    activations, alive all step).
+    ``components["parameters"]`` and ``["optimizer"]`` are what the ranks hold all the time;
+    ``["gradients"]`` the gradients alive at that moment (``grad_bytes`` is the figure after
+    backward, as ``describe`` reports it). ``bytes_sent`` is per training step, counted as
+    ``describe()`` and ``record_collectives`` count. ``description`` is what ``describe(model)``
+    reports after :meth:`apply`. ``cost_seconds`` is the cost model's figure ([Note: Plan cost
+    model] in ``plan.py``); ``str()`` is a table in ``describe``'s style.
+    """
+
+    world_size: int
+    memory_budget: int
+    predicted_peak: int
+    components: Dict[str, int]
+    peak_moment: str  # where in the step the peak falls, e.g. "backward of blocks.3"
+    bytes_sent: int
+    choices: Tuple[Choice, ...]
+    cost_seconds: float
+    bandwidth: float
+    description: ShardingDescription
+    profiles: Tuple[BlockProfile, ...]
+    mixed_precision: Optional[MixedPrecision] = None
+
+    @property
+    def param_bytes(self) -> int:
+        """Parameter bytes per rank (``describe(model).param_bytes`` after :meth:`apply`)."""
+        return self.description.param_bytes
+
+    @property
+    def grad_bytes(self) -> int:
+        """Gradient bytes per rank after backward (``describe(model).grad_bytes`` after :meth:`apply`)."""
+        return self.description.grad_bytes
+
+    @property
+    def optimizer_bytes(self) -> int:
+        """Optimizer state bytes per rank (rank 0's, the largest)."""
+        return self.components["optimizer"]
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        """Annotate ``model`` in place as planned and return it: children first (``checkpoint``,
+        then ``replicate``/``fully_shard`` per block), then the root. Needs the process group
+        (``dist.init_process_group``) when planned for more than one rank. When the plan
+        checkpoints a block of a model whose ``config.use_cache`` is True (Hugging Face), it sets
+        it to False with a warning, as Hugging Face's own gradient checkpointing does: a
+        recomputed layer would append its keys and values to the cache a second time, memory
+        the plan does not hold (4.5 MB over the budget on benchmarks/plan.py's Llama).
+
+        Raises:
+            ValueError: ``model`` is not the model planned (other module names or parameter
+                counts), or no process group of the planned size exists.
+        """
+        modules = dict(model.named_modules())
+        missing = [c.fqn for c in self.choices if c.fqn not in modules]
+        if missing or _numel(model) != sum(r.numel for r in self.description.rows):
+            raise ValueError(f"MemoryPlan.apply: the model is not the one planned (modules {missing[:3]} missing or "
+                             "other parameter counts); plan() the model you apply to")
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world != self.world_size:
+            raise ValueError(f"MemoryPlan.apply: planned for {self.world_size} ranks but the process group has {world}; "
+                             "initialize the process group first, or plan(..., world_size=...) for this one")
+        by_fqn = {c.fqn: c for c in self.choices}
+        root = by_fqn[""]
+        config = getattr(model, "config", None)
+        if config is not None and any(c.checkpoint for c in self.choices) and getattr(config, "use_cache", False) is True:
+            warnings.warn("MemoryPlan.apply: the plan checkpoints blocks, so model.config.use_cache is set to False "
+                          "(a recomputed layer would fill the key/value cache again), as Hugging Face's gradient "
+                          "checkpointing does", UserWarning, stacklevel=2)
+            config.use_cache = False
+        mp = self.mixed_precision
+        for choice in self.choices:
+            if choice.fqn == "":
+                continue
+            block = modules[choice.fqn]
+            if choice.checkpoint:
+                checkpoint(block)
+            if choice.api == "fully_shard":
+                fully_shard(block, strategy=ShardingStrategy[choice.strategy], mixed_precision=mp)
+            elif choice.api == "replicate" and root.api != "replicate":
+                replicate(block, mixed_precision=mp)
+        if root.api == "replicate":
+            return replicate(model, mixed_precision=mp)
+        return fully_shard(model, mixed_precision=mp)
+
+    def __str__(self) -> str:
+        return _render(self)
+
+
+def plan(model: nn.Module, example_batch: Any, *, memory_budget: int, world_size: Optional[int] = None,
+         block_types: Optional[Iterable[type]] = None, optimizer: str = "adamw",
+         mixed_precision: Optional[MixedPrecision] = None, loss_fn: Optional[Callable[[Any], torch.Tensor]] = None,
+         bandwidth: float = DEFAULT_BANDWIDTH) -> MemoryPlan:
+    """Choose, per block, ``fully_shard`` (FULL_SHARD or SHARD_GRAD_OP) or ``replicate``, with or
+    without ``checkpoint``, so that one training step (forward, backward, optimizer step) fits in
+    ``memory_budget`` bytes per rank at the least communication plus recomputation.
+
+    Activations are measured by one real forward and backward of ``model`` on ``example_batch``
+    (one rank's batch) in this process; parameter, gradient and optimizer bytes and bytes sent come
+    from the same planning code as :func:`describe`. The model is left exactly as it was
+    (parameters, gradients, buffers, RNG state); nothing is applied until :meth:`MemoryPlan.apply`.
+    A budget above one unsharded process's peak gives ``replicate(model)`` and no checkpointing.
+
+    Example::
+
+        p = plan(model, tokens, memory_budget=8 << 30, loss_fn=lambda out: out.loss)
+        print(p)                     # per module: api, strategy, checkpoint; predicted bytes
+        p.apply(model)               # checkpoint / fully_shard / replicate per block, then the root
+        optim = torch.optim.AdamW(model.parameters())
+
+    Args:
+        model: a plain model (nothing applied yet), on the device it will train on.
+        example_batch: one rank's batch: a tensor (``model(x)``), a tuple or list (``model(*b)``)
+            or a dict (``model(**b)``).
+        memory_budget: bytes per rank the step may hold (tensor bytes above what exists before
+            the model is built).
+        world_size: ranks to plan for (default: the process group's size).
+        block_types: classes whose instances are the blocks (default: the class repeated in the
+            model's largest ``nn.ModuleList``).
+        optimizer: ``"adamw"``/``"adam"`` (two states per element plus a step) or ``"sgd"`` (none).
+        mixed_precision: the :class:`MixedPrecision` every call will get (``param_dtype`` rules
+            ``replicate`` out: it computes in the parameters' dtype).
+        loss_fn: ``loss_fn(output)`` -> scalar for the measured backward; default ``output.loss``
+            when the output has one, else ``output.float().sum()`` (a tuple: its first element).
+        bandwidth: bytes per second of the cost model ([Note: Plan cost model]).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, or a batch/loss of an unsupported type.
+        ValueError: a budget that is not a positive int, an unknown optimizer, no block found,
+            a model already sharded, or no plan fits (the message gives the smallest peak
+            achievable and the ranks or batch it would take).
+    """
+    world = _check_arguments(model, memory_budget, world_size, optimizer, bandwidth)
+    blocks = _find_blocks(model, block_types)
+    profile = _agreed(_profile(model, blocks, example_batch, loss_fn))
+    search = _Search(model, blocks, profile, world, optimizer, mixed_precision, bandwidth)
+    assignment = _choose(search, memory_budget)
+    return search.result(assignment, memory_budget)
+
+
+# ---------------------------------------------------------------------------- arguments and blocks
+def _check_arguments(model: nn.Module, memory_budget: int, world_size: Optional[int], optimizer: str,
+                     bandwidth: float) -> int:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"plan: model must be an nn.Module, got {type(model).__name__}")
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget <= 0:
+        raise ValueError(f"plan: memory_budget must be a positive int (bytes per rank), got {memory_budget!r}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"plan: unknown optimizer {optimizer!r}; plan() counts the state of {list(OPTIMIZERS)}")
+    if not (isinstance(bandwidth, (int, float)) and 0 < bandwidth < math.inf):
+        raise ValueError(f"plan: bandwidth must be a positive, finite number of bytes per second, got {bandwidth!r}")
+    if _describe._is_managed(model):
+        raise ValueError(f"plan: {type(model).__name__} already carries fully_shard or replicate; plan the plain "
+                         "model (before any API is applied), then apply the plan to it")
+    return _describe._planned_world_size(world_size)
+
+
+def _find_blocks(model: nn.Module, block_types: Optional[Iterable[type]]) -> List[Tuple[str, nn.Module]]:
+    """The blocks, in ``named_modules`` order, none inside another.
+
+    [Note: Default blocks] The repeated unit of a transformer (or any deep net) lives in its
+    largest ``nn.ModuleList``; its most common class is the block. Only those instances count
+    as blocks, so an odd module in the list (a different first layer) belongs to the root."""
+    if block_types is None:
+        lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+        if not lists:
+            raise ValueError(f"plan: {type(model).__name__} has no nn.ModuleList to take blocks from; pass "
+                             "block_types={YourBlock}")
+        largest = max(lists, key=_numel)
+        classes = [type(m) for m in largest]
+        types: Tuple[type, ...] = (max(set(classes), key=classes.count),)
+    else:
+        types = tuple(block_types)
+        if not types or not all(isinstance(t, type) for t in types):
+            raise ValueError(f"plan: block_types must be classes, got {block_types!r}")
+    found: List[Tuple[str, nn.Module]] = []
+    for fqn, m in model.named_modules():
+        if fqn and isinstance(m, types) and not any(fqn.startswith(f + ".") for f, _ in found):
+            found.append((fqn, cast(nn.Module, m)))
+    if not found:
+        names = ", ".join(t.__name__ for t in types)
+        raise ValueError(f"plan: no module of {type(model).__name__} is a {names} (block_types); pass the classes "
+                         "of its repeated blocks")
+    return found
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+# ---------------------------------------------------------------------------- measure
+def _call(model: nn.Module, batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return model(batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    if isinstance(batch, dict):
+        return model(**batch)
+    raise TypeError(f"plan: example_batch must be a tensor, tuple, list or dict, got {type(batch).__name__}")
+
+
+def _default_loss(output: Any) -> torch.Tensor:
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        output = output[0]
+    if isinstance(output, torch.Tensor):
+        return output.float().sum()
+    raise TypeError(f"plan: cannot make a loss of a {type(output).__name__} output; pass loss_fn=...")
+
+
+class _Recorder:
+    """Forward hooks and a pack hook attributing saved storages to the block running."""
+
+    def __init__(self, blocks: List[Tuple[str, nn.Module]], param_keys: Set[Tuple[int, int]]) -> None:
+        self.blocks = blocks
+        self.param_keys = param_keys  # parameter storages: counted as parameters, not activations
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the warm-up pass: the recorded pass starts from nothing."""
+        blocks = self.blocks
+        self.running: List[int] = []  # indices of the blocks whose forward is running
+        self.started = False  # a block's forward has begun
+        self.owner: Dict[Tuple[int, int], int] = {}  # storage -> block index, -1 before, -2 after the blocks
+        self.nbytes: Dict[Tuple[int, int], int] = {}
+        self.inputs: List[Set[Tuple[int, int]]] = [set() for _ in blocks]
+        self.seconds: List[float] = [0.0] * len(blocks)
+        self.t0: List[float] = [0.0] * len(blocks)
+        self.after_params: Set[int] = set()  # parameters of modules outside the blocks run after them
+
+    def pre(self, index: int, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        self.running.append(index)
+        self.started = True
+        for t in _tensors((args, kwargs)):
+            self.inputs[index].add(_key(t))
+            self.nbytes.setdefault(_key(t), t.untyped_storage().nbytes())
+        self.t0[index] = time.perf_counter()
+
+    def outside(self, module: nn.Module) -> None:
+        if self.started and not self.running:
+            self.after_params.update(id(p) for p in module.parameters(recurse=False))
+
+    def post(self, index: int) -> None:
+        self.seconds[index] += time.perf_counter() - self.t0[index]
+        self.running.pop()
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = _key(t)
+        if key[0] and key not in self.param_keys and key not in self.owner:
+            self.owner[key] = self.running[0] if self.running else (-2 if self.started else -1)
+            self.nbytes[key] = t.untyped_storage().nbytes()
+        return t
+
+
+def _key(t: torch.Tensor) -> Tuple[int, int]:
+    storage = t.untyped_storage()
+    return (storage.data_ptr(), storage.nbytes())
+
+
+def _tensors(tree: Any) -> Iterator[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, (tuple, list)):
+        for x in tree:
+            yield from _tensors(x)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            yield from _tensors(x)
+
+
+def _profile(model: nn.Module, blocks: List[Tuple[str, nn.Module]], batch: Any,
+             loss_fn: Optional[Callable[[Any], torch.Tensor]]) -> _Profile:
+    """One warm-up and one recorded forward + backward of ``model`` on ``batch``.
+
+    [Note: Measured, not estimated] The activations of a real step at the real shape are what
+    decide the peak, and they depend on kernels (attention saves its probabilities or not),
+    dtypes and the batch: counting what autograd actually saves is exact where a formula would
+    be a guess. Gradients come from ``torch.autograd.grad`` so no ``.grad`` is touched; buffers
+    (running statistics) are copied back and the RNG is forked, so the model is left as it was.
+    The second pass is the recorded one: the first pays one-time costs (allocations, lazily
+    built caches) that would inflate the measured forward times."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    param_keys = {_key(p) for p in model.parameters()}
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    recorder = _Recorder(blocks, param_keys)
+    handles = []
+    for index, (_, block) in enumerate(blocks):
+        handles.append(block.register_forward_pre_hook(
+            lambda m, a, k, i=index: recorder.pre(i, a, k), with_kwargs=True))
+        handles.append(block.register_forward_hook(lambda m, a, o, i=index: recorder.post(i)))
+    inside = {id(m) for _, block in blocks for m in block.modules()}
+    for m in model.modules():
+        if id(m) not in inside and any(True for _ in m.parameters(recurse=False)):
+            handles.append(m.register_forward_pre_hook(lambda mod, a: recorder.outside(mod)))
+    try:
+        with torch.random.fork_rng(devices=devices):
+            _step(model, batch, loss_fn, params, None)
+            recorder.reset()
+            _step(model, batch, loss_fn, params, recorder)
+    finally:
+        for h in handles:
+            h.remove()
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+    batch_bytes = sum({_key(t): t.untyped_storage().nbytes() for t in _tensors(batch)}.values())
+    return dataclasses.replace(_summarize(recorder), batch_bytes=batch_bytes)
+
+
+def _agreed(profile: _Profile) -> _Profile:
+    """Rank 0's measured forward times on every rank of the process group, if there is one.
+
+    [Note: Ranks choose alike] The choice depends on measured times, which differ between
+    ranks; ranks that chose differently would apply different handles and hang in their first
+    collective. So every rank plans with rank 0's times (one broadcast; bytes are equal anyway)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return profile
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    seconds = torch.tensor([b.forward_seconds for b in profile.blocks], dtype=torch.float64, device=device)
+    dist.broadcast(seconds, src=0)  # a tensor, not an object collective: no pickle (tests/unit/test_no_pickle.py)
+    blocks = tuple(BlockProfile(b.fqn, b.saved_bytes, b.input_bytes, b.largest_saved, float(t))
+                   for b, t in zip(profile.blocks, seconds.tolist()))
+    return dataclasses.replace(profile, blocks=blocks)
+
+
+def _step(model: nn.Module, batch: Any, loss_fn: Optional[Callable[[Any], torch.Tensor]],
+          params: List[nn.Parameter], recorder: Optional[_Recorder]) -> None:
+    pack = recorder.pack if recorder is not None else (lambda t: t)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        output = _call(model, batch)
+        loss = (loss_fn or _default_loss)(output)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise TypeError("plan: loss_fn(output) must return a scalar tensor")
+    del output
+    if params and loss.requires_grad:
+        torch.autograd.grad(loss, params, allow_unused=True)
+
+
+def _summarize(recorder: _Recorder) -> _Profile:
+    saved: List[List[int]] = [[] for _ in recorder.blocks]
+    before: List[int] = []
+    after: List[int] = []
+    for key, owner in recorder.owner.items():
+        (before if owner == -1 else after if owner == -2 else saved[owner]).append(recorder.nbytes[key])
+    seen: Set[Tuple[int, int]] = set()
+    profiles = []
+    for index, (fqn, _) in enumerate(recorder.blocks):
+        fresh = recorder.inputs[index] - seen
+        seen |= recorder.inputs[index]
+        profiles.append(BlockProfile(fqn, sum(saved[index]), sum(recorder.nbytes[k] for k in fresh),
+                                     max(saved[index], default=0), recorder.seconds[index]))
+    return _Profile(tuple(profiles), sum(before), sum(after), max(after, default=0), frozenset(recorder.after_params))
+
+
+# ---------------------------------------------------------------------------- count
+@dataclass(frozen=True)
+class _Cost:
+    """One block (or the root) under one option: its describe row and the buffers of its step."""
+
+    row: ModuleRow
+    unsharded: int  # bytes of the unsharded parameter buffer (0 when computing on the shard)
+    unsharded_grad: int  # bytes of the unsharded gradient before its reduction (+ its cast copy)
+    replicate_grads: int  # replicate: the gradients autograd makes before they are copied into buckets
+    largest_param: int  # the largest piece of one original parameter this rank's optimizer steps
+    num_flag_params: int  # original parameters counted by fully_shard's used-flags all-reduce
+
+
+def _handle_cost(info: _describe._HandleInfo) -> _Cost:
+    row = _describe._handle_row(info)
+    gathered = info.gathers_in_group
+    unsharded = sum(_shard_math.padded_numel(g.numel, info.shard_world) * g.compute_dtype.itemsize
+                    for g in info.groups) if gathered else 0
+    grad = 0
+    for g in info.groups:
+        if g.requires_grad and info.shard_world > 1:
+            padded = _shard_math.padded_numel(g.numel, info.shard_world)
+            grad += padded * g.compute_dtype.itemsize
+            grad += padded * g.reduce_dtype.itemsize if g.reduce_dtype != g.compute_dtype else 0
+    largest = max((min(g.numel, _shard_math.chunk_numel(g.numel, info.shard_world)) * g.dtype.itemsize
+                   for g in info.groups if g.requires_grad), default=0)
+    return _Cost(row, unsharded, grad, 0, largest, sum(g.num_params for g in info.groups if g.requires_grad))
+
+
+def _replicate_cost(row: ModuleRow, module: nn.Module) -> _Cost:
+    trained = [p for p in module.parameters() if p.requires_grad]
+    largest = max((p.numel() * p.dtype.itemsize for p in trained), default=0)
+    return _Cost(row, 0, 0, sum(p.numel() * p.dtype.itemsize for p in trained), largest, 0)
+
+
+class _Search:
+    """Everything the choice needs, computed once: each block's cost under each option, the
+    root's, the whole-model ``replicate``'s, and the measured profile."""
+
+    def __init__(self, model: nn.Module, blocks: List[Tuple[str, nn.Module]], profile: _Profile, world: int,
+                 optimizer: str, mixed_precision: Optional[MixedPrecision], bandwidth: float) -> None:
+        self.model, self.blocks, self.profile, self.world = model, blocks, profile, world
+        self.optimizer, self.mixed_precision, self.bandwidth = optimizer, mixed_precision, bandwidth
+        mp = mixed_precision
+        self.can_replicate = mp is None or (mp.param_dtype is None and mp.buffer_dtype is None)
+        reduce_dtype = mp.effective_reduce_dtype if mp is not None and self.can_replicate else None
+        self.reduce_dtype = reduce_dtype
+        self.options = [o for o in _OPTIONS if o.api == "fully_shard" or self.can_replicate]
+        self.handles: Dict[Tuple[int, ShardingStrategy], _describe._HandleInfo] = {}
+        self.costs: List[Dict[_Option, _Cost]] = []
+        for fqn, block in blocks:
+            per: Dict[_Option, _Cost] = {}
+            for option in self.options:
+                if option.api == "replicate":
+                    per[option] = _replicate_cost(_describe._planned_replicate_row(fqn, block, world, reduce_dtype),
+                                                  block)
+                else:
+                    assert option.strategy is not None
+                    info = self.handles.setdefault((id(block), option.strategy), _describe._planned_handle(
+                        model, block, fqn, world, option.strategy, mp))
+                    per[option] = _handle_cost(info)
+            self.costs.append(per)
+        self.root_info = _describe._planned_handle(model, model, "", world, _FULL, mp, [b for _, b in blocks])
+        self.root = _handle_cost(self.root_info)
+        self.whole = _replicate_cost(_describe._planned_replicate_row("", model, world, reduce_dtype), model) \
+            if self.can_replicate else None
+        param_dtype = mp.param_dtype if mp is not None else None
+        self.after_grad = sum(p.numel() * (param_dtype or p.dtype).itemsize for p in model.parameters()
+                              if id(p) in profile.after_params and p.requires_grad)
+
+    def bytes_sent(self, assignment: Optional[Sequence[_Option]]) -> int:
+        """Per step, as describe counts: the rows' collectives plus fully_shard's used flags."""
+        if assignment is None:
+            assert self.whole is not None
+            return _row_bytes(self.whole.row)
+        costs = [self.root] + [self.costs[k][o] for k, o in enumerate(assignment)]
+        flag_params = sum(c.num_flag_params for c in costs)
+        flags = _describe._STEP_BYTES * (flag_params + _describe.STEP_AGREEMENT_INTS) if flag_params and self.world > 1 else 0
+        return sum(_row_bytes(c.row) for c in costs) + flags
+
+    def seconds(self, assignment: Optional[Sequence[_Option]]) -> float:
+        """[Note: Plan cost model]."""
+        recompute = sum(p.forward_seconds for p, o in zip(self.profile.blocks, assignment or []) if o.checkpoint)
+        return self.bytes_sent(assignment) / self.bandwidth + recompute
+
+    def description(self, assignment: Optional[Sequence[_Option]]) -> ShardingDescription:
+        if assignment is None:
+            assert self.whole is not None
+            whole = {id(p) for p in self.model.parameters() if p.requires_grad}
+            return _describe._planned_description(self.model, self.world, {}, {id(self.model): self.whole.row}, whole)
+        handles = {id(self.model): self.root_info}
+        replicated: Dict[int, ModuleRow] = {}
+        ids: Set[int] = set()
+        for k, ((_, block), option) in enumerate(zip(self.blocks, assignment)):
+            if option.api == "replicate":
+                replicated[id(block)] = self.costs[k][option].row
+                ids.update(id(p) for p in block.parameters() if p.requires_grad)
+            else:
+                assert option.strategy is not None
+                handles[id(block)] = self.handles[(id(block), option.strategy)]
+        return _describe._planned_description(self.model, self.world, handles, replicated, ids)
+
+    def result(self, assignment: Optional[Sequence[_Option]], budget: int) -> MemoryPlan:
+        moment = _simulate(self, assignment)
+        description = self.description(assignment)
+        root = Choice("", "replicate", "replicate", False, False) if assignment is None else \
+            Choice("", "fully_shard", _FULL.name, False, True)
+        options = assignment if assignment is not None else [_Option("replicate", None, False)] * len(self.blocks)
+        choices = [root] + [Choice(fqn, o.api, o.strategy.name if o.strategy is not None else "replicate",
+                                   o.checkpoint, o.api == "fully_shard") for (fqn, _), o in zip(self.blocks, options)]
+        return MemoryPlan(self.world, budget, moment.total, dict(moment.parts), moment.name,
+                          description.collective_bytes(), tuple(choices), self.seconds(assignment), self.bandwidth,
+                          description, self.profile.blocks, self.mixed_precision)
+
+
+def _row_bytes(row: ModuleRow) -> int:
+    return sum(nbytes for _, nbytes in row.collectives.values())
+
+
+# ---------------------------------------------------------------------------- peak
+@dataclass(frozen=True)
+class _Moment:
+    name: str
+    parts: Dict[str, int]  # COMPONENTS -> bytes
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+
+@dataclass(frozen=True)
+class _Step:
+    """The terms of :func:`_simulate` for one assignment (bytes per rank)."""
+
+    params: int
+    optimizer: int
+    buckets: int  # replicate's gradient buckets: alive all the time
+    root_unsharded: int  # the root's parameters, unsharded from its forward to its backward
+    root_grad: int  # the root's unsharded gradient, before its reduction at the end of backward
+    root_shard_grad: int
+    head_grad: int  # gradients of the root's parameters used after the blocks, during the blocks' backward
+    head_grad_is_comm: bool  # an unsharded gradient waiting for the root's reduce-scatter (else replicate's)
+    late_grads: int  # replicate(model): every gradient autograd makes before the end of backward
+    options: Tuple[_Option, ...]
+    costs: Tuple[_Cost, ...]
+    largest_param: int
+
+
+def _step_terms(s: _Search, assignment: Optional[Sequence[_Option]]) -> _Step:
+    if assignment is None:
+        assert s.whole is not None
+        rep = _Option("replicate", None, False)
+        costs = tuple(s.costs[k][rep] for k in range(len(s.blocks)))
+        whole = s.whole
+        return _Step(whole.row.param_bytes, _optimizer_bytes(s, [whole.row]), whole.row.grad_bytes, 0, 0, 0,
+                     s.after_grad, False, whole.replicate_grads, (rep,) * len(costs), costs, whole.largest_param)
+    options = tuple(assignment)
+    costs = tuple(s.costs[k][o] for k, o in enumerate(options))
+    rows = [s.root.row] + [c.row for c in costs]
+    buckets = sum(c.row.grad_bytes for c, o in zip(costs, options) if o.api == "replicate")
+    return _Step(sum(r.param_bytes for r in rows), _optimizer_bytes(s, rows), buckets, s.root.unsharded,
+                 s.root.unsharded_grad, s.root.row.grad_bytes, s.after_grad if s.root.unsharded_grad else 0, True,
+                 sum(c.replicate_grads for c in costs), options, costs,
+                 max(c.largest_param for c in (s.root,) + costs))
+
+
+def _optimizer_bytes(s: _Search, rows: Sequence[ModuleRow]) -> int:
+    return sum(r.adamw_bytes for r in rows) if s.optimizer in ("adamw", "adam") else 0
+
+
+def _simulate(s: _Search, assignment: Optional[Sequence[_Option]], scale: float = 1.0) -> _Moment:
+    """The highest moment of one steady-state step (forward, backward, optimizer step); ``None``
+    is ``replicate(model)``; ``scale`` multiplies the activations (a smaller batch).
+
+    [Note: Peak moments] The runtime's buffers are released at known points (the life of a
+    parameter, ``_runtime_utils.py``), so the step's memory is a sum of known terms at a few
+    candidate moments; the peak is the largest:
+      always            parameters (shards, replicas), optimizer state, replicate's buckets
+      end of forward    + every kept activation (a checkpointed block keeps its inputs only),
+                        the root's unsharded parameters (kept for its backward) and those of
+                        SHARD_GRAD_OP blocks
+      start of backward + two tensors of the size of the largest one saved after the blocks (the
+                        gradients of the loss's input and of the logits), and the last block's
+                        unsharded parameters if FULL_SHARD (the root's pre-backward prefetches them)
+      backward of k     blocks after k have freed their activations; k's are alive (recomputed if
+                        checkpointed) with two of its largest as transient gradients; k's unsharded
+                        parameters and the prefetched ones of k-1 ([Note: Handle order]), k's
+                        unsharded gradient, the gradients of the root's parameters used after the
+                        blocks (the head), the sharded gradients of the blocks after k, and
+                        replicate's gradients of the blocks k.. (copied into the buckets only at
+                        the end of backward)
+      end of backward   all gradients, the root's unsharded parameters and gradient
+      optimizer step    all gradients, two temporaries of the largest parameter piece (AdamW
+                        without foreach; SGD none)
+    A forward-time peak (a block's own temporaries) stays below the start of backward, which holds
+    the same activations plus the loss's gradients. Calibrated against benchmarks/memory.py's
+    counting allocator (see the verification table in benchmarks/NOTES.md)."""
+    t = _step_terms(s, assignment)
+    prof = s.profile
+    kept = [int(scale * (p.input_bytes if o.checkpoint else p.saved_bytes)) for p, o in zip(prof.blocks, t.options)]
+    zero2 = [c.unsharded if o.strategy is _ZERO2 else 0 for c, o in zip(t.costs, t.options)]
+    before, after = int(scale * (prof.before_bytes + prof.batch_bytes)), int(scale * prof.after_bytes)
+    base = {"parameters": t.params, "optimizer": t.optimizer}
+    prefetched = t.costs[-1].unsharded if t.options and t.options[-1].strategy is _FULL else 0
+    moments = [_Moment("start of backward", dict(
+        base, gradients=t.buckets, activations=before + sum(kept) + after + int(2 * scale * prof.after_largest),
+        unsharded_in_flight=t.root_unsharded + sum(zero2) + prefetched, communication=0))]
+    moments.extend(_backward_moment(s, t, k, kept, zero2, before, scale) for k in reversed(range(len(kept))))
+    all_grads = t.buckets + sum(c.row.grad_bytes for c, o in zip(t.costs, t.options) if o.api == "fully_shard") \
+        + t.root_shard_grad
+    moments.append(_Moment("end of backward", dict(base, gradients=all_grads + t.late_grads, activations=before,
+                                                   unsharded_in_flight=t.root_unsharded, communication=t.root_grad)))
+    temporaries = 2 * t.largest_param if s.optimizer in ("adamw", "adam") else 0
+    moments.append(_Moment("optimizer step", dict(base, gradients=all_grads, activations=temporaries + before,
+                                                  unsharded_in_flight=0, communication=0)))
+    for moment in moments:
+        moment.parts["other"] = max(OTHER_MIN_BYTES, int(OTHER_FRACTION * moment.total))
+    return max(moments, key=lambda m: m.total)
+
+
+def _backward_moment(s: _Search, t: _Step, k: int, kept: List[int], zero2: List[int], before: int,
+                     scale: float) -> _Moment:
+    block, options, costs = s.profile.blocks[k], t.options, t.costs
+    later = range(k + 1, len(costs))
+    shard_grads = sum(costs[j].row.grad_bytes for j in later if options[j].api == "fully_shard")
+    rep_grads = sum(costs[j].replicate_grads for j in range(k, len(costs)))
+    in_flight = t.root_unsharded + sum(zero2[:k + 1])
+    if options[k].strategy is _FULL:
+        in_flight += costs[k].unsharded
+    if k > 0 and options[k - 1].strategy is _FULL:
+        in_flight += costs[k - 1].unsharded
+    head = 0 if t.head_grad_is_comm else t.head_grad
+    comm = costs[k].unsharded_grad + (t.head_grad if t.head_grad_is_comm else 0)
+    acts = before + sum(kept[:k]) + int(scale * (block.saved_bytes + 2 * block.largest_saved))
+    return _Moment(f"backward of {block.fqn}", {
+        "parameters": t.params, "optimizer": t.optimizer, "gradients": t.buckets + shard_grads + rep_grads + head,
+        "activations": acts, "unsharded_in_flight": in_flight, "communication": comm})
+
+
+# ---------------------------------------------------------------------------- choose
+def _choose(s: _Search, budget: int) -> Optional[List[_Option]]:
+    """The assignment of least cost whose simulated peak fits ``budget``; ``None`` is
+    ``replicate(model)``.
+
+    [Note: Greedy choice] ``replicate(model)`` costs least (one all-reduce of the gradients, no
+    recomputation), so it is taken whenever it fits. Otherwise, from the root sharded and every
+    block on its cheapest option, one block at a time moves to the option that removes the most
+    peak bytes per second of cost added, until the peak fits; then each block goes back to the
+    cheapest option that still fits. Identical blocks are interchangeable, so only the first
+    block of each (option, class, measured bytes) kind is tried, which keeps one step linear in
+    the kinds rather than the blocks. The peak is a maximum over moments, not a sum, so an exact
+    search over how many blocks take each option would be C(n+5, 5) simulations (20,349 at 16
+    blocks); greedy by bytes per second is the knapsack heuristic, and the second pass removes
+    the moves the last one made redundant."""
+    if s.whole is not None and _simulate(s, None).total <= budget:
+        return None
+    smallest = [_Option("fully_shard", _FULL, True)] * len(s.blocks)
+    if _simulate(s, smallest).total > budget:
+        raise ValueError(_infeasible(s, smallest, budget))
+    assignment = [s.options[0]] * len(s.blocks)
+    peak = _simulate(s, assignment).total
+    while peak > budget:
+        best: Optional[Tuple[float, int, _Option, int]] = None
+        for k in _representatives(s, assignment):
+            for option in s.options:
+                trial = assignment[:k] + [option] + assignment[k + 1:]
+                trial_peak = _simulate(s, trial).total
+                if trial_peak >= peak:
+                    continue
+                added = max(s.seconds(trial) - s.seconds(assignment), 1e-12)
+                gain = (peak - trial_peak) / added
+                if best is None or gain > best[0]:
+                    best = (gain, k, option, trial_peak)
+        assert best is not None, "plan: the smallest assignment fits, so a move lowers the peak"
+        _, k, option, peak = best
+        assignment[k] = option
+    return _relax(s, assignment, budget)
+
+
+def _representatives(s: _Search, assignment: List[_Option]) -> List[int]:
+    seen: Set[Tuple[Any, ...]] = set()
+    out: List[int] = []
+    for k, ((_, block), option) in enumerate(zip(s.blocks, assignment)):
+        p = s.profile.blocks[k]
+        kind = (option, type(block), p.saved_bytes, p.input_bytes, s.costs[k][option].row.numel)
+        if kind not in seen:
+            seen.add(kind)
+            out.append(k)
+    return out
+
+
+def _relax(s: _Search, assignment: List[_Option], budget: int) -> List[_Option]:
+    for k in range(len(assignment)):
+        for option in sorted(s.options, key=lambda o: s.seconds(assignment[:k] + [o] + assignment[k + 1:])):
+            trial = assignment[:k] + [option] + assignment[k + 1:]
+            if s.seconds(trial) < s.seconds(assignment) and _simulate(s, trial).total <= budget:
+                assignment = trial
+                break
+    return assignment
+
+
+def _infeasible(s: _Search, smallest: List[_Option], budget: int) -> str:
+    """The error text: the smallest peak, then the ranks or the batch it would take."""
+    moment = _simulate(s, smallest)
+    parts = ", ".join(f"{k} {_mb(v)}" for k, v in moment.parts.items() if v)
+    text = (f"plan: no plan fits {type(s.model).__name__} in memory_budget={budget:,} B per rank at {s.world} ranks: "
+            f"the smallest peak is {moment.total:,} B (every block fully_shard(FULL_SHARD) + checkpoint; at the "
+            f"{moment.name}: {parts}).")
+    for world in (2 ** i for i in range(1, 13)):
+        if world <= s.world:
+            continue
+        wider = _Search(s.model, s.blocks, s.profile, world, s.optimizer, s.mixed_precision, s.bandwidth)
+        peak = _simulate(wider, smallest).total
+        if peak <= budget:
+            text += f" It fits at {world} ranks (peak {peak:,} B)"
+            break
+    else:
+        text += " More ranks alone do not make it fit (up to 4096)"
+    low, high = 0.0, 1.0
+    if _simulate(s, smallest, 0.0).total > budget:
+        return text + f"; a smaller batch does not either (without activations the peak is " \
+                      f"{_simulate(s, smallest, 0.0).total:,} B)."
+    for _ in range(30):
+        mid = (low + high) / 2
+        low, high = (mid, high) if _simulate(s, smallest, mid).total <= budget else (low, mid)
+    return text + f"; or at {s.world} ranks a per-rank batch at most {low:.0%} of the example's (activations " \
+                  f"scale with the batch), or a larger memory_budget."
+
+
+# ---------------------------------------------------------------------------- text
+def _render(p: MemoryPlan) -> str:
+    header = ("module", "api", "strategy", "checkpoint", "prefetch", "saved act.", "input", "fwd ms")
+    profiles = {b.fqn: b for b in p.profiles}
+    body = []
+    for c in p.choices:
+        b = profiles.get(c.fqn)
+        body.append(((c.fqn or "<root>") + (" (root)" if not c.fqn else ""), c.api, c.strategy,
+                     "yes" if c.checkpoint else "no", "yes" if c.prefetch else "no",
+                     f"{b.saved_bytes:,}" if b else "-", f"{b.input_bytes:,}" if b else "-",
+                     f"{b.forward_seconds * 1e3:.2f}" if b else "-"))
+    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
+    numeric = {5, 6, 7}
+
+    def line(cells: Tuple[str, ...]) -> str:
+        return "  ".join(c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    out = [f"composable_shard.plan: world size {p.world_size}, budget {_mb(p.memory_budget)} per rank",
+           line(header), line(tuple("-" * w for w in widths)), *(line(row) for row in body)]
+    out.append(f"predicted peak per rank {_mb(p.predicted_peak)} at the {p.peak_moment}: " +
+               ", ".join(f"{k} {_mb(p.components[k])}" for k in COMPONENTS))
+    out.append(f"per step: {_mb(p.bytes_sent)} sent by this rank; cost {p.cost_seconds * 1e3:.2f} ms at "
+               f"{p.bandwidth / 1e9:g} GB/s plus recomputation")
+    return "\n".join(out)
+
+
+def _mb(nbytes: int) -> str:
+    return f"{nbytes:,} B ({nbytes / 1e6:.2f} MB)"

@@ -1,0 +1,140 @@
+"""``plan()`` without a process group (``world_size=2``): the chosen annotation at the edges of
+the budget, the infeasible error, bad input, and a model left exactly as it was by the measured
+forward/backward.
+
+Without these, a planner that checkpoints when nothing needs it, that silently returns a plan
+over budget, or that leaves the measurement's gradients, buffers or RNG draws in the model
+(a training run that then differs from one never planned) would pass unnoticed.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+
+from composable_shard import MemoryPlan, plan
+
+WIDTH, SEQ, BATCH, VOCAB = 16, 8, 4, 32
+
+
+class ToyBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(WIDTH)
+        self.fc1 = nn.Linear(WIDTH, 4 * WIDTH)
+        self.drop = nn.Dropout(0.1)
+        self.fc2 = nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.drop(torch.relu(self.fc1(self.ln(x)))))
+
+
+class Toy(nn.Module):
+    """Embedding, blocks in a ModuleList, a head; a buffer its forward updates (like running stats)."""
+
+    def __init__(self, blocks: int = 4) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList([ToyBlock() for _ in range(blocks)])
+        self.head = nn.Linear(WIDTH, VOCAB)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        x = self.emb(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _toy() -> tuple:
+    torch.manual_seed(0)
+    return Toy(), torch.randint(0, VOCAB, (BATCH, SEQ))
+
+
+def _smallest_peak(model: nn.Module, batch: torch.Tensor) -> int:
+    with pytest.raises(ValueError) as info:
+        plan(model, batch, memory_budget=1, world_size=2)
+    found = re.search(r"the smallest peak is ([\d,]+) B", str(info.value))
+    assert found, str(info.value)
+    return int(found.group(1).replace(",", ""))
+
+
+def test_budget_above_the_unsharded_peak_replicates_everything() -> None:
+    """A budget any replica fits in: replicate(model), no checkpointing, nothing sharded."""
+    model, batch = _toy()
+    p = plan(model, batch, memory_budget=10 ** 12, world_size=2)
+    assert isinstance(p, MemoryPlan)
+    assert [c.api for c in p.choices] == ["replicate"] * 5, p.choices
+    assert not any(c.checkpoint for c in p.choices), p.choices
+    assert p.choices[0].fqn == "" and [c.fqn for c in p.choices[1:]] == [f"blocks.{k}" for k in range(4)]
+    assert p.predicted_peak == sum(p.components.values()) <= 10 ** 12
+    assert p.components["parameters"] == 4 * sum(q.numel() for q in model.parameters())  # fp32 replicas
+
+
+def test_smallest_budget_shards_every_block_fully_and_checkpoints() -> None:
+    """At the smallest achievable peak every block is fully sharded, the first (whose backward
+    holds every other block's kept activations) FULL_SHARD with checkpoint, at least half of them
+    checkpointed; the predicted peak is within the budget; more budget never costs more."""
+    model, batch = _toy()
+    smallest = _smallest_peak(model, batch)
+    p = plan(model, batch, memory_budget=smallest, world_size=2)
+    blocks = [c for c in p.choices if c.fqn]
+    assert all(c.api == "fully_shard" for c in blocks), p.choices
+    assert blocks[0].strategy == "FULL_SHARD" and blocks[0].checkpoint, p.choices
+    assert sum(c.checkpoint for c in blocks) >= len(blocks) // 2, p.choices
+    assert p.choices[0].api == "fully_shard" and p.predicted_peak <= smallest
+    roomier = plan(model, batch, memory_budget=smallest * 2, world_size=2)
+    assert roomier.predicted_peak <= smallest * 2
+    assert roomier.cost_seconds <= p.cost_seconds
+
+
+def test_infeasible_budget_names_the_smallest_peak_and_what_it_takes() -> None:
+    model, batch = _toy()
+    with pytest.raises(ValueError, match=r"no plan fits Toy in memory_budget=1,000 B per rank at 2 ranks: the smallest "
+                                         r"peak is [\d,]+ B .*(ranks|batch)"):
+        plan(model, batch, memory_budget=1000, world_size=2)
+
+
+def test_planning_leaves_parameters_grads_buffers_and_rng_untouched() -> None:
+    """The measured forward/backward draws dropout masks and bumps the buffer: both undone."""
+    model, batch = _toy()
+    for q in model.parameters():
+        q.grad = torch.full_like(q, 0.5)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    grads = [q.grad for q in model.parameters()]
+    rng = torch.get_rng_state()
+    plan(model, batch, memory_budget=10 ** 12, world_size=2)
+    assert torch.equal(torch.get_rng_state(), rng)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), [k for k in before if not torch.equal(before[k], after[k])]
+    assert all(q.grad is g and bool((g == 0.5).all()) for q, g in zip(model.parameters(), grads))
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_measured_inputs_are_the_block_activations() -> None:
+    """Each block's input (what a checkpointed block keeps) is one (B, T, W) float tensor."""
+    model, batch = _toy()
+    p = plan(model, batch, memory_budget=10 ** 12, world_size=2)
+    assert [b.input_bytes for b in p.profiles] == [BATCH * SEQ * WIDTH * 4] * 4
+    assert all(b.saved_bytes > b.input_bytes and b.forward_seconds > 0 for b in p.profiles)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"memory_budget": 0}, "memory_budget must be a positive int"),
+    ({"memory_budget": -5}, "memory_budget must be a positive int"),
+    ({"memory_budget": 1.5e9}, "memory_budget must be a positive int"),
+    ({"memory_budget": 10 ** 9, "optimizer": "lion"}, "unknown optimizer 'lion'"),
+    ({"memory_budget": 10 ** 9, "block_types": [nn.Conv2d]}, "no module of Toy is a Conv2d"),
+    ({"memory_budget": 10 ** 9, "world_size": 0}, "world_size must be an int >= 1"),
+])
+def test_bad_input_raises_and_leaves_the_model_unchanged(kwargs: dict, message: str) -> None:
+    model, batch = _toy()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        plan(model, batch, **{"world_size": 2, **kwargs})
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(q.grad is None for q in model.parameters())
