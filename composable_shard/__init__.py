@@ -28,7 +28,7 @@ from ._sharded_tensor import ShardedSlice
 from ._checkpoint_io import export_safetensors, latest_checkpoint, load_checkpoint, save_checkpoint
 from ._describe import describe
 from .plan import MemoryPlan, plan
-from . import optim  # composable_shard.optim.Muon: optimizers that need whole matrices
+from . import optim  # noqa: F401  (composable_shard.optim.Muon: optimizers that need whole matrices)
 from .wrap import (
     CustomPolicy,
     ModuleWrapPolicy,

@@ -207,15 +207,12 @@ class CollectiveRecorder:
             self.on_event(event)
 
 
-_local = threading.local()
+class _Local(threading.local):
+    def __init__(self) -> None:  # runs once in each thread that reads it
+        self.recorders: List[CollectiveRecorder] = []  # the active recorders of this thread
 
 
-def _recorders() -> List[CollectiveRecorder]:
-    recs: Optional[List[CollectiveRecorder]] = getattr(_local, "recorders", None)
-    if recs is None:
-        recs = []
-        _local.recorders = recs
-    return recs
+_local = _Local()
 
 
 @contextlib.contextmanager
@@ -223,32 +220,42 @@ def record_collectives() -> Iterator[CollectiveRecorder]:
     """Record every collective issued by this thread (autograd's CPU backward runs on the
     calling thread) while the context is active."""
     recorder = CollectiveRecorder()
-    _recorders().append(recorder)
+    _local.recorders.append(recorder)
     try:
         yield recorder
     finally:
-        _recorders().remove(recorder)
+        _local.recorders.remove(recorder)
 
 
 def trace(name: str, tag: str = "") -> None:
     """Report a runtime event (a hook firing) to active recorders; free when none are."""
-    recs = getattr(_local, "recorders", None)
-    if recs:
-        for r in recs:
-            r._add_event(("trace", name, tag))
+    for r in _local.recorders:
+        r._add_event(("trace", name, tag))
 
 
-def _report(kind: str, nbytes: int, group_size: int, tag: str, input: Optional[torch.Tensor] = None) -> None:
-    recs = getattr(_local, "recorders", None)
-    if recs:
-        rec = CollectiveRecord(kind, nbytes, group_size, tag, weakref.ref(input) if input is not None else None)
-        for r in recs:
+def _report(kind: str, nbytes: int, group: Optional[dist.ProcessGroup], tag: str,
+            input: Optional[torch.Tensor] = None) -> int:
+    """Report a collective to the active recorders; returns the group's size."""
+    world_size = dist.get_world_size(group)
+    if _local.recorders:
+        rec = CollectiveRecord(kind, nbytes, world_size, tag, weakref.ref(input) if input is not None else None)
+        for r in _local.recorders:
             r.records.append(rec)
             r._add_event(("collective", kind, tag))
+    return world_size
 
 
-def _group_size(group: Optional[dist.ProcessGroup]) -> int:
-    return dist.get_world_size(group)
+def _copy_alone(output: torch.Tensor, input: torch.Tensor, kind: str, tag: str, hint: str = "") -> Pending:
+    """A gather or reduce-scatter on a group of one rank: ``input`` is the result."""
+    if output.data_ptr() != input.data_ptr():
+        output.copy_(input)
+    return Pending(None, output, kind, tag=tag, hint=hint)
+
+
+def _gather_now(output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup], kind: str, tag: str,
+                hint: str = "") -> None:
+    """All-gather ``input`` into ``output`` and wait (the synchronous gathers of small data below)."""
+    Pending(ALL_GATHER_SINGLE(output, input, group=group, async_op=True), output, kind, tag=tag, hint=hint).wait()
 
 
 def all_gather_into(
@@ -262,12 +269,8 @@ def all_gather_into(
     with another handle's (see [Note: Collectives on gloo]). ``hint``: the advice of the error
     raised if it does not complete (default :data:`TRAINING_HINT`), and of the warning once it
     has waited :data:`STUCK_WARNING_AFTER_S` (see [Note: Stuck waits])."""
-    world_size = _group_size(group)
-    _report("all_gather", input.numel() * input.element_size(), world_size, tag, input)
-    if world_size == 1:
-        if output.data_ptr() != input.data_ptr():
-            output.copy_(input)
-        return Pending(None, output, "all_gather", tag=tag, hint=hint)
+    if _report("all_gather", input.numel() * input.element_size(), group, tag, input) == 1:
+        return _copy_alone(output, input, "all_gather", tag, hint)
     if _is_gloo(group) and input.device.type == "cpu":
         return Pending(_gloo_all_gather(output, input, group, _p2p_tag(_TAG_ALL_GATHER, match)), output, "all_gather",
                        tag=tag, hint=hint)
@@ -283,12 +286,8 @@ def reduce_scatter_into(
     its contents are undefined afterwards. ``match`` as for :func:`all_gather_into`.
 
     On gloo it runs point to point (see [Note: Collectives on gloo])."""
-    world_size = _group_size(group)
-    _report("reduce_scatter", input.numel() * input.element_size(), world_size, tag, input)
-    if world_size == 1:
-        if output.data_ptr() != input.data_ptr():
-            output.copy_(input)
-        return Pending(None, output, "reduce_scatter", tag=tag)
+    if _report("reduce_scatter", input.numel() * input.element_size(), group, tag, input) == 1:
+        return _copy_alone(output, input, "reduce_scatter", tag)
     if _is_gloo(group) and input.device.type == "cpu":
         return _gloo_reduce_scatter(output, input, group, tag, _p2p_tag(_TAG_REDUCE_SCATTER, match))
     work = REDUCE_SCATTER_SINGLE(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True)
@@ -387,9 +386,7 @@ def all_reduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], *, tag:
                op: Any = dist.ReduceOp.SUM, hint: str = "") -> Pending:
     """Reduce ``tensor`` in place across the group (sum unless ``op`` says otherwise), async.
     ``hint`` as for :func:`all_gather_into`."""
-    world_size = _group_size(group)
-    _report("all_reduce", tensor.numel() * tensor.element_size(), world_size, tag, tensor)
-    if world_size == 1:
+    if _report("all_reduce", tensor.numel() * tensor.element_size(), group, tag, tensor) == 1:
         return Pending(None, tensor, "all_reduce", tag=tag, hint=hint)
     work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
     return Pending(work, tensor, "all_reduce", tag=tag, hint=hint)
@@ -397,9 +394,7 @@ def all_reduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], *, tag:
 
 def broadcast(tensor: torch.Tensor, src_rank: int, group: Optional[dist.ProcessGroup], *, tag: str = "") -> None:
     """Broadcast ``tensor`` in place from group rank ``src_rank`` (synchronous)."""
-    world_size = _group_size(group)
-    _report("broadcast", tensor.numel() * tensor.element_size(), world_size, tag)
-    if world_size == 1:
+    if _report("broadcast", tensor.numel() * tensor.element_size(), group, tag) == 1:
         return
     global_src = dist.get_global_rank(group, src_rank) if group is not None else src_rank
     dist.broadcast(tensor, src=global_src, group=group)
@@ -408,14 +403,13 @@ def broadcast(tensor: torch.Tensor, src_rank: int, group: Optional[dist.ProcessG
 def exchange(values: List[int], group: Optional[dist.ProcessGroup], *, tag: str = "") -> List[List[int]]:
     """Every rank's ``values`` (a few integers, the same count on every rank), synchronously:
     the cross-rank agreement checks use it before collectives that must match."""
-    world_size = _group_size(group)
-    _report("exchange", 8 * len(values), world_size, tag)
+    world_size = _report("exchange", 8 * len(values), group, tag)
     if world_size == 1:
         return [list(values)]
     device = _object_device(group)
     mine = torch.tensor(values, dtype=torch.int64, device=device)
     everyone = torch.empty(world_size * mine.numel(), dtype=torch.int64, device=device)
-    Pending(ALL_GATHER_SINGLE(everyone, mine, group=group, async_op=True), everyone, "exchange", tag=tag).wait()
+    _gather_now(everyone, mine, group, "exchange", tag)
     return everyone.view(world_size, -1).cpu().tolist()  # type: ignore[no-any-return]  # list of lists of int
 
 
@@ -427,8 +421,7 @@ def all_gather_json(obj: Any, group: Optional[dist.ProcessGroup], *, tag: str = 
     JSON, not pickle: what a peer sends is decoded as data and can never run code here
     (``dist.all_gather_object`` unpickles, and needs numpy). Two tensor all-gathers: lengths,
     then padded bytes."""
-    world_size = _group_size(group)
-    _report("all_gather_json", 0, world_size, tag)
+    world_size = _report("all_gather_json", 0, group, tag)
     encoded = json.dumps(obj, allow_nan=False).encode("utf-8")
     if world_size == 1:
         return [json.loads(encoded)]
@@ -436,14 +429,12 @@ def all_gather_json(obj: Any, group: Optional[dist.ProcessGroup], *, tag: str = 
     payload = torch.frombuffer(bytearray(encoded), dtype=torch.uint8).to(device)
     length = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
     lengths = torch.empty(world_size, dtype=torch.int64, device=device)
-    Pending(ALL_GATHER_SINGLE(lengths, length, group=group, async_op=True), lengths, "all_gather_json", tag=tag,
-            hint=hint).wait()
+    _gather_now(lengths, length, group, "all_gather_json", tag, hint)
     longest = int(lengths.max().item())
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[: payload.numel()].copy_(payload)
     everyone = torch.empty(world_size * longest, dtype=torch.uint8, device=device)
-    Pending(ALL_GATHER_SINGLE(everyone, padded, group=group, async_op=True), everyone, "all_gather_json", tag=tag,
-            hint=hint).wait()
+    _gather_now(everyone, padded, group, "all_gather_json", tag, hint)
     rows = everyone.view(world_size, longest).cpu()
     return [json.loads(bytes(rows[r, : int(lengths[r])].tolist()).decode("utf-8")) for r in range(world_size)]
 

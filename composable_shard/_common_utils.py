@@ -1,4 +1,4 @@
-"""State of ``fully_shard`` and small FQN helpers shared across the package.
+"""State of ``fully_shard`` and small helpers shared across the package (weak holders, FQN cleaning).
 
 Every field of :class:`_FSDPState` is declared here, typed, with one comment each. Fields
 marked *root only* are meaningful on the root state alone (the outermost fully sharded module
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import weakref
-from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Callable, List, Optional, Set
 
 import torch
 import torch.distributed as dist
@@ -19,7 +19,7 @@ from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy,
 from ._flat_param import FlatParamHandle, HandleTrainingState, Reduction, _is_fsdp_flattened, _set_fsdp_flattened  # noqa: F401  # some re-exported
 from ._streams import Streams
 from ._watch import StepCounter
-from .contract import _root_modules, _State
+from .contract import _State
 
 __all__ = [
     "TrainingState",
@@ -29,9 +29,6 @@ __all__ = [
     "clean_tensor_name",
     "_is_fsdp_flattened",
     "_set_fsdp_flattened",
-    "_get_root_modules",
-    "_apply_to_modules",
-    "_get_param_to_fqns",
     "FSDP_API_NAME",
     "WeakGroup",
     "WeakHook",
@@ -206,38 +203,3 @@ def clean_tensor_name(name: str) -> str:
         name = name.replace(prefix, "")
     return name
 
-
-def _get_root_modules(modules: Iterable[nn.Module]) -> List[nn.Module]:
-    """The modules of ``modules`` that no other module of ``modules`` contains, in order."""
-    return _root_modules(list(modules))
-
-
-def _apply_to_modules(
-    root: nn.Module,
-    visit: Callable[[nn.Module, str], None],
-    filter_fqns: Optional[Iterable[str]] = None,
-) -> None:
-    """Call ``visit(module, prefix)`` on every module in pre-order (``.modules()`` order),
-    where ``prefix`` is the module's FQN plus a dot (``""`` for ``root``). Each module is
-    visited once even if registered under several names."""
-    seen: Set[int] = set()
-    stack: List[Tuple[nn.Module, str]] = [(root, "")]
-    filtered = set(filter_fqns) if filter_fqns is not None else None
-    while stack:
-        module, prefix = stack.pop()
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
-        if filtered is None or prefix.rstrip(".") in filtered or prefix == "":
-            visit(module, prefix)
-        children = [(c, f"{prefix}{n}.") for n, c in module.named_children()]
-        stack.extend(reversed(children))
-
-
-def _get_param_to_fqns(model: nn.Module) -> Dict[nn.Parameter, List[str]]:
-    """Map each parameter to every FQN it is reachable under (shared parameters have several;
-    the first is the canonical one, in ``named_parameters(remove_duplicate=False)`` order)."""
-    out: Dict[nn.Parameter, List[str]] = {}
-    for fqn, param in model.named_parameters(remove_duplicate=False):
-        out.setdefault(param, []).append(fqn)
-    return out

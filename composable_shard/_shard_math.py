@@ -8,6 +8,7 @@ padded_numel // world_size``. Padding is always fewer than ``world_size`` elemen
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
@@ -38,12 +39,7 @@ def chunk_bounds(numel: int, world_size: int, rank: int) -> Tuple[int, int]:
 
 def param_offsets(numels: Sequence[int]) -> List[int]:
     """Start offset of each parameter in the flat concatenation."""
-    offsets: List[int] = []
-    total = 0
-    for n in numels:
-        offsets.append(total)
-        total += n
-    return offsets
+    return list(itertools.accumulate(numels, initial=0))[:-1]
 
 
 @dataclass(frozen=True)

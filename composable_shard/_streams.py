@@ -42,11 +42,7 @@ class Streams:
     @staticmethod
     def record_current(device: torch.device) -> Optional[Any]:
         """An event marking what the current stream of ``device`` has queued (None off CUDA)."""
-        if device.type != "cuda":
-            return None
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(device))
-        return event
+        return Streams.record(torch.cuda.current_stream(device)) if device.type == "cuda" else None
 
     @staticmethod
     def wait(event: Optional[Any]) -> None:

@@ -14,7 +14,7 @@ from typing import Any, Dict, Tuple
 
 import torch.nn as nn
 
-__all__ = ["make_subclass", "restore_class", "original_class", "is_dynamic_subclass"]
+__all__ = ["make_subclass"]
 
 _ORIG_CLS_ATTR = "_composable_shard_orig_cls"
 _CLASS_CACHE: Dict[Tuple[str, type, type], type] = {}
@@ -48,24 +48,6 @@ def make_subclass(module: nn.Module, prefix: str, mixin: type) -> type:
         _CLASS_CACHE[key] = cls
     module.__class__ = cls
     return cls
-
-
-def original_class(module_or_cls: Any) -> type:
-    """The class the module had before any API swapped it (its own class otherwise)."""
-    cls = module_or_cls if isinstance(module_or_cls, type) else type(module_or_cls)
-    while cls.__dict__.get(_ORIG_CLS_ATTR) is not None:
-        cls = cls.__dict__[_ORIG_CLS_ATTR]
-    return cls
-
-
-def is_dynamic_subclass(module: nn.Module) -> bool:
-    """True if ``module``'s class was created by :func:`make_subclass`."""
-    return type(module).__dict__.get(_ORIG_CLS_ATTR) is not None
-
-
-def restore_class(module: nn.Module) -> None:
-    """Give ``module`` back its original class (undoes every :func:`make_subclass`)."""
-    module.__class__ = original_class(module)
 
 
 def _reject_copy(self: nn.Module, api_name: str) -> None:

@@ -18,7 +18,7 @@ from .contract import _get_module_state, _get_registry
 if TYPE_CHECKING:
     from ._flat_param import FlatParamHandle
 
-__all__ = ["_composable", "owned_modules", "_get_fsdp_states", "_get_fsdp_states_with_modules", "_get_fsdp_handles"]
+__all__ = ["_composable", "owned_modules", "_get_fsdp_states", "_get_fsdp_handles"]
 
 # APIs whose subtrees fully_shard leaves alone (their parameters are theirs to manage).
 _NON_COMPOSABLE_APIS = frozenset({"replicate"})
@@ -32,11 +32,9 @@ def _composable(module: nn.Module) -> bool:
     return not any(api in _NON_COMPOSABLE_APIS for api in registry)
 
 
-def _get_fsdp_states_with_modules(module: nn.Module) -> Tuple[List[_FSDPState], List[nn.Module]]:
-    """``(states, modules)``: each ``fully_shard`` state in the tree of ``module`` once, with
-    the first module (DFS order) that carries it."""
+def _get_fsdp_states(module: nn.Module) -> List[_FSDPState]:
+    """Every ``fully_shard`` state in the tree of ``module``, DFS order, each once."""
     states: List[_FSDPState] = []
-    modules: List[nn.Module] = []
     seen_states: Set[int] = set()
     seen_modules: Set[int] = set()
     stack: List[nn.Module] = [module]
@@ -51,14 +49,8 @@ def _get_fsdp_states_with_modules(module: nn.Module) -> Tuple[List[_FSDPState], 
         if state is not None and id(state) not in seen_states:
             seen_states.add(id(state))
             states.append(state)
-            modules.append(current)
         stack.extend(reversed(list(current.children())))
-    return states, modules
-
-
-def _get_fsdp_states(module: nn.Module) -> List[_FSDPState]:
-    """Every ``fully_shard`` state in the tree of ``module``, DFS order, each once."""
-    return _get_fsdp_states_with_modules(module)[0]
+    return states
 
 
 def _get_fsdp_handles(module: nn.Module) -> List["FlatParamHandle"]:

@@ -67,10 +67,11 @@ module is tracked too (if it brings no parameters), so parameters added to it la
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Sequence, Set, Tuple
 
 import torch.nn as nn
 from torch.nn.modules.module import (register_module_module_registration_hook,
@@ -114,14 +115,16 @@ _in_hook = [0]  # our hooks running now, in any thread (see [Note: Hooks for as 
 _lock = threading.RLock()  # guards the counts and _installed (a finalizer may run while this thread holds it)
 
 
-def _hook_started() -> None:
+@contextlib.contextmanager
+def _hook_running() -> Iterator[None]:
+    """Around the body of each of our hooks: meanwhile a finalizer leaves the hooks in place."""
     with _lock:
         _in_hook[0] += 1
-
-
-def _hook_done() -> None:
-    with _lock:
-        _in_hook[0] -= 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _in_hook[0] -= 1
 
 
 def _use_hooks(user: Any) -> None:
@@ -175,20 +178,16 @@ def _fqn(tracked: _Tracked, name: str) -> str:
 
 
 def _on_parameter(module: nn.Module, name: str, param: Any) -> None:
-    _hook_started()  # from here on a finalizer leaves the hooks in place
-    try:
+    with _hook_running():
         tracked = _tracked.get(module)
         if tracked is None or tracked.slots.get(name) is param:
             return
         action = "removed" if param is None else ("replaced" if name in tracked.slots else "registered")
         _record(tracked, f"parameter {_fqn(tracked, name)!r} was {action} after fully_shard")
-    finally:
-        _hook_done()
 
 
 def _on_module(module: nn.Module, name: str, submodule: Any) -> None:
-    _hook_started()
-    try:
+    with _hook_running():
         tracked = _tracked.get(module)
         if tracked is None or not isinstance(submodule, nn.Module):
             return
@@ -200,8 +199,6 @@ def _on_module(module: nn.Module, name: str, submodule: Any) -> None:
         for sub_name, sub in submodule.named_modules():
             if sub not in _tracked:
                 _tracked[sub] = _Tracked(tracked.state_ref, ".".join(p for p in (tracked.name, name, sub_name) if p))
-    finally:
-        _hook_done()
 
 
 def _untracked_params(submodule: nn.Module) -> List[str]:
@@ -223,12 +220,9 @@ def _untracked_params(submodule: nn.Module) -> List[str]:
 
 
 def _on_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    _hook_started()
-    try:
+    with _hook_running():
         for watch in list(_step_watches):
             watch.count(optimizer)
-    finally:
-        _hook_done()
 
 
 _MAX_STEPS_AGREED = 255  # d * d summed over ranks stays exact in int32 up to 33,000 ranks

@@ -36,10 +36,8 @@ class GradBucket:
     ``gradients()`` are per-parameter views of it, in ``parameters()`` order.
     """
 
-    def __init__(
-        self, index: int, buffer: torch.Tensor, parameters: List[nn.Parameter],
-        gradients: List[torch.Tensor], is_last: bool,
-    ) -> None:
+    def __init__(self, index: int, buffer: torch.Tensor, parameters: List[nn.Parameter], gradients: List[torch.Tensor],
+                 is_last: bool) -> None:
         self._index: int = index  # launch position of the bucket; the same on every rank
         self._buffer: torch.Tensor = buffer  # flat gradients; replaced by set_buffer
         self._parameters: List[nn.Parameter] = parameters  # parameters of the bucket, slot order
@@ -73,12 +71,11 @@ class GradBucket:
         return self._is_last
 
 
-CommHook = Callable[[Any, GradBucket], "torch.futures.Future[torch.Tensor]"]
+_TensorFuture = torch.futures.Future[torch.Tensor]
+CommHook = Callable[[Any, GradBucket], _TensorFuture]
 
 
-def allreduce_hook(
-    process_group: Optional[dist.ProcessGroup], bucket: GradBucket
-) -> torch.futures.Future[torch.Tensor]:
+def allreduce_hook(process_group: Optional[dist.ProcessGroup], bucket: GradBucket) -> _TensorFuture:
     """Average the bucket over ``process_group`` (``None``: the default group) with one
     all-reduce, in the buffer's dtype. Same result as registering no hook."""
     buffer = bucket.buffer()
@@ -87,39 +84,27 @@ def allreduce_hook(
     return _future_of(pending, lambda reduced: reduced)
 
 
-def fp16_compress_hook(
-    process_group: Optional[dist.ProcessGroup], bucket: GradBucket
-) -> torch.futures.Future[torch.Tensor]:
+def fp16_compress_hook(process_group: Optional[dist.ProcessGroup], bucket: GradBucket) -> _TensorFuture:
     """Divide by the world size, cast to float16, all-reduce, cast back into the bucket's
     buffer (torch's ``default_hooks.fp16_compress_hook``): half the bytes on the wire."""
     return _compress_hook(torch.float16, process_group, bucket)
 
 
-def bf16_compress_hook(
-    process_group: Optional[dist.ProcessGroup], bucket: GradBucket
-) -> torch.futures.Future[torch.Tensor]:
+def bf16_compress_hook(process_group: Optional[dist.ProcessGroup], bucket: GradBucket) -> _TensorFuture:
     """As :func:`fp16_compress_hook` with bfloat16 (wider range, fewer mantissa bits)."""
     return _compress_hook(torch.bfloat16, process_group, bucket)
 
 
-def _compress_hook(
-    dtype: torch.dtype, process_group: Optional[dist.ProcessGroup], bucket: GradBucket
-) -> torch.futures.Future[torch.Tensor]:
+def _compress_hook(dtype: torch.dtype, process_group: Optional[dist.ProcessGroup], bucket: GradBucket) -> _TensorFuture:
     buffer = bucket.buffer()
     compressed = buffer.to(dtype).div_(dist.get_world_size(process_group))
     tag = f"replicate::{dtype}_compress_hook::bucket{bucket.index()}".replace("torch.", "")
     pending = _collectives.all_reduce(compressed, process_group, tag=tag)
-
-    def decompress(reduced: torch.Tensor) -> torch.Tensor:
-        # In place into the bucket's buffer, so no full-precision temporary is allocated.
-        return buffer.copy_(reduced)
-
-    return _future_of(pending, decompress)
+    # Decompressed in place into the bucket's buffer, so no full-precision temporary is allocated.
+    return _future_of(pending, lambda reduced: buffer.copy_(reduced))
 
 
-def _future_of(
-    pending: _collectives.Pending, then: Callable[[torch.Tensor], torch.Tensor]
-) -> torch.futures.Future[torch.Tensor]:
+def _future_of(pending: _collectives.Pending, then: Callable[[torch.Tensor], torch.Tensor]) -> _TensorFuture:
     """A future resolving to ``then(pending.output)`` once the collective finished.
 
     Uses the work's own future (gloo and NCCL works have one) so nothing blocks here and the

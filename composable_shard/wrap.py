@@ -33,8 +33,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Set, Type, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Set, Tuple, Type, Union
 
 import torch.nn as nn
 
@@ -49,48 +48,32 @@ __all__ = [
     "wrap",
 ]
 
-# What a CustomPolicy's function may return for one module.
-_CustomPolicyResult = Union[bool, Dict[str, Any]]
-# The signature of a function policy: (module, recurse, nonwrapped_numel) -> bool.
-_FunctionPolicy = Callable[..., bool]
+_Kwargs = Dict[str, Any]  # keyword arguments of the API applied to a module
+_Targets = Dict[nn.Module, _Kwargs]  # {target module: its kwargs}
+_FunctionPolicy = Callable[..., bool]  # (module, recurse, nonwrapped_numel) -> bool
 
 
-def _expand_ignored(ignored_modules: Iterable[nn.Module]) -> set[nn.Module]:
+def _expand_ignored(ignored_modules: Iterable[nn.Module]) -> Set[nn.Module]:
     """Ignored modules plus everything below them: a subtree is ignored as a whole."""
-    expanded: set[nn.Module] = set()
-    for ignored in ignored_modules:
-        expanded.update(ignored.modules())
-    return expanded
+    return {m for ignored in ignored_modules for m in ignored.modules()}
 
 
-def _selectable_named_modules(
-    root_module: nn.Module, ignored_modules: set[nn.Module]
-) -> Iterator[tuple[str, nn.Module]]:
+def _selectable_named_modules(root_module: nn.Module, ignored: Set[nn.Module]) -> Iterator[Tuple[str, nn.Module]]:
     """``root_module.named_modules()`` (each module once) minus the ignored subtrees."""
-    for fqn, module in root_module.named_modules():
-        if module not in ignored_modules:
-            yield fqn, module
+    expanded = _expand_ignored(ignored)
+    return ((fqn, module) for fqn, module in root_module.named_modules() if module not in expanded)
 
 
 class _Policy(ABC):
-    """A policy for applying a module-level API to selected modules of a tree.
-
-    Subclasses implement :meth:`_run_policy`. Users pass a policy to ``fully_shard(...,
-    policy=...)``; they do not call ``_run_policy`` themselves.
-    """
+    """A policy for applying a module-level API to selected modules of a tree. Users pass one to
+    ``fully_shard(..., policy=...)``; they do not call :meth:`_run_policy` themselves."""
 
     @abstractmethod
-    def _run_policy(
-        self,
-        root_module: nn.Module,
-        ignored_modules: set[nn.Module],
-        root_kwargs: dict[str, Any],
-    ) -> dict[nn.Module, dict[str, Any]]:
+    def _run_policy(self, root_module: nn.Module, ignored_modules: Set[nn.Module], root_kwargs: _Kwargs) -> _Targets:
         """Return ``{target module: kwargs}`` for every module of ``root_module``'s tree the API
         should be applied to. ``kwargs`` is a fresh copy of ``root_kwargs``, possibly with some
         values overridden, so callers may mutate it. Modules in ``ignored_modules`` and below
-        them are never keys. The root may be a key; key order carries no meaning.
-        """
+        them are never keys. The root may be a key; key order carries no meaning."""
 
 
 class ModuleWrapPolicy(_Policy):
@@ -112,25 +95,15 @@ class ModuleWrapPolicy(_Policy):
             name = getattr(module_classes, "__name__", type(module_classes).__name__)
             raise TypeError(f"ModuleWrapPolicy: module_classes must be an iterable of nn.Module classes, got "
                             f"{name!r}; for one class write ModuleWrapPolicy({{{name}}})")
-        self._module_classes: set[Type[nn.Module]] = set(module_classes)
+        self._module_classes: Set[Type[nn.Module]] = set(module_classes)
         for cls in self._module_classes:
             if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
                 raise TypeError(f"ModuleWrapPolicy: module_classes must contain nn.Module subclasses, got {cls!r}")
 
-    def _run_policy(
-        self,
-        root_module: nn.Module,
-        ignored_modules: set[nn.Module],
-        root_kwargs: dict[str, Any],
-    ) -> dict[nn.Module, dict[str, Any]]:
+    def _run_policy(self, root_module: nn.Module, ignored_modules: Set[nn.Module], root_kwargs: _Kwargs) -> _Targets:
         classes = tuple(self._module_classes)
-        return {
-            module: copy.copy(root_kwargs)
-            for _, module in _selectable_named_modules(
-                root_module, _expand_ignored(ignored_modules)
-            )
-            if isinstance(module, classes)
-        }
+        return {module: copy.copy(root_kwargs) for _, module in _selectable_named_modules(root_module, ignored_modules)
+                if isinstance(module, classes)}
 
     def __call__(self, module: nn.Module, recurse: bool, *args: Any, **kwargs: Any) -> bool:
         """Act as the equivalent function policy (as torch's class does), so this object
@@ -166,36 +139,23 @@ class CustomPolicy(_Policy):
         >>> fully_shard(model, policy=CustomPolicy(lambda_fn))
     """
 
-    def __init__(self, lambda_fn: Callable[[nn.Module], _CustomPolicyResult]) -> None:
+    def __init__(self, lambda_fn: Callable[[nn.Module], Union[bool, Dict[str, Any]]]) -> None:
         if not callable(lambda_fn):
             raise TypeError(f"CustomPolicy: lambda_fn must be callable as lambda_fn(module) -> bool | dict, got "
                             f"{type(lambda_fn).__name__} ({lambda_fn!r})")
         self._lambda_fn = lambda_fn
 
-    def _run_policy(
-        self,
-        root_module: nn.Module,
-        ignored_modules: set[nn.Module],
-        root_kwargs: dict[str, Any],
-    ) -> dict[nn.Module, dict[str, Any]]:
-        targets: dict[nn.Module, dict[str, Any]] = {}
-        for fqn, module in _selectable_named_modules(
-            root_module, _expand_ignored(ignored_modules)
-        ):
+    def _run_policy(self, root_module: nn.Module, ignored_modules: Set[nn.Module], root_kwargs: _Kwargs) -> _Targets:
+        targets: _Targets = {}
+        for fqn, module in _selectable_named_modules(root_module, ignored_modules):
             result = self._lambda_fn(module)
             # bool is checked exactly: an int such as 1 is a mistake, not a "yes".
             if not isinstance(result, (bool, dict)):
-                raise ValueError(
-                    f"CustomPolicy: lambda_fn returned {type(result).__name__} "
-                    f"({result!r}) for module '{fqn}' ({type(module).__name__}); "
-                    "it must return True, False or a dict of kwargs overrides."
-                )
-            if not result:
-                continue
-            kwargs = copy.copy(root_kwargs)
-            if isinstance(result, dict):
-                kwargs.update(result)
-            targets[module] = kwargs
+                raise ValueError(f"CustomPolicy: lambda_fn returned {type(result).__name__} ({result!r}) for module "
+                                 f"'{fqn}' ({type(module).__name__}); it must return True, False or a dict of kwargs "
+                                 "overrides.")
+            if result:
+                targets[module] = {**root_kwargs, **(result if isinstance(result, dict) else {})}
         return targets
 
 
@@ -205,29 +165,23 @@ class _FunctionPolicyAdapter(_Policy):
     def __init__(self, fn: _FunctionPolicy) -> None:
         self._fn = fn
 
-    def _run_policy(
-        self,
-        root_module: nn.Module,
-        ignored_modules: set[nn.Module],
-        root_kwargs: dict[str, Any],
-    ) -> dict[nn.Module, dict[str, Any]]:
+    def _run_policy(self, root_module: nn.Module, ignored_modules: Set[nn.Module], root_kwargs: _Kwargs) -> _Targets:
         ignored = _expand_ignored(ignored_modules)
         if root_module in ignored:
             return {}
         ignored_params = {p for module in ignored for p in module.parameters(recurse=False)}
-        targets: dict[nn.Module, dict[str, Any]] = {}
+        targets: _Targets = {}
         # module -> parameters claimed by targets in its subtree; doubles as the visited set.
-        claimed_by_subtree: dict[nn.Module, set[nn.Parameter]] = {}
+        claimed_by_subtree: Dict[nn.Module, Set[nn.Parameter]] = {}
 
-        def visit(module: nn.Module) -> set[nn.Parameter]:
+        def visit(module: nn.Module) -> Set[nn.Parameter]:
             if module in claimed_by_subtree:
                 return claimed_by_subtree[module]
             # parameters() yields a parameter shared inside the subtree once.
             params = [p for p in module.parameters() if p not in ignored_params]
-            claimed: set[nn.Parameter] = set()
+            claimed: Set[nn.Parameter] = set()
             claimed_by_subtree[module] = claimed
-            total_numel = sum(p.numel() for p in params)
-            if not self._fn(module=module, recurse=True, nonwrapped_numel=total_numel):
+            if not self._fn(module=module, recurse=True, nonwrapped_numel=sum(p.numel() for p in params)):
                 return claimed
             for child in module.children():
                 if child not in ignored:
@@ -253,19 +207,13 @@ def _as_policy(policy: Union[_Policy, _FunctionPolicy]) -> _Policy:
         return policy
     if callable(policy):
         return _FunctionPolicyAdapter(policy)
-    raise TypeError(
-        f"policy must be a _Policy (ModuleWrapPolicy, CustomPolicy) or a function "
-        f"(module, recurse, nonwrapped_numel) -> bool, got {type(policy).__name__}."
-    )
+    raise TypeError(f"policy must be a _Policy (ModuleWrapPolicy, CustomPolicy) or a function "
+                    f"(module, recurse, nonwrapped_numel) -> bool, got {type(policy).__name__}.")
 
 
-def _select_by_class(
-    module: nn.Module, recurse: bool, module_classes: Iterable[Type[nn.Module]]
-) -> bool:
+def _select_by_class(module: nn.Module, recurse: bool, module_classes: Iterable[Type[nn.Module]]) -> bool:
     """Function-policy form of class selection: always descend, select instances."""
-    if recurse:
-        return True
-    return isinstance(module, tuple(module_classes))
+    return recurse or isinstance(module, tuple(module_classes))
 
 
 def always_wrap_policy(*args: Any, **kwargs: Any) -> bool:
@@ -278,12 +226,8 @@ def always_wrap_policy(*args: Any, **kwargs: Any) -> bool:
     return True
 
 
-def lambda_auto_wrap_policy(
-    module: nn.Module,
-    recurse: bool,
-    nonwrapped_numel: int,
-    lambda_fn: Callable[[nn.Module], bool],
-) -> bool:
+def lambda_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int,
+                            lambda_fn: Callable[[nn.Module], bool]) -> bool:
     """Function policy selecting each module for which ``lambda_fn(module)`` is true; the
     traversal always descends.
 
@@ -299,17 +243,11 @@ def lambda_auto_wrap_policy(
         ...     lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(m, nn.Embedding))
         >>> fully_shard(model, policy=policy)
     """
-    if recurse:
-        return True
-    return bool(lambda_fn(module))
+    return recurse or bool(lambda_fn(module))
 
 
-def transformer_auto_wrap_policy(
-    module: nn.Module,
-    recurse: bool,
-    nonwrapped_numel: int,
-    transformer_layer_cls: Iterable[Type[nn.Module]],
-) -> bool:
+def transformer_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int,
+                                 transformer_layer_cls: Iterable[Type[nn.Module]]) -> bool:
     """Function policy selecting every instance of ``transformer_layer_cls`` (the function
     form of :class:`ModuleWrapPolicy`); the traversal always descends.
 
@@ -328,14 +266,9 @@ def transformer_auto_wrap_policy(
     return _select_by_class(module, recurse, transformer_layer_cls)
 
 
-def size_based_auto_wrap_policy(
-    module: nn.Module,
-    recurse: bool,
-    nonwrapped_numel: int,
-    min_num_params: int = int(1e8),
-    force_leaf_modules: Optional[Set[Type[nn.Module]]] = None,
-    exclude_wrap_modules: Optional[Set[Type[nn.Module]]] = None,
-) -> bool:
+def size_based_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int, min_num_params: int = int(1e8),
+                                force_leaf_modules: Optional[Set[Type[nn.Module]]] = None,
+                                exclude_wrap_modules: Optional[Set[Type[nn.Module]]] = None) -> bool:
     """Function policy selecting a module once its not-yet-claimed parameters reach
     ``min_num_params`` elements.
 
@@ -361,42 +294,23 @@ def size_based_auto_wrap_policy(
         >>> fully_shard(model, policy=policy)
     """
     # Defaults are read at call time so that changing them on the function takes effect.
-    if recurse:
-        leaf_classes = (
-            getattr(size_based_auto_wrap_policy, "FORCE_LEAF_MODULES")
-            if force_leaf_modules is None
-            else force_leaf_modules
-        )
-        return nonwrapped_numel >= min_num_params and not isinstance(module, tuple(leaf_classes))
-    excluded_classes = (
-        getattr(size_based_auto_wrap_policy, "EXCLUDE_WRAP_MODULES")
-        if exclude_wrap_modules is None
-        else exclude_wrap_modules
-    )
-    return nonwrapped_numel >= min_num_params and not isinstance(module, tuple(excluded_classes))
+    given, default = ((force_leaf_modules, "FORCE_LEAF_MODULES") if recurse
+                      else (exclude_wrap_modules, "EXCLUDE_WRAP_MODULES"))
+    classes = getattr(size_based_auto_wrap_policy, default) if given is None else given
+    return nonwrapped_numel >= min_num_params and not isinstance(module, tuple(classes))
 
 
 # Defaults stored on the function object, where torch users look for them.
 size_based_auto_wrap_policy.FORCE_LEAF_MODULES = {nn.MultiheadAttention}  # type: ignore[attr-defined]  # function attribute, torch's public spelling
 size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES = {nn.ModuleList, nn.ModuleDict}  # type: ignore[attr-defined]  # function attribute, torch's public spelling
 
-
-@dataclass
-class _WrapContext:
-    """What ``wrap`` applies while an ``enable_wrap`` block is active."""
-
-    wrapper_cls: Callable[..., nn.Module]  # called as wrapper_cls(module, **kwargs)
-    wrapper_kwargs: dict[str, Any] = field(default_factory=dict)  # defaults of every wrap()
-
-
-# The active enable_wrap block, or None outside one. Process-global, as torch's.
-_active_wrap_context: Optional[_WrapContext] = None
+# The active enable_wrap block as (wrapper_cls, wrapper_kwargs), or None outside one.
+# Process-global, as torch's.
+_active_wrap_context: Optional[Tuple[Callable[..., nn.Module], Dict[str, Any]]] = None
 
 
 @contextlib.contextmanager
-def enable_wrap(
-    *, wrapper_cls: Callable[..., nn.Module], **wrapper_kwargs: Any
-) -> Iterator[None]:
+def enable_wrap(*, wrapper_cls: Callable[..., nn.Module], **wrapper_kwargs: Any) -> Iterator[None]:
     """Make :func:`wrap` apply ``wrapper_cls`` with ``wrapper_kwargs`` inside this block.
 
     Lets model code mark submodules at construction time (e.g. to shard large layers as soon
@@ -416,12 +330,10 @@ def enable_wrap(
     """
     global _active_wrap_context
     if _active_wrap_context is not None:
-        raise RuntimeError(
-            "enable_wrap: already inside an enable_wrap block "
-            f"(wrapper_cls={_active_wrap_context.wrapper_cls!r}); nested blocks are not "
-            "supported. Exit the outer block first, or pass per-module overrides to wrap()."
-        )
-    _active_wrap_context = _WrapContext(wrapper_cls, dict(wrapper_kwargs))
+        raise RuntimeError(f"enable_wrap: already inside an enable_wrap block (wrapper_cls="
+                           f"{_active_wrap_context[0]!r}); nested blocks are not supported. Exit the outer block "
+                           "first, or pass per-module overrides to wrap().")
+    _active_wrap_context = (wrapper_cls, dict(wrapper_kwargs))
     try:
         yield
     finally:
@@ -445,7 +357,7 @@ def wrap(module: nn.Module, **wrap_overrides: Any) -> nn.Module:
         >>> with enable_wrap(wrapper_cls=fully_shard, strategy=ShardingStrategy.FULL_SHARD):
         ...     head = wrap(nn.Linear(8, 2), strategy=ShardingStrategy.SHARD_GRAD_OP)
     """
-    context = _active_wrap_context
-    if context is None:
+    if _active_wrap_context is None:
         return module
-    return context.wrapper_cls(module, **{**context.wrapper_kwargs, **wrap_overrides})
+    wrapper_cls, wrapper_kwargs = _active_wrap_context
+    return wrapper_cls(module, **{**wrapper_kwargs, **wrap_overrides})

@@ -1,28 +1,20 @@
-"""Unit tests for composable_shard._common_utils: FQN helpers and the flattened-tensor mark.
+"""Unit tests for composable_shard._common_utils (FQN cleaning, the flattened-tensor mark) and
+contract._root_modules (which modules of a list an API treats as roots).
 
-These helpers decide the names state dicts and optimizer state dicts are keyed by and which
-modules an API treats as roots. Without these tests a checkpoint from a wrapper-based API
-could no longer be matched to our names, a tied parameter could get a non-canonical name
-(two optimizer-state entries for one tensor), or a module registered twice could be visited
-twice. Expected names are written by hand from the small models below.
+Without these tests a checkpoint from a wrapper-based API could no longer be matched to our
+names, or a child passed with its parent would become a separate root. Expected names are
+written by hand from the small models below.
 """
 
 from __future__ import annotations
 
-from typing import List, Tuple
 
 import pytest
 import torch
 import torch.nn as nn
 
-from composable_shard._common_utils import (
-    _apply_to_modules,
-    _get_param_to_fqns,
-    _get_root_modules,
-    _is_fsdp_flattened,
-    _set_fsdp_flattened,
-    clean_tensor_name,
-)
+from composable_shard._common_utils import _is_fsdp_flattened, _set_fsdp_flattened, clean_tensor_name
+from composable_shard.contract import _root_modules
 
 
 class Node(nn.Module):
@@ -60,95 +52,20 @@ def test_clean_tensor_name(name: str, expected: str) -> None:
     assert clean_tensor_name(name) == expected
 
 
-# --------------------------------------------------------------------------- _get_root_modules
+# --------------------------------------------------------------------------- contract._root_modules
 
 
-def test_get_root_modules() -> None:
+def test_root_modules() -> None:
     """Without it, fully_shard([parent, child]) would treat the child as a separate root."""
     m = build()
     a, a1, x, b = m.a, m.a.a1, m.a.a1.x, m.b
-    assert _get_root_modules([a, a1, b]) == [a, b]
-    assert _get_root_modules([x, a]) == [a]
-    assert _get_root_modules([b, a1]) == [b, a1]
-    assert _get_root_modules([a1, a1, b]) == [a1, b]
-    assert _get_root_modules([m, b, x]) == [m]
-    assert _get_root_modules([]) == []
-    assert _get_root_modules(iter([a2 := m.a.a2, b])) == [a2, b]
-
-
-# --------------------------------------------------------------------------- _apply_to_modules
-
-
-def test_apply_to_modules_preorder_with_prefixes() -> None:
-    """Without it, visitors building FQNs (state dict, ignored params) would get wrong prefixes
-    or a BFS order."""
-    m = build()
-    visited: List[Tuple[nn.Module, str]] = []
-    _apply_to_modules(m, lambda mod, prefix: visited.append((mod, prefix)))
-    assert [p for _, p in visited] == ["", "a.", "a.a1.", "a.a1.x.", "a.a2.", "b.", "b.b1."]
-    assert [mod for mod, _ in visited] == [m, m.a, m.a.a1, m.a.a1.x, m.a.a2, m.b, m.b.b1]
-    assert [mod for mod, _ in visited] == list(m.modules())
-
-
-def test_apply_to_modules_shared_module_once() -> None:
-    """Without it, a module registered under two names would be visited (and processed) twice."""
-    shared = nn.Linear(1, 1)
-    m = Node(p=Node(s=shared), q=Node(s=shared, t=nn.Linear(1, 1)))
-    visited: List[Tuple[nn.Module, str]] = []
-    _apply_to_modules(m, lambda mod, prefix: visited.append((mod, prefix)))
-    assert [p for _, p in visited] == ["", "p.", "p.s.", "q.", "q.t."]
-    assert sum(1 for mod, _ in visited if mod is shared) == 1
-
-
-def test_apply_to_modules_deep_chain() -> None:
-    """Without it, a recursive implementation would crash on deep models."""
-    module: nn.Module = nn.Linear(1, 1)
-    for _ in range(2000):
-        module = nn.Sequential(module)
-    count = [0]
-    last = [""]
-
-    def visit(mod: nn.Module, prefix: str) -> None:
-        count[0] += 1
-        last[0] = prefix
-
-    _apply_to_modules(module, visit)
-    assert count[0] == 2001
-    assert last[0] == "0." * 2000
-
-
-# --------------------------------------------------------------------------- _get_param_to_fqns
-
-
-def test_param_to_fqns_tied() -> None:
-    """Without it, a tied parameter would get one name only (or a non-canonical first name), so
-    optimizer state / state dict keys would differ from torch's."""
-
-    class Tied(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.emb = nn.Embedding(4, 2)
-            self.mid = nn.Linear(2, 2)
-            self.head = nn.Linear(2, 4, bias=False)
-            self.head.weight = self.emb.weight
-
-    m = Tied()
-    mapping = _get_param_to_fqns(m)
-    assert len(mapping) == 3
-    assert mapping[m.emb.weight] == ["emb.weight", "head.weight"]
-    assert mapping[m.mid.weight] == ["mid.weight"]
-    assert mapping[m.mid.bias] == ["mid.bias"]
-    assert list(mapping.values())[0][0] == "emb.weight"
-    assert [fqns[0] for fqns in mapping.values()] == ["emb.weight", "mid.weight", "mid.bias"]
-
-
-def test_param_to_fqns_shared_module() -> None:
-    """Without it, parameters of a module registered twice would lose their second FQN."""
-    shared = nn.Linear(1, 1)
-    m = Node(p=shared, q=shared)
-    mapping = _get_param_to_fqns(m)
-    assert mapping[shared.weight] == ["p.weight", "q.weight"]
-    assert mapping[shared.bias] == ["p.bias", "q.bias"]
+    assert _root_modules([a, a1, b]) == [a, b]
+    assert _root_modules([x, a]) == [a]
+    assert _root_modules([b, a1]) == [b, a1]
+    assert _root_modules([a1, a1, b]) == [a1, b]
+    assert _root_modules([m, b, x]) == [m]
+    assert _root_modules([]) == []
+    assert _root_modules([a2 := m.a.a2, b]) == [a2, b]
 
 
 # --------------------------------------------------------------------------- flattened mark

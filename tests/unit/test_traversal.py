@@ -20,7 +20,6 @@ from composable_shard._traversal_utils import (
     _composable,
     _get_fsdp_handles,
     _get_fsdp_states,
-    _get_fsdp_states_with_modules,
 )
 from composable_shard.contract import _register_api
 
@@ -84,10 +83,7 @@ def test_dfs_order_matches_modules_order() -> None:
     assert names_of(mods, list(mods["root"].modules())) == ["root", "a", "a1", "a1x", "a2", "b", "b1"]
     order = ["b1", "a2", "a1x", "root", "b", "a1"]  # annotate out of order on purpose
     states = {n: annotate(mods[n]) for n in order}
-    found_states, found_modules = _get_fsdp_states_with_modules(mods["root"])
-    assert names_of(mods, found_modules) == ["root", "a1", "a1x", "a2", "b", "b1"]
-    assert found_states == [states[n] for n in ["root", "a1", "a1x", "a2", "b", "b1"]]
-    assert _get_fsdp_states(mods["root"]) == found_states
+    assert _get_fsdp_states(mods["root"]) == [states[n] for n in ["root", "a1", "a1x", "a2", "b", "b1"]]
     # Starting from a subtree lists that subtree only.
     assert _get_fsdp_states(mods["a"]) == [states["a1"], states["a1x"], states["a2"]]
 
@@ -97,21 +93,18 @@ def test_no_states() -> None:
     mods = build()
     assert _get_fsdp_states(mods["root"]) == []
     assert _get_fsdp_handles(mods["root"]) == []
-    assert _get_fsdp_states_with_modules(mods["root"]) == ([], [])
 
 
-def test_shared_state_listed_once_with_first_module() -> None:
+def test_shared_state_listed_once_at_its_first_module() -> None:
     """Without it, a state shared by a list passed to one fully_shard call would be initialised
     and reduced twice."""
     mods = build()
     shared = _FSDPState()
-    # Register b first: the module reported must still be the first one in DFS order (a1).
+    # Register b first: the state must still be listed where its first module in DFS order (a1) is.
     _register_api(mods["b"], "fully_shard", shared)
     _register_api(mods["a1"], "fully_shard", shared)
     other = annotate(mods["a2"])
-    states, modules = _get_fsdp_states_with_modules(mods["root"])
-    assert states == [shared, other]
-    assert names_of(mods, modules) == ["a1", "a2"]
+    assert _get_fsdp_states(mods["root"]) == [shared, other]
 
 
 def test_replicate_subtree_not_entered() -> None:
@@ -124,9 +117,7 @@ def test_replicate_subtree_not_entered() -> None:
     assert not _composable(mods["a1"])
     assert _composable(mods["a"])
     assert _composable(mods["a1x"])  # itself composable; only reachable through a1
-    states, modules = _get_fsdp_states_with_modules(mods["root"])
-    assert states == [s_root, s_b1]
-    assert names_of(mods, modules) == ["root", "b1"]
+    assert _get_fsdp_states(mods["root"]) == [s_root, s_b1]
 
 
 def test_replicate_module_with_fsdp_state_not_listed() -> None:
@@ -159,10 +150,8 @@ def test_shared_submodule_visited_once() -> None:
     s_shared = annotate(shared)
     s_t = annotate(q.t)
     s_q = annotate(q)
-    states, modules = _get_fsdp_states_with_modules(root)
     # DFS: root p p.s q (q.s already seen) q.t
-    assert states == [s_shared, s_q, s_t]
-    assert modules == [shared, q, q.t]
+    assert _get_fsdp_states(root) == [s_shared, s_q, s_t]
 
 
 def test_handles_skip_states_without_handle() -> None:
@@ -194,9 +183,7 @@ def test_deep_model_no_recursion_error() -> None:
     s_mid = annotate(chain[depth // 2])
     h = _Handle("leaf")
     s_leaf = annotate(innermost, h)
-    states, modules = _get_fsdp_states_with_modules(root)
-    assert states == [s_root, s_mid, s_leaf]
-    assert modules[0] is root and modules[1] is chain[depth // 2] and modules[2] is innermost
+    assert _get_fsdp_states(root) == [s_root, s_mid, s_leaf]
     assert _get_fsdp_handles(root) == [h]
     assert _composable(root)
 
@@ -235,8 +222,6 @@ def test_shared_module_subtree_entered_once() -> None:
         top.add_module("right", right)
         sides += [left, right]
     leaf_state = annotate(joins[-1])
-    states, modules = _get_fsdp_states_with_modules(joins[0])
-    assert states == [leaf_state]
-    assert modules == [joins[-1]]
+    assert _get_fsdp_states(joins[0]) == [leaf_state]
     assert [n.listings for n in joins] == [1] * (depth + 1)
     assert [n.listings for n in sides] == [1] * (2 * depth)
