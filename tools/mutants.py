@@ -232,6 +232,13 @@ MUTANTS: List[Mutant] = [
        _CHECKPOINT, "return self.recomputed.pop(placeholder)", "return self.recomputed[placeholder]", _CHECKPOINT_UNIT),
     _m("recomputation_graph_keeps_activations", "a tensor stashed by the recomputed forward keeps its activations alive",
        _CHECKPOINT, "        captured.clear()\n", "        pass\n", _CHECKPOINT_UNIT),
+    # ---------------------------------------------------------------- plan(): the predicted peak
+    _m("plan_headroom_dropped", "plan() reserves nothing for small tensors: a plan at its budget measures over it",
+       f"{PACKAGE}/plan.py", 'moment.parts["other"] = max(OTHER_MIN_BYTES, int(OTHER_FRACTION * moment.total))',
+       'moment.parts["other"] = 0', "tests/distributed/test_plan_peak.py"),
+    _m("plan_prefetch_uncounted", "plan() misses the block the root's pre-backward prefetches",
+       f"{PACKAGE}/plan.py", "unsharded_in_flight=t.root_unsharded + sum(zero2) + prefetched,",
+       "unsharded_in_flight=t.root_unsharded + sum(zero2),", "tests/distributed/test_plan_peak.py"),
     # ---------------------------------------------------------------- divergence checks
     _m("disagreement_ignored", "ranks about to run different collectives are not stopped",
        _DIVERGENCE, "if any(theirs != everyone[0] for theirs in everyone):", "if False:",
