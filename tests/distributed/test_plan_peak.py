@@ -1,8 +1,11 @@
 """The peak a plan predicts is the peak it gets: ``plan()`` -> ``apply()`` -> training steps under
 the counting CPU allocator (``benchmarks/counting_allocator.py``, every allocation of every thread,
-gloo's included) at W=2 on the standard GPT workload at 4 blocks: at the smallest feasible budget
-and half way to ``replicate(model)``'s peak, the measured peak per rank is within the budget and
-within 10% of the prediction, and every rank chose the same plan. The full table (5+ budgets,
+gloo's included) at W=2 on a 4-layer Hugging Face Llama (benchmarks/plan.py's, ``use_cache=False``): at
+the smallest feasible budget and a fifth of the way to ``replicate(model)``'s peak, the measured peak
+per rank is within the budget and within 10% of the prediction, and every rank chose the same plan.
+(On this model a plan that forgets the block the root's pre-backward prefetches, or the headroom
+for small tensors, measures over its budget at both; the GPT workload happens not to show the
+first.) The full table (5+ budgets,
 4 and 16 blocks, a Hugging Face Llama) is ``python benchmarks/plan.py`` (benchmarks/NOTES.md).
 
 The allocator is a small C++ extension built once per machine (about a minute on 2 cores, then
@@ -19,7 +22,7 @@ from benchmarks import counting_allocator as ca
 from benchmarks.plan import _measure, plan_extremes
 from tests._harness import run_distributed
 
-_CFG: Dict[str, Any] = {"workload": "gpt4", "world_size": 2, "batch": 4, "warmup": 1, "steps": 1, "timed_steps": 0,
+_CFG: Dict[str, Any] = {"workload": "llama_nocache", "world_size": 2, "batch": 4, "warmup": 1, "steps": 1, "timed_steps": 0,
                         "trace": False}
 
 
@@ -40,6 +43,6 @@ def _rank(so_path: str, budgets: List[int]) -> None:
 
 def test_planned_peak_is_within_the_budget_and_the_prediction() -> None:
     so_path = ca.build()
-    smallest, replicated = plan_extremes("gpt4", 2, 4)
+    smallest, replicated = plan_extremes("llama_nocache", 2, 4)
     assert smallest < replicated
-    run_distributed(_rank, 2, so_path, [smallest, (smallest + replicated) // 2], timeout=240)
+    run_distributed(_rank, 2, so_path, [smallest, smallest + (replicated - smallest) // 5], timeout=240)
