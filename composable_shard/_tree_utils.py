@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
 import torch
 
 __all__ = ["tensors_in", "convert"]
 
 
-def tensors_in(obj: Any, owner: str) -> List[torch.Tensor]:
+def tensors_in(obj: Any, owner: Optional[str]) -> List[torch.Tensor]:
     """Every tensor inside ``obj``. ``owner`` names the module whose output this is, for the
-    error raised when ``obj`` holds tensors in a container this function cannot traverse."""
+    error raised when ``obj`` holds tensors in a container this function cannot traverse; with
+    ``owner=None`` such containers (a key/value cache object among a layer's inputs) are skipped."""
     out: List[torch.Tensor] = []
     stack = [obj]
     while stack:
@@ -33,7 +34,7 @@ def tensors_in(obj: Any, owner: str) -> List[torch.Tensor]:
             stack.extend(item.values())
         elif dataclasses.is_dataclass(item) and not isinstance(item, type):
             stack.extend(getattr(item, f.name) for f in dataclasses.fields(item))
-        elif isinstance(getattr(item, "__dict__", None), dict) and any(
+        elif owner is not None and isinstance(getattr(item, "__dict__", None), dict) and any(
                 isinstance(v, torch.Tensor) for v in item.__dict__.values()):
             raise TypeError(
                 f"{owner} returned a {type(item).__qualname__} holding tensors, which fully_shard cannot "

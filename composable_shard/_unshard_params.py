@@ -220,8 +220,9 @@ def _restore(item: _Summoned, writeback: bool) -> None:
         # Edits landed in the CPU copy: bring them back into the gathered buffer first.
         full_cpu = torch.cat([p.data.reshape(-1) for p in group.orig_params])
         item.full[: full_cpu.numel()].copy_(full_cpu)
-    if writeback and (item.state.world_size > 1 or item.full.data_ptr() != fp.data.data_ptr()):
-        # One rank computing on a copy of an offloaded shard: the edits are in the copy too.
+    if writeback and item.full.data_ptr() != fp.data.data_ptr():
+        # The full parameters are not the shard itself (a gather, or one rank's device copy of an
+        # offloaded shard): this rank's chunk of them goes back into the shard.
         start = item.state.rank * fp.numel()
         fp.data.copy_(item.full[start:start + fp.numel()])
     if item.saved_shard is not None:

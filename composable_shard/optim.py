@@ -51,6 +51,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import _collectives
+from ._shard_math import param_offsets
 from ._state_dict import Managed, managed_params
 from ._torch_compat import unwrap_compiled
 
@@ -402,7 +403,7 @@ def _make_plan(model: nn.Module, params: List[nn.Parameter]) -> _Plan:
         entry = sharded.get(id(where.group))
         if entry is None:
             entry = sharded[id(where.group)] = _ShardedGroup(where, [])
-        offset = sum(where.group.flat_param._numels[:where.param_index])
+        offset = param_offsets(where.group.flat_param._numels)[where.param_index]
         s = where.group.flat_param._shard_slices[where.param_index]
         entry.matrices.append(_Matrix(p, fqn, where.shape, p.shape, offset, s.shard_start))
     for g in sharded.values():

@@ -36,7 +36,7 @@ import math
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple, cast
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,7 @@ import torch.nn as nn
 
 from . import _describe, _shard_math
 from ._describe import ModuleRow, ShardingDescription
+from ._tree_utils import tensors_in
 from .api import MixedPrecision, ShardingStrategy
 from .checkpoint import checkpoint
 from .fully_shard import fully_shard
@@ -352,7 +353,7 @@ class _Recorder:
     def pre(self, index: int, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         self.running.append(index)
         self.started = True
-        for t in _tensors((args, kwargs)):
+        for t in tensors_in((args, kwargs), None):
             self.inputs[index].add(_key(t))
             self.nbytes.setdefault(_key(t), t.untyped_storage().nbytes())
         self.t0[index] = time.perf_counter()
@@ -376,17 +377,6 @@ class _Recorder:
 def _key(t: torch.Tensor) -> Tuple[int, int]:
     storage = t.untyped_storage()
     return (storage.data_ptr(), storage.nbytes())
-
-
-def _tensors(tree: Any) -> Iterator[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, (tuple, list)):
-        for x in tree:
-            yield from _tensors(x)
-    elif isinstance(tree, dict):
-        for x in tree.values():
-            yield from _tensors(x)
 
 
 def _profile(model: nn.Module, blocks: List[Tuple[str, nn.Module]], batch: Any,
@@ -425,7 +415,7 @@ def _profile(model: nn.Module, blocks: List[Tuple[str, nn.Module]], batch: Any,
         with torch.no_grad():
             for b, saved in buffers:
                 b.copy_(saved)
-    batch_bytes = sum({_key(t): t.untyped_storage().nbytes() for t in _tensors(batch)}.values())
+    batch_bytes = sum({_key(t): t.untyped_storage().nbytes() for t in tensors_in(batch, None)}.values())
     return dataclasses.replace(_summarize(recorder), batch_bytes=batch_bytes)
 
 
