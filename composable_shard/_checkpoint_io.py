@@ -58,7 +58,7 @@ import pickle
 import re
 import secrets
 import stat
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -77,6 +77,7 @@ __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "export_sa
            "SafeLoadPlanner", "UnsafeCheckpointError"]
 
 CHECKSUMS = "checksums.json"
+EXTRA = "extra.pt"  # save_checkpoint(extra=...): written by rank 0 before publishing, so checksummed
 _STEP_DIR = re.compile(r"step_(\d+)")
 
 
@@ -236,12 +237,34 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, checked)
 
 
-def _training_state(model: nn.Module, optim: Optional[torch.optim.Optimizer]) -> Dict[str, Any]:
+Optimizers = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer], None]
+
+
+def _optimizers(api: str, optim: Optimizers) -> List[torch.optim.Optimizer]:
+    """``optim`` (None, one optimizer, or a list/tuple of them) as a list, checked."""
+    if optim is None:
+        return []
+    if isinstance(optim, torch.optim.Optimizer):
+        return [optim]
+    if isinstance(optim, (list, tuple)) and all(isinstance(o, torch.optim.Optimizer) for o in optim):
+        if len({id(o) for o in optim}) != len(optim):
+            raise ValueError(f"{api}: the same optimizer is given twice in optim")
+        return list(optim)
+    raise TypeError(f"{api}: optim must be a torch.optim.Optimizer, a list or tuple of them, or None; got "
+                    f"{type(optim).__name__}")
+
+
+def _optim_key(index: int) -> str:
+    """The checkpoint's key of the ``index``-th optimizer's state (the first: ``optim``)."""
+    return "optim" if index == 0 else f"optim_{index}"
+
+
+def _training_state(model: nn.Module, optims: Sequence[torch.optim.Optimizer]) -> Dict[str, Any]:
     # Views of the live state (the public get_* copy): dcp.save reads and dcp.load writes the
     # shards in place, no copy of the rank's state (see [Note: State dicts own their tensors]).
     state: Dict[str, Any] = {"model": sharded_model_views(model)}
-    if optim is not None:
-        state["optim"] = sharded_optim_views(model, optim)
+    for index, optim in enumerate(optims):
+        state[_optim_key(index)] = sharded_optim_views(model, optim)
     return state
 
 
@@ -359,18 +382,60 @@ def _check_before_loading(path: str) -> None:
                                f"recorded {expected[name]} (truncated, altered or overwritten after the save)")
 
 
-def _check_param_groups(path: str, model: nn.Module, optim: Optional[torch.optim.Optimizer]) -> Dict[str, Any]:
-    """Step 2 of a load: the optimizer's ``param_groups`` entries read alone (plain data, see
-    [Note: Loading executes nothing]); then the sharded state dicts that DCP loads into."""
-    if optim is not None:
-        groups = {"optim": {"param_groups": param_groups_by_fqn(model, optim)}}
+def _check_param_groups(path: str, model: nn.Module, optims: Sequence[torch.optim.Optimizer]) -> Dict[str, Any]:
+    """Step 2 of a load: as many optimizers as the checkpoint holds (or none), each one's
+    ``param_groups`` entries read alone (plain data, see [Note: Loading executes nothing]);
+    then the sharded state dicts that DCP loads into."""
+    if optims:
+        saved = sorted({key.split(".", 1)[0] for key in SafeFileSystemReader(path).read_metadata().state_dict_metadata
+                        if key.split(".", 1)[0] == "optim" or key.startswith("optim_")})
+        wanted = sorted(_optim_key(i) for i in range(len(optims)))
+        if saved != wanted:
+            raise ValueError(f"{path} holds the state of {len(saved)} optimizer(s) and {len(optims)} were given; pass "
+                             "the optimizers it was saved with, in the same order (or none, to load the model only)")
+        groups = {_optim_key(i): {"param_groups": param_groups_by_fqn(model, optim)} for i, optim in enumerate(optims)}
         dcp.load(groups, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(allow_partial_load=True),
                  no_dist=True)
-    return _training_state(model, optim)
+    return _training_state(model, optims)
+
+
+def _write_extra(tmp: str, extra: Optional[Mapping[str, Any]]) -> str:
+    """Rank 0: ``extra`` into the checkpoint (``torch.save``), before it is published. Returns
+    an error message or ''."""
+    if extra is None:
+        return ""
+    try:
+        torch.save(dict(extra), os.path.join(tmp, EXTRA))
+    except Exception as e:  # an object that does not pickle, a full disk: refused on every rank
+        return f"could not write extra to {tmp}: {type(e).__name__}: {e}"
+    return ""
+
+
+def _read_extra(path: str) -> Optional[Dict[str, Any]]:
+    """The ``extra`` dict the checkpoint was saved with (None if it has none), read with
+    ``torch.load(weights_only=True)`` after the checksums were verified (see [Note: Loading
+    executes nothing])."""
+    file = os.path.join(path, EXTRA)
+    if not os.path.exists(file):
+        return None
+    try:
+        extra = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:
+        refused = [line.strip().split(" Please use")[0] for line in str(e).splitlines() if "Unsupported global" in line]
+        if not refused:
+            raise
+        raise UnsafeCheckpointError(
+            f"{file}: refused to unpickle it with weights_only=True ({refused[0]}). If you trust the checkpoint's source, "
+            "allow that class with torch.serialization.add_safe_globals([...]) and load again; or save plain data "
+            "(dicts, lists, numbers, strings, tensors) as extra.") from None
+    if not isinstance(extra, dict):
+        raise RuntimeError(f"{file} holds a {type(extra).__name__}, not the dict save_checkpoint(extra=...) writes")
+    return extra
 
 
 # ---------------------------------------------------------------------------- public
-def save_checkpoint(path: str, model: nn.Module, optim: Optional[torch.optim.Optimizer] = None) -> None:
+def save_checkpoint(path: str, model: nn.Module, optim: Optimizers = None, *,
+                    extra: Optional[Mapping[str, Any]] = None) -> None:
     """Save ``model`` (and ``optim``) sharded to the new directory ``path``, crash-safely:
     ``path`` appears complete, with checksums, or not at all. Collective: every rank calls it
     with the same ``path``, which must not exist.
@@ -378,31 +443,40 @@ def save_checkpoint(path: str, model: nn.Module, optim: Optional[torch.optim.Opt
     Example::
 
         save_checkpoint(f"ckpt/step_{step:06d}", model, optim)
+        save_checkpoint(path, model, [muon, adamw], extra={"step": step, "scheduler": sched.state_dict()})
 
     Args:
         path: the directory to create (one per checkpoint, e.g. ``step_<N>``).
         model: the model (sharded any way, or plain).
-        optim: its optimizer, or None.
+        optim: its optimizer, a list or tuple of its optimizers (each one's state is saved;
+            load them in the same order), or None.
+        extra: anything else to resume with (a step counter, a scheduler's or a framework's
+            state): a dict that ``torch.save`` pickles, taken from rank 0 and checksummed with
+            the rest. :func:`load_checkpoint` returns it.
     """
     model = unwrap_compiled(model)  # torch.compile's wrapper: the names without its prefix
     path = os.path.abspath(os.fspath(path))
     api = "save_checkpoint"
+    optims = _optimizers(api, optim)
+    if extra is not None and not (isinstance(extra, Mapping) and all(isinstance(k, str) for k in extra)):
+        raise TypeError(f"{api}: extra must be a dict with str keys (or None), got {type(extra).__name__}")
     _require_numpy(api)
     tmp = _claim_new_directory(path, api, "a published checkpoint is never written into. Save each checkpoint to a "
                                           "new directory (e.g. one per step).")
-    dcp.save(_training_state(model, optim), checkpoint_id=tmp)
-    _raise_from_rank0(_publish(tmp, path) if rank_of() == 0 else "", api)
+    dcp.save(_training_state(model, optims), checkpoint_id=tmp)
+    _raise_from_rank0((_write_extra(tmp, extra) or _publish(tmp, path)) if rank_of() == 0 else "", api)
 
 
-def load_checkpoint(path: str, model: nn.Module, optim: Optional[torch.optim.Optimizer] = None) -> None:
+def load_checkpoint(path: str, model: nn.Module, optim: Optimizers = None) -> Optional[Dict[str, Any]]:
     """Load a checkpoint that :func:`save_checkpoint` published into ``model`` (and
     ``optim``), at any world size and sharding strategy. Every file is checked against the
     checkpoint's checksums first: a missing, truncated or altered file raises, naming it, with
     model and optimizer untouched. A ``.metadata`` that points outside the folder is refused,
     naming the entry, before any data is read. All or nothing: if the load fails on any rank,
-    at any point, model and optimizer are as they were on every rank and every rank raises the
+    at any point, model and optimizers are as they were on every rank and every rank raises the
     same error (this takes a copy of the rank's own model shard and optimizer state while
-    loading). Collective.
+    loading). Collective. Returns the ``extra`` dict the checkpoint was saved with (None if
+    none).
 
     Example::
 
@@ -413,22 +487,30 @@ def load_checkpoint(path: str, model: nn.Module, optim: Optional[torch.optim.Opt
     Args:
         path: a directory :func:`save_checkpoint` published.
         model: the model to load into (sharded any way, or plain).
-        optim: its optimizer (built on the model's parameters), or None.
+        optim: its optimizer (built on the model's parameters), the list of optimizers the
+            checkpoint was saved with (same order), or None (the model only).
+
+    ``extra`` is read with ``torch.load(weights_only=True)`` (tensors, containers, plain values;
+    another class raises :class:`UnsafeCheckpointError` unless allowed with
+    ``torch.serialization.add_safe_globals``).
     """
     model = unwrap_compiled(model)  # torch.compile's wrapper: the names without its prefix
-    if not isinstance(model, nn.Module) or not (optim is None or isinstance(optim, torch.optim.Optimizer)):
-        raise TypeError(f"load_checkpoint: expected an nn.Module and a torch.optim.Optimizer (or None), got "
-                        f"{type(model).__name__} and {type(optim).__name__}")
+    api = "load_checkpoint"
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{api}: expected an nn.Module, got {type(model).__name__}")
+    optims = _optimizers(api, optim)
     path = os.path.abspath(os.fspath(path))
-    _require_numpy("load_checkpoint")
-    with transaction("load_checkpoint", model, optim, None) as txn:  # see [Note: All-or-nothing loads]
+    _require_numpy(api)
+    with transaction(api, model, optims, None) as txn:  # see [Note: All-or-nothing loads]
         txn.step(lambda: _check_before_loading(path))
-        state = txn.step(lambda: _check_param_groups(path, model, optim))
+        extra = txn.step(lambda: _read_extra(path))
+        state = txn.step(lambda: _check_param_groups(path, model, optims))
         # collective: DCP raises any rank's failure on every rank
         dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
         set_model_state_dict(model, state["model"])  # part of this transaction (no snapshot, no agreement of its own)
-        if optim is not None:
-            set_optimizer_state_dict(model, optim, state["optim"])
+        for index, optimizer in enumerate(optims):
+            set_optimizer_state_dict(model, optimizer, state[_optim_key(index)])
+    return extra
 
 
 def latest_checkpoint(root: str) -> Optional[Tuple[int, str]]:

@@ -171,6 +171,7 @@ class _FSDPState(_State):
         # -- any state --
         self.model_change: Optional[str] = None  # a structure change made after fully_shard (raised at forward)
         self.streams: Optional["Streams"] = None  # CUDA streams shared by the tree (no-ops on CPU)
+        self.optimizer_state_dict_watch: Any = None  # links optimizers to this handle ([Note: torch's state-dict API])
 
     @property
     def _all_fsdp_states(self) -> List["_FSDPState"]:

@@ -33,7 +33,8 @@ counts (bytes this rank sends into each collective):
                   recorded even at one rank), plus, over more than one rank, one of 4 bytes per
                   parameter and 8 more (used flags and the step agreement)
   The first iteration adds small agreement exchanges (``exchange``, ``all_gather_json``) and
-  ``clip_grad_norm_`` one all_reduce of 4 bytes per shard group: neither is counted here.
+  ``clip_grad_norm_`` (ours or torch's) one all_reduce per shard group, of 4 bytes per sharded
+  parameter with a gradient: neither is counted here.
 
 Memory per rank: parameters = each group's chunk (``ceil(N/W)`` elements, the padding included)
 in its dtype; gradients = the same chunk for groups that require grad (the compute dtype with

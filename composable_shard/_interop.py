@@ -10,35 +10,62 @@ gradients, and torch's data-parallel wrappers around managed modules.
   backward attaches each sharded ``.grad`` as a :class:`ShardedGrad`: a plain tensor in every
   respect (every operation on it runs unchanged and returns plain tensors), except that a norm
   asked for by torch's ``torch.nn.utils.clip_grad`` module (``clip_grad_norm_``,
-  ``get_total_norm``; recognised by the calling frame's module) returns a :class:`PartialNorm`:
-  this rank's norm, tagged with the shard group it must be combined over. Moving it
-  (``.to``) and stacking it keep the tag, so torch's ``vector_norm(stack(norms))`` reaches
-  :meth:`PartialNorm.__torch_function__` with all of them and combines each group's
-  contributions with one all-reduce per process group (usually one); any other operation on a
-  partial norm first resolves it the same way. The clip coefficient is then the global one on
-  every rank, exactly as the library's ``clip_grad_norm_``. A norm taken anywhere else (a
-  user's ``p.grad.norm()`` for logging, perhaps on rank 0 only) stays this rank's and issues
-  no collective, as before. Gradients of ``replicate`` and of ``NO_SHARD`` are whole and equal
-  on every rank already: they stay plain tensors. Norm orders: any p-norm, ``inf``, ``-inf``
-  and 0 (an empty slice contributes the identity of its reduction).
+  ``get_total_norm``) returns a :class:`PartialNorm`: this rank's norm, tagged with the shard
+  group it must be combined over. Moving it (``.to``) and stacking it keep the tag, so torch's
+  ``vector_norm(stack(norms))`` reaches :meth:`PartialNorm.__torch_function__` with all of
+  them and combines each group's contributions with one all-reduce per process group (usually
+  one); any other operation on a partial norm first resolves it the same way. The clip
+  coefficient is then the global one on every rank. Gradients of ``replicate`` and of
+  ``NO_SHARD`` are whole and equal on every rank already: they stay plain tensors. Norm
+  orders: any real one torch takes (p-norms, negative ones too, ``inf``, ``-inf``, and 0, the
+  count of non-zero elements); a slice with no elements contributes the identity of its
+  reduction.
+
+  Who asked is read from the Python frames (:func:`_called_from_torch_clipping`): the frame
+  that called the norm is in the clipping module, or, under torch function modes
+  (``torch.set_default_device``, ``with torch.device(...)``, a user's ``TorchFunctionMode``),
+  the clipping frame called a mode's ``__torch_function__`` for this same norm function and
+  the modes passed it on (through any helpers of theirs). A norm taken anywhere else (a
+  user's ``p.grad.norm()`` for logging, perhaps on rank 0 only, also one inside a generator
+  of parameters that torch's clipping consumes) stays this rank's and issues no collective.
+  The walk stops at the first clipping frame; where there is none it reaches the bottom of
+  the stack (a few dozen frames, only for norms of sharded gradients).
+
+  The library's ``clip_grad_norm_`` (``fully_shard.py``) uses the same combination
+  (:func:`total_grad_norm`, sharing :func:`_combine_norms` with :func:`_resolve`), so the two
+  clips cannot disagree: both are torch's norm of the per-parameter norms, each sharded
+  parameter's norm combined over its handle's shard group only.
 
 [Note: Foreign wrappers]
   torch's ``DistributedDataParallel`` and FSDP (FSDP1's class, FSDP2's ``fully_shard``, torch's
-  composable ``replicate``) around a module this library manages, or around a parent of one,
-  would broadcast rank 0's parameter *slices* over the other ranks' (which silently corrupts
-  them when the slices happen to have equal sizes), reduce gradients a second time, or reshard
-  views of our shards. Each of them walks the module tree with ``named_modules()`` or
-  ``named_children()`` before its first collective, and ours are overridden by
+  composable ``replicate`` and its FSDP2-based ``replicate_with_fsdp``) around a module this
+  library manages, or around a parent of one, would broadcast rank 0's parameter *slices* over
+  the other ranks' (which silently corrupts them when the slices happen to have equal sizes),
+  reduce gradients a second time, or reshard views of our shards. Each of them walks the module
+  tree with ``named_modules()`` or ``named_children()`` (``named_parameters()`` goes through
+  ``named_modules()``) before its first collective, and ours are overridden by
   :class:`ForeignWrapperGuard` to look at the Python frames that called them: if one belongs to
-  such a constructor, it raises, before anything was changed or communicated, on every rank
-  (every rank constructs the wrapper). The frames are matched by module and function name only;
-  the library imports none of those wrappers.
+  such a wrapper (``_FOREIGN``), it raises, before anything was changed or communicated, on
+  every rank (every rank constructs the wrapper). The ways torch reaches our modules:
+    DDP, FSDP1     their constructors (``__init__`` frames) traverse the tree.
+    FSDP2, both    torch's ``@contract`` decorator traverses the tree before it calls the API
+    replicates     function (its ``wrapper`` frame; the API is its ``func`` local), after it
+                   put its own state and registry entries into each module's ``__dict__``:
+                   the refusal takes those out again (:func:`_undo_contract_entries`).
+    replicate,     torch's DDP-based ``replicate`` builds its DDP at the first forward (in
+    lazily         ``_ReplicateState.init``, which walks ``module.modules()``): when it was
+                   applied before ``fully_shard``, that first forward raises, before DDP's
+                   broadcast.
+  The frames are matched by module and function name only; the library imports none of those
+  wrappers. (FSDP1's composable ``fully_shard``, the ``fully_shard`` module of torch's
+  ``_composable`` package, is gone from torch 2.13 and is no longer listed.)
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+import sys
 import weakref
 from types import FrameType
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -51,13 +78,16 @@ from . import _collectives
 from ._torch_compat import FOREACH_NORM as _FOREACH_NORM, as_plain, plain_torch_function
 from ._tree_utils import convert
 
-__all__ = ["ShardedGrad", "PartialNorm", "as_sharded_grad", "ForeignWrapperGuard"]
+__all__ = ["ShardedGrad", "PartialNorm", "as_sharded_grad", "shard_source", "total_grad_norm", "ForeignWrapperGuard",
+           "refuse_lightning_model_parallel"]
 
 _CLIP_MODULE = "torch.nn.utils.clip_grad"
 _VECTOR_NORM = torch.linalg.vector_norm
 _CLIP_HINT = _collectives.collective_call_hint(
     "torch.nn.utils.clip_grad_norm_ on a fully sharded model",
     "Every rank needs the global norm: call it on every rank after the same backward.")
+_LIBRARY_CLIP_HINT = _collectives.collective_call_hint(
+    "`clip_grad_norm_`", "Every rank needs the global norm: call it on every rank after the same backward.")
 
 _METADATA = frozenset({"__get__", "dim", "size", "numel", "element_size", "is_floating_point", "is_complex"})
 # (the shard group, weakly: see [Note: Process groups held weakly]; the device its collectives run
@@ -76,7 +106,7 @@ class ShardedGrad(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Callable[..., Any], types: Any, args: Sequence[Any] = (),
                            kwargs: Optional[Dict[str, Any]] = None) -> Any:
-        if (func is _VECTOR_NORM or func is _FOREACH_NORM) and _called_from_torch_clipping():
+        if (func is _VECTOR_NORM or func is _FOREACH_NORM) and _called_from_torch_clipping(func):
             return _partial_norms(func, args, kwargs or {})
         return plain_torch_function(func, args, kwargs or {})
 
@@ -109,15 +139,37 @@ def as_sharded_grad(grad: torch.Tensor, group: Any, device: torch.device) -> Sha
     sharing its storage; ``device``: where the group's collectives run (the compute device,
     also when the gradient was offloaded to the CPU)."""
     shown = grad.as_subclass(ShardedGrad)
-    shown._cs_source = (weakref.ref(group), device)
+    shown._cs_source = shard_source(group, device)
     return shown  # type: ignore[return-value]  # as_subclass returns the subclass
 
 
-def _called_from_torch_clipping() -> bool:
-    """Is the Python frame that called the torch function in torch's clipping module?"""
+def shard_source(group: Any, device: torch.device) -> Tuple["weakref.ReferenceType[Any]", torch.device]:
+    """What a sharded gradient's norm is combined over: its shard ``group`` (held weakly) and
+    the ``device`` that group's collectives run on."""
+    return (weakref.ref(group), device)
+
+
+def _called_from_torch_clipping(func: Callable[..., Any]) -> bool:
+    """Did torch's clipping module ask for this norm (``func``), directly or through torch
+    function modes that passed it on? See [Note: torch's clip_grad_norm_ on sharded gradients]."""
     frame = inspect.currentframe()
-    caller = frame.f_back.f_back if frame is not None and frame.f_back is not None else None
-    return caller is not None and caller.f_globals.get("__name__") == _CLIP_MODULE
+    # this frame -> ShardedGrad.__torch_function__ -> the frame that called func
+    current = frame.f_back.f_back if frame is not None and frame.f_back is not None else None
+    below: Optional[FrameType] = None  # the frame the current one called
+    while current is not None:
+        if current.f_globals.get("__name__") == _CLIP_MODULE:
+            return below is None or _passes_on(below, func)
+        below, current = current, current.f_back
+    return False
+
+
+def _passes_on(frame: FrameType, func: Callable[..., Any]) -> bool:
+    """Is ``frame`` a ``__torch_function__`` (of a torch function mode) called for ``func``?"""
+    code = frame.f_code
+    if code.co_name != "__torch_function__":
+        return False
+    arguments = frame.f_locals
+    return any(arguments.get(name) is func for name in code.co_varnames[:code.co_argcount])
 
 
 def _ord_of(func: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any]) -> float:
@@ -129,12 +181,29 @@ def _ord_of(func: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any
 
 
 def _local_norm(grad: torch.Tensor, order: float, dtype: Optional[torch.dtype]) -> torch.Tensor:
-    """This rank's norm of its slice; an empty slice gives the identity of the reduction."""
+    """This rank's norm of its slice; an empty slice gives the norm whose contribution is the
+    identity of the combination (0 for a sum or a max, inf for a min or a sum of negative
+    powers, where torch's own norm of an empty tensor raises)."""
     plain = as_plain(grad)
-    if plain.numel() == 0 and math.isinf(order):
+    if plain.numel() == 0:
         value = math.inf if order < 0 else 0.0
         return torch.full((), value, dtype=dtype or plain.dtype, device=plain.device)
     return torch.linalg.vector_norm(plain, order, dtype=dtype)
+
+
+def total_grad_norm(grads: Sequence[torch.Tensor], sources: Sequence[_Source], order: float) -> torch.Tensor:
+    """The norm of ``grads`` that one process holding every parameter whole computes with
+    torch's ``get_total_norm`` (the ``order``-norm of the per-gradient norms, on the first
+    gradient's device, in their promoted dtype), where ``grads[i]`` is this rank's slice of a
+    gradient sharded over ``sources[i]`` (None: the group a :class:`ShardedGrad` is tagged with,
+    as for a parameter of a handle above the clipped module; else whole and equal on every
+    rank). One all-reduce per shard group; ``grads`` must not be empty and must be the same on
+    every rank."""
+    device = grads[0].device
+    local = torch.stack([_local_norm(g, order, None).to(device) for g in grads])
+    tagged = [source if source is not None else _source_of(g) for g, source in zip(grads, sources)]
+    combined = _combine_norms(local, tagged, order, "clip_grad_norm_", _LIBRARY_CLIP_HINT)
+    return torch.linalg.vector_norm(combined, order)
 
 
 def _partial_norms(func: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
@@ -179,33 +248,40 @@ def _resolve_all(value: Any) -> Any:
 
 
 def _resolve(partial: PartialNorm) -> torch.Tensor:
-    """Each element's norm over every rank: this rank's contributions of each shard group
-    combined with one all-reduce per group (in order of first appearance: the same on every
-    rank, which holds the same gradients)."""
+    """Each element's norm over every rank (see :func:`_combine_norms`)."""
     local = as_plain(partial)
-    flat = local.reshape(-1)
-    order = partial._cs_ord
-    out = flat.clone()
+    combined = _combine_norms(local.reshape(-1), partial._cs_sources, partial._cs_ord,
+                              "torch.nn.utils.clip_grad_norm_", _CLIP_HINT)
+    return combined.reshape(local.shape)
+
+
+def _combine_norms(local: torch.Tensor, sources: Sequence[_Source], order: float, api: str, hint: str) -> torch.Tensor:
+    """``local``: this rank's norms, one per gradient (1-D); returns each one's norm over every
+    rank: a sharded gradient's contributions combined over its own shard group (one all-reduce
+    per group, in order of first appearance: the same on every rank, which holds the same
+    gradients), a whole one (source None) as it is."""
+    out = local.clone()
     groups: Dict[int, List[int]] = {}
-    for i, source in enumerate(partial._cs_sources):
+    for i, source in enumerate(sources):
         if source is not None:
             groups.setdefault(id(source[0]()), []).append(i)
     for members in groups.values():
-        group_ref, device = partial._cs_sources[members[0]]  # type: ignore[misc]  # members are sourced
+        group_ref, device = sources[members[0]]  # type: ignore[misc]  # members are sourced
         group = group_ref()
         if group is None:
-            raise RuntimeError("torch.nn.utils.clip_grad_norm_: the process group these fully sharded gradients were "
-                               "reduced over was destroyed; clip before dist.destroy_process_group.")
-        index = torch.tensor(members, device=flat.device)
-        contribution = _to_sum_space(flat.index_select(0, index).to(device=device, dtype=torch.float32), order)
+            raise RuntimeError(f"{api}: the process group these fully sharded gradients were reduced over was "
+                               "destroyed; clip before dist.destroy_process_group.")
+        index = torch.tensor(members, device=local.device)
+        contribution = _to_sum_space(local.index_select(0, index).to(device=device, dtype=torch.float32), order)
         op = dist.ReduceOp.SUM if not math.isinf(order) else dist.ReduceOp.MAX if order > 0 else dist.ReduceOp.MIN
-        _collectives.all_reduce(contribution, group, tag="torch_clip_grad_norm", op=op, hint=_CLIP_HINT).wait()
-        out.index_copy_(0, index, _from_sum_space(contribution, order).to(device=flat.device, dtype=flat.dtype))
-    return out.reshape(local.shape)
+        _collectives.all_reduce(contribution, group, tag="clip_grad_norm", op=op, hint=hint).wait()
+        out.index_copy_(0, index, _from_sum_space(contribution, order).to(device=local.device, dtype=local.dtype))
+    return out
 
 
 def _to_sum_space(norms: torch.Tensor, order: float) -> torch.Tensor:
-    """What adds up across ranks: ``|x|_p ** p`` (a count for p = 0; the norm itself for ±inf)."""
+    """What adds up across ranks: ``|x|_p ** p`` (also for p < 0; a count for p = 0; the norm
+    itself for ±inf, combined by max or min)."""
     return norms if math.isinf(order) or order == 0 else norms.pow(order)
 
 
@@ -215,32 +291,78 @@ def _from_sum_space(summed: torch.Tensor, order: float) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------- wrappers
 
-# (defining module's last component, function name) of the constructors that must not wrap a
+# (defining module's last component, function name) of the wrappers that must not wrap a
 # managed module, in modules under ``torch.``: DistributedDataParallel.__init__ (in torch's nn
 # package, ``parallel.distributed``), FSDP1's FullyShardedDataParallel.__init__, FSDP2's
-# fully_shard, torch's composable replicate. See [Note: Foreign wrappers].
+# fully_shard, torch's composable replicate (and the lazy DDP set-up of the DDP-based one,
+# _ReplicateState.init), replicate_with_fsdp's replicate. Matched against running frames and
+# against the API function torch's @contract wrapper is about to call. See [Note: Foreign wrappers].
 _DDP_MODULE_SUFFIX = ".parallel.distributed"  # torch's nn package
 _FOREIGN = {("distributed", "__init__"): "DistributedDataParallel",
             ("fully_sharded_data_parallel", "__init__"): "torch's FullyShardedDataParallel",
             ("_fully_shard", "fully_shard"): "torch's fully_shard (FSDP2)",
-            ("fully_shard", "fully_shard"): "torch's composable fully_shard",
             ("replicate", "replicate"): "torch's composable replicate",
-            ("replicate_with_fsdp", "replicate"): "torch's composable replicate"}
+            ("replicate", "init"): "torch's composable replicate",
+            ("replicate_with_fsdp", "replicate"): "torch's composable replicate (replicate_with_fsdp)"}
+_CONTRACT = ("contract", "wrapper")  # torch's @contract decorator: torch.distributed._composable.contract
 _OWN_PACKAGE = __name__.rsplit(".", 1)[0]
 
 
-def _foreign_wrapper(frame: Optional[FrameType]) -> Optional[str]:
-    """The torch wrapper whose constructor is on the stack above ``frame`` (walking through
-    torch's and this library's frames only, up to the first frame of user code), or None."""
+def _foreign_wrapper(frame: Optional[FrameType]) -> Optional[Tuple[str, Optional[FrameType]]]:
+    """The torch wrapper on the stack above ``frame`` (walking through torch's and this
+    library's frames only, up to the first frame of user code), with the frame of torch's
+    ``@contract`` wrapper that applies it, if any; or None."""
+    found: Optional[str] = None
+    contract: Optional[FrameType] = None
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
         if not (module.startswith("torch.") or module.startswith(_OWN_PACKAGE)):
-            return None
-        found = _FOREIGN.get((module.rsplit(".", 1)[-1], frame.f_code.co_name)) if module.startswith("torch.") else None
-        if found is not None and (found != "DistributedDataParallel" or module.endswith(_DDP_MODULE_SUFFIX)):
-            return found
+            break
+        if module.startswith("torch."):
+            key = (module.rsplit(".", 1)[-1], frame.f_code.co_name)
+            applied = _FOREIGN.get(_contract_api(frame)) if key == _CONTRACT else None
+            if applied is not None and contract is None:
+                found, contract = found or applied, frame
+            elif found is None and key in _FOREIGN and (key[0] != "distributed" or module.endswith(_DDP_MODULE_SUFFIX)):
+                found = _FOREIGN[key]
         frame = frame.f_back
-    return None
+    return None if found is None else (found, contract)
+
+
+def _contract_api(frame: FrameType) -> Tuple[str, str]:
+    """(defining module's last component, name) of the API function torch's ``@contract``
+    wrapper running in ``frame`` applies (its ``func`` local: torch 2.13's contract.py)."""
+    func = frame.f_locals.get("func")
+    return (str(getattr(func, "__module__", "")).rsplit(".", 1)[-1], str(getattr(func, "__name__", "")))
+
+
+def _undo_contract_entries(frame: FrameType) -> None:
+    """Take out of each module's ``__dict__`` what torch's ``@contract`` wrapper running in
+    ``frame`` put there before it traversed the modules, so a refused wrapper leaves them as
+    they were. Read in torch 2.13's ``torch/distributed/_composable/contract.py``: for each
+    root module in turn (``modules``) the wrapper does ``__dict__.setdefault(STATE_KEY,
+    default_all_state)`` and ``setdefault(REGISTRY_KEY, default_registry)`` (module globals;
+    the defaults are fresh dicts, locals of the current iteration), adds ``func -> state`` and
+    ``func.__name__ -> registry_item`` to them, then traverses that module. Only this call's
+    entries are removed; a dict left empty is removed if this call created it (the current
+    module: it is the iteration's default; an earlier module of a list: assumed, an empty
+    dict and none meaning the same to torch). Anything unexpected: nothing is touched."""
+    names = frame.f_locals
+    keys = (frame.f_globals.get("STATE_KEY"), frame.f_globals.get("REGISTRY_KEY"))
+    func, modules, current = names.get("func"), names.get("modules"), names.get("module")
+    if func is None or not isinstance(modules, list) or not all(isinstance(k, str) for k in keys):
+        return
+    ours: Tuple[Tuple[Any, Any, Any, Any], ...] = (
+        (keys[0], func, names.get("state"), names.get("default_all_state")),
+        (keys[1], getattr(func, "__name__", None), names.get("registry_item"), names.get("default_registry")))
+    for module in modules:
+        for key, entry, value, default in ours:
+            entries = module.__dict__.get(key) if isinstance(module, nn.Module) else None
+            if not isinstance(entries, dict) or value is None or entries.get(entry) is not value:
+                continue
+            del entries[entry]
+            if not entries and (entries is default or module is not current):
+                del module.__dict__[key]
 
 
 class ForeignWrapperGuard:
@@ -259,9 +381,13 @@ class ForeignWrapperGuard:
 
 
 def _refuse_foreign_wrapper(module: Any, frame: Optional[FrameType]) -> None:
-    wrapper = _foreign_wrapper(frame.f_back if frame is not None else None)
-    if wrapper is None:
+    refuse_lightning_model_parallel(frame)
+    found = _foreign_wrapper(frame.f_back if frame is not None else None)
+    if found is None:
         return
+    wrapper, contract = found
+    if contract is not None:
+        _undo_contract_entries(contract)
     api = getattr(module, "_api_name", "composable_shard")
     raise RuntimeError(
         f"{wrapper} cannot wrap a module managed by {api} ({type(module).__name__}), nor a parent "
@@ -270,3 +396,34 @@ def _refuse_foreign_wrapper(module: Any, frame: Optional[FrameType]) -> None:
         "is (it needs no wrapper): with Hugging Face Trainer or accelerate use ShardedTrainer or "
         "ShardedAccelerator from composable_shard.integrations.transformers; to mix strategies, use "
         "fully_shard/replicate on submodules. Nothing was changed.")
+
+
+# ---------------------------------------------------------------------------- Lightning's FSDP2 strategy
+# [Note: Lightning's ModelParallelStrategy]  Lightning's FSDP2 strategy (Trainer and Fabric; the
+# unified package and the standalone ones; Lightning 2.6 read) trains a model this library
+# sharded exactly, but its checkpoints of it cannot be resumed: its loader (``_load_checkpoint``)
+# accepts only models with DTensor parameters, and Fabric's saver (``_save_checkpoint``) refuses
+# the same way with a message that blames the caller. So its checkpoint calls raise, before
+# anything is written or loaded, naming the strategies that do work: Trainer's save through
+# torch's state-dict API (``_state_dict.torch_request``), Fabric's save and both loads at their
+# first look at the model's parameters (``ForeignWrapperGuard``).
+_LIGHTNING_MODEL_PARALLEL = ("lightning.pytorch.strategies.model_parallel", "lightning.fabric.strategies.model_parallel",
+                             "pytorch_lightning.strategies.model_parallel", "lightning_fabric.strategies.model_parallel")
+_LIGHTNING_CHECKPOINT_CALLS = frozenset({"save_checkpoint", "load_checkpoint", "_save_checkpoint", "_load_checkpoint",
+                                         "lightning_module_state_dict", "optimizer_state"})
+
+
+def refuse_lightning_model_parallel(frame: Optional[FrameType]) -> None:
+    """Raise if a checkpoint call of Lightning's ``ModelParallelStrategy`` is on the stack above
+    ``frame`` (see [Note: Lightning's ModelParallelStrategy])."""
+    if not any(name in sys.modules for name in _LIGHTNING_MODEL_PARALLEL):
+        return  # never imported: none of its code can be running
+    while frame is not None:
+        if frame.f_globals.get("__name__") in _LIGHTNING_MODEL_PARALLEL and frame.f_code.co_name in _LIGHTNING_CHECKPOINT_CALLS:
+            raise RuntimeError(
+                "Lightning's ModelParallelStrategy cannot checkpoint a model sharded by composable_shard: its loader "
+                "accepts only models with DTensor (FSDP2) parameters, so its checkpoint could not be resumed. Use "
+                "strategy=composable_shard.integrations.lightning.ShardedStrategy() with Trainer (or "
+                "ShardedFabricStrategy() with Fabric): it trains the same way and saves checkpoints that resume at "
+                "any world size. Nothing was saved or loaded.")
+        frame = frame.f_back

@@ -43,7 +43,7 @@ import copy
 import functools
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -147,8 +147,8 @@ class _Snapshot:
     views: List[Tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (tensor, its .data as it was)
     slots: List[Tuple[Dict[str, Any], str, Any]] = field(default_factory=list)  # (a slot dict of tensor_slots, name, object)
     extra_states: List[Tuple[nn.Module, Any]] = field(default_factory=list)  # (module, deep copy of get_extra_state())
-    optim: Optional[Tuple[torch.optim.Optimizer, Any, List[Tuple[Any, Dict[str, Any], Dict[str, Any]]], List[Any],
-                          List[Tuple[Dict[str, Any], Dict[str, Any], List[Any]]]]] = None
+    optims: List[Tuple[torch.optim.Optimizer, Any, List[Tuple[Any, Dict[str, Any], Dict[str, Any]]], List[Any],
+                       List[Tuple[Dict[str, Any], Dict[str, Any], List[Any]]]]] = field(default_factory=list)
     seen: Dict[Tuple[str, int], None] = field(default_factory=dict)  # (device, data_ptr) of storages copied
 
     @property
@@ -205,7 +205,7 @@ def _take_optim(snapshot: _Snapshot, optim: torch.optim.Optimizer) -> None:
         for value in values.values():
             if isinstance(value, torch.Tensor):
                 snapshot.keep(value)
-    snapshot.optim = (optim, optim.state, entries, optim.param_groups, groups)
+    snapshot.optims.append((optim, optim.state, entries, optim.param_groups, groups))
 
 
 def _restore(snapshot: _Snapshot) -> None:
@@ -223,8 +223,8 @@ def _restore(snapshot: _Snapshot) -> None:
             tensor.detach().copy_(value)
         for module, extra in snapshot.extra_states:
             module.set_extra_state(extra)
-        if snapshot.optim is not None:
-            _restore_optim(*snapshot.optim)
+        for optim in snapshot.optims:
+            _restore_optim(*optim)
         for tensor, _ in snapshot.views + snapshot.clones:
             if not tensor.is_inference():
                 increment_version(tensor)  # a buffer gathered from the failed load's values is stale
@@ -280,17 +280,17 @@ class Transaction:
 
 
 @contextlib.contextmanager
-def transaction(api: str, module: Optional[nn.Module], optim: Optional[torch.optim.Optimizer],
+def transaction(api: str, module: Optional[nn.Module], optims: Sequence[torch.optim.Optimizer],
                 group: Optional[dist.ProcessGroup], collective: bool = True) -> Iterator[Transaction]:
-    """Run the body as one all-or-nothing load of ``module``'s and ``optim``'s state (None:
-    not written). ``collective``: the ranks of ``group`` agree; False: this rank alone."""
+    """Run the body as one all-or-nothing load of ``module``'s (None: not written) and
+    ``optims``' state. ``collective``: the ranks of ``group`` agree; False: this rank alone."""
     if getattr(_local, "depth", 0):  # inside another load: it snapshots and agrees
         yield Transaction(api, group)
         return
     snapshot = _Snapshot()
     if module is not None:
         _take_model(snapshot, module)
-    if optim is not None:
+    for optim in optims:
         _take_optim(snapshot, optim)
     txn = Transaction(api, group if collective else None)
     _local.depth = 1
@@ -355,7 +355,7 @@ def transactional(api: str, *, model: bool, optim: bool) -> Callable[[Callable[.
             optimizer = (args[0] if args else kwargs.get("optim")) if optim else None
             collective, group = model_group(target)
             with transaction(api, target if model and isinstance(target, nn.Module) else None,
-                             optimizer if isinstance(optimizer, torch.optim.Optimizer) else None, group, collective):
+                             [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else [], group, collective):
                 return fn(module, *args, **kwargs)
         return call
     return decorate

@@ -22,24 +22,61 @@ shaped like the parameter's 1-D slice on this rank (AdamW's ``exp_avg``, SGD's
 * An optimizer that has not stepped has no state to describe (or to load a checkpoint into):
   its state is created first as its own first ``step()`` would create it, with zero
   gradients and ``lr=0`` (parameters unchanged) and the step counters reset to 0.
+
+[Note: torch's state-dict API]
+  torch's ``torch.distributed.checkpoint.state_dict`` functions (``get_state_dict``,
+  ``get_optimizer_state_dict``, ``set_state_dict``, ...: what Lightning, Fabric, torchtitan and
+  DCP's own recipes call), ``dcp.save({"optim": optim})`` (DCP's ``Stateful``) and
+  ``dcp.save({"optim": optim.state_dict()})`` all take an optimizer's state from
+  ``optimizer.state_dict()`` and treat a plain tensor as one replicated on every rank: DCP keeps one
+  rank's copy per key. Our per-rank slices would be saved as one rank's slice (partial), or,
+  where every rank's slices have equal shapes, loaded into every rank as rank 0's (swapped).
+  So every optimizer that steps a fully sharded parameter carries a ``state_dict`` post-hook and
+  a ``load_state_dict`` pre-hook (torch's per-optimizer hooks; installed at its first step, seen
+  through the global step hook of ``_watch.py``, by :class:`OptimizerStateDictWatch`):
+
+  * ``state_dict()``: each slice-shaped state of a sharded parameter (``exp_avg``, a momentum
+    buffer) becomes a :class:`ShardedSlice` of the parameter's global shape, a view of the
+    optimizer's state tensor, as FSDP2's optimizer state is a ``DTensor`` that aliases it: DCP
+    saves each rank's elements and loads them in place, at any world size, with no collective.
+    Called by one of torch's state-dict functions asking for a full state dict
+    (``StateDictOptions(full_state_dict=True)``), they are gathered into full tensors instead
+    (torch gathers only ``DTensor`` s); :func:`torch_request` reads what was asked. Pickled
+    (``torch.save``) a ``ShardedSlice`` is its plain 1-D local elements, as before.
+  * ``load_state_dict(sd)``: each such state may be a ``ShardedSlice`` (its elements for this
+    rank are taken), a full tensor of the parameter's shape, a ``DTensor`` (either is sliced),
+    or this rank's own slice (kept, as torch keeps what it is given); anything else raises,
+    naming the parameter. The model side: under torch's functions, ``module.state_dict()`` of a
+    fully sharded module gives ``ShardedSlice`` views (sharded request) or full tensors (full
+    request; on rank 0 only when they offload), see ``effective_type`` in ``_state_dict.py``.
+
+  One hook pair per optimizer, whatever the number of fully sharded modules it steps: a
+  gather must run in the same order on every rank, and it follows the optimizer's parameter
+  order. An optimizer that never stepped has no state to convert; torch's ``set_*`` functions
+  step it first (``lr=0``), which installs the hooks before they load.
 """
 
 from __future__ import annotations
 
+import functools
+import weakref
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.nn as nn
+from torch.optim import Optimizer
 
-from . import _collectives
+from . import _collectives, _watch
+from ._common_utils import _FSDPState
 from ._sharded_tensor import ShardedSlice
-from ._state_dict import Managed, check_get_flags, local_slice, managed_params, on_cpu
+from ._state_dict import Managed, check_get_flags, local_slice, managed_params, on_cpu, torch_request
 from ._load_transaction import is_distributed, rank_of, transactional
 from ._torch_compat import unwrap_compiled
 from ._tree_utils import convert
 from ._unshard_params import check_module, gather_flat, local_flat, param_views
 
-__all__ = ["get_optimizer_state_dict", "set_optimizer_state_dict", "param_groups_by_fqn", "sharded_optim_views"]
+__all__ = ["get_optimizer_state_dict", "set_optimizer_state_dict", "param_groups_by_fqn", "sharded_optim_views",
+           "OptimizerStateDictWatch", "register_optimizer_state_dict_hooks"]
 
 
 def _check(api: str, module: Any, optim: Any) -> None:
@@ -204,9 +241,10 @@ _OPTIM_HINT = _collectives.collective_call_hint(
 
 
 def _gather_states(state: Dict[str, Dict[str, Any]], managed: Dict[str, Managed], params: List[torch.Tensor],
-                   fqns: List[str]) -> None:
+                   fqns: List[str], keep: bool = True) -> None:
     """Replace each sharded parameter's slice-shaped states by full tensors, one all-gather
-    per flat group and state name, in an order every rank agrees on."""
+    per flat group and state name, in an order every rank agrees on. ``keep=False``: take
+    part in the all-gathers and keep nothing (the states stay as they were)."""
     local_kinds = {f: sorted((k, str(v.dtype)) for k, v in state.get(f, {}).items() if _is_sliced(v, p))
                    for f, p in zip(fqns, params) if f in managed}
     everyone = (_collectives.all_gather_json(local_kinds, None, tag="optim_state_kinds", hint=_OPTIM_HINT)
@@ -231,6 +269,8 @@ def _gather_states(state: Dict[str, Dict[str, Any]], managed: Dict[str, Managed]
                 locals_[index] = value if isinstance(value, torch.Tensor) else None
             full = gather_flat(where.state, local_flat(group, locals_, dtype), group.padded_numel,
                                f"optim_state:{name}", _OPTIM_HINT)
+            if not keep:
+                continue
             fulls = [v.clone() for v in param_views(group, full)]
             for index, f in members.items():
                 if name in kinds[f]:
@@ -315,3 +355,131 @@ def _same_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.dtype == b.dtype and a.device == b.device and a.numel() == b.numel() and a.is_contiguous()
             and b.is_contiguous() and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
             and a.storage_offset() == b.storage_offset())
+
+
+# ---------------------------------------------------------------------------- optimizer hooks
+class _Link:
+    """The fully sharded modules (their states, weakly) whose parameters one optimizer steps:
+    what its hooks convert (see [Note: torch's state-dict API])."""
+
+    def __init__(self) -> None:
+        self.states: "weakref.WeakSet[_FSDPState]" = weakref.WeakSet()
+
+    def managed(self) -> Dict[int, Managed]:
+        """``id(param)`` -> where it lives, for every parameter of the linked states' handles."""
+        return {id(p): Managed(state, group, index) for state in list(self.states) if state.handle is not None
+                for group in state.handle.groups for index, p in enumerate(group.orig_params)}
+
+
+# optimizer -> its link; weak keys: an optimizer's hooks hold the link only weakly, so nothing
+# here keeps an optimizer or a model alive (see [Note: Hooks for as long as a model needs them]).
+_LINKS: "weakref.WeakKeyDictionary[Optimizer, _Link]" = weakref.WeakKeyDictionary()
+
+
+def _link(optimizer: Optimizer, state: _FSDPState) -> None:
+    """Link ``optimizer`` to ``state``; the first link installs its hook pair."""
+    link = _LINKS.get(optimizer)
+    if link is None:
+        link = _LINKS[optimizer] = _Link()
+        ref = weakref.ref(link)
+        optimizer.register_state_dict_post_hook(functools.partial(_state_dict_post_hook, ref))
+        optimizer.register_load_state_dict_pre_hook(functools.partial(_load_state_dict_pre_hook, ref))
+    link.states.add(state)
+
+
+class OptimizerStateDictWatch(_watch.OptimizerSteps):
+    """Links every optimizer that steps one of ``state``'s parameters to it, at its steps (see
+    [Note: torch's state-dict API])."""
+
+    def __init__(self, state: _FSDPState) -> None:
+        self.state_ref: "weakref.ReferenceType[_FSDPState]" = weakref.ref(state)
+        handle = state.handle
+        super().__init__(p for g in (handle.groups if handle is not None else []) for p in g.orig_params)
+
+    def stepped(self, optimizer: Optimizer) -> None:
+        state = self.state_ref()
+        if state is not None:
+            _link(optimizer, state)
+
+
+def register_optimizer_state_dict_hooks(state: _FSDPState) -> None:
+    """Called once by ``fully_shard`` per fully sharded module with a handle."""
+    if state.handle is not None:
+        state.optimizer_state_dict_watch = OptimizerStateDictWatch(state)
+
+
+def _saved_keys(state_dict: Mapping[str, Any], optimizer: Optimizer) -> Optional[List[Tuple[Any, torch.Tensor]]]:
+    """``(key in state_dict["state"], parameter)`` pairs, by position in the param groups (as
+    torch's loader pairs them); None if the groups' sizes differ (torch's loader raises)."""
+    saved = [list(g.get("params", [])) for g in state_dict.get("param_groups", [])]
+    mine = [list(g["params"]) for g in optimizer.param_groups]
+    if [len(g) for g in saved] != [len(g) for g in mine]:
+        return None
+    return [(key, p) for keys, params in zip(saved, mine) for key, p in zip(keys, params)]
+
+
+def _state_dict_post_hook(link_ref: Any, optimizer: Optimizer, state_dict: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """``optimizer.state_dict()``: slice-shaped states of sharded parameters as ``ShardedSlice``
+    views, or gathered when torch's state-dict API asks for full tensors."""
+    link = link_ref()
+    managed = link.managed() if link is not None else {}
+    pairs = _saved_keys(state_dict, optimizer) if managed else None
+    if not pairs:
+        return None
+    request = torch_request(f"{type(optimizer).__name__}.state_dict()")
+    state = dict(state_dict["state"])  # torch's values are the optimizer's own per-parameter dicts: never edited
+    members: Dict[str, Managed] = {}
+    for key, p in pairs:
+        where = managed.get(id(p))
+        if where is None or key not in state:
+            continue
+        state[key] = entries = dict(state[key])
+        members[str(key)] = where
+        if request is None or not request.full_state_dict:
+            for name, value in entries.items():
+                if _is_sliced(value, p):
+                    entries[name] = where.sharded(value.detach().reshape(-1))
+    if request is not None and request.full_state_dict and members:
+        by_name = {str(key): state[key] for key, _ in pairs if str(key) in members}
+        keep = not request.cpu_offload or rank_of() == 0  # torch keeps an offloaded full state dict on rank 0 only
+        _gather_states(by_name, members, [p for key, p in pairs if str(key) in members], list(by_name), keep=keep)
+    return {**state_dict, "state": state}
+
+
+def _load_state_dict_pre_hook(link_ref: Any, optimizer: Optimizer, state_dict: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """``optimizer.load_state_dict(sd)``: each state of a sharded parameter as this rank's slice."""
+    link = link_ref()
+    managed = link.managed() if link is not None else {}
+    pairs = _saved_keys(state_dict, optimizer) if managed and "state" in state_dict else None
+    if not pairs:
+        return None
+    torch_request(f"{type(optimizer).__name__}.load_state_dict()")  # refuses what cannot be loaded
+    state = dict(state_dict["state"])
+    for key, p in pairs:
+        where = managed.get(id(p))
+        if where is None or key not in state:
+            continue
+        current = optimizer.state.get(p, {})
+        state[key] = {name: _this_ranks(where, p, name, value, current.get(name))
+                      for name, value in state[key].items()}
+    return {**state_dict, "state": state}
+
+
+def _this_ranks(where: Managed, param: torch.Tensor, name: str, value: Any, current: Any) -> Any:
+    """``value`` (state ``name`` of ``param``, a sharded parameter) as this rank's slice."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value
+    label = f"optimizer state {name!r} of {where.name!r}"
+    if isinstance(value, ShardedSlice):
+        piece = local_slice(where, label, value)
+        if isinstance(current, torch.Tensor) and _same_elements(piece, current):
+            return current  # loaded in place (DCP into the views state_dict() gave)
+        return piece if piece.numel() == value.local.numel() else piece.clone()  # no view keeping a larger tensor alive
+    from torch.distributed.tensor import DTensor  # deferred: importing DTensor is slow and seldom needed
+
+    if isinstance(value, DTensor) or tuple(value.shape) == tuple(where.shape):
+        return local_slice(where, label, value).clone()
+    if value.shape == param.shape:
+        return value  # this rank's slice (a per-rank optimizer.state_dict()), kept as torch keeps it
+    raise ValueError(f"optimizer.load_state_dict: {label} has shape {tuple(value.shape)}; expected the parameter's "
+                     f"{tuple(where.shape)} (full), a ShardedSlice of it, or this rank's slice {tuple(param.shape)}.")

@@ -40,14 +40,15 @@ FSDP2). Any other tensor operation raises: the value is not a full tensor.
 
 from __future__ import annotations
 
+import copy
 import math
-from typing import Any, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from ._torch_compat import DCPTensorHooks, make_wrapper_tensor
+from ._torch_compat import TO_COPY, DCPTensorHooks, make_wrapper_tensor
 
 __all__ = ["ShardedSlice", "boxes_of_range", "split_boxes", "part_numel"]
 
@@ -176,11 +177,24 @@ class ShardedSlice(DCPTensorHooks, torch.Tensor):
             raise ValueError(f"ShardedSlice holds elements [{self.start}, {self.end}), not [{start}, {end})")
         return self.local[start - self.start:end - self.start]
 
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "ShardedSlice":
+        """A slice over a copy of ``local`` (``copy.deepcopy`` of a state dict that holds one)."""
+        return ShardedSlice(copy.deepcopy(self.local, memo), self.start, self.shape, self.world_size)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickled (``torch.save``) as ``local``, a plain 1-D tensor of this rank's elements: a
+        per-rank file of an optimizer's ``state_dict()`` holds what it held before optimizer
+        state dicts described their global shape, and loads with ``weights_only=True``."""
+        return self.local.__reduce_ex__(protocol)
+
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]  # torch's stub is narrower
         if func is torch.ops.aten.detach.default:
             (self,) = args
             return ShardedSlice(self.local, self.start, self.shape, self.world_size)
+        if func is TO_COPY:  # .to(device/dtype), e.g. torch's cpu_offload of a state dict
+            (self,) = args
+            return ShardedSlice(func(self.local, **(kwargs or {})), self.start, self.shape, self.world_size)
         raise RuntimeError(  # not TypeError: operators turn that into NotImplemented and a vaguer message
             f"{func} on a ShardedSlice: it holds only this rank's elements of a sharded tensor (from a "
             "SHARDED_STATE_DICT). Save/load it with torch.distributed.checkpoint, or use a full state dict "

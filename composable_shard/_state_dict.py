@@ -47,6 +47,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -58,18 +59,19 @@ import torch.nn as nn
 from . import _collectives
 from ._common_utils import _FSDPState
 from ._flat_param import FlatGroup
+from ._interop import refuse_lightning_model_parallel
 from ._shard_math import param_offsets
 from ._sharded_tensor import ShardedSlice
 from ._traversal_utils import _get_fsdp_handles, _get_fsdp_states
 from ._load_transaction import rank_of, state_entries, transactional
-from ._torch_compat import unwrap_compiled
+from ._torch_compat import UNKNOWN_REQUEST, TORCH_STATE_DICT_MODULE, torch_state_dict_request, unwrap_compiled
 from ._unshard_params import check_between_steps, check_module, gather_flat
 from ._validation import check_bool
 from .api import FullStateDictConfig, ShardedStateDictConfig, StateDictType
 
 __all__ = ["state_dict_type", "get_model_state_dict", "set_model_state_dict", "register_state_dict_hooks",
            "check_model_state_dict", "managed_params", "Managed", "local_slice", "register_buffer_dtypes",
-           "sharded_model_views", "check_get_flags", "on_cpu"]
+           "sharded_model_views", "check_get_flags", "on_cpu", "torch_request"]
 
 _REGISTRY_KEY = "_composable_shard_state_dict"  # in a registration module's __dict__: {param name: Managed}
 _BUFFER_DTYPES_KEY = "_composable_shard_buffer_dtypes"  # in a module's __dict__: {buffer name: dtype before buffer_dtype}
@@ -92,6 +94,11 @@ class Managed(NamedTuple):
     @property
     def shape(self) -> torch.Size:
         return self.group.flat_param._shapes[self.param_index]
+
+    @property
+    def name(self) -> str:
+        """The parameter's FQN relative to the module ``fully_shard`` was called on (for messages)."""
+        return ".".join(part for part in (self.state.fqn, self.group.flat_param._fqns[self.param_index]) if part)
 
     @property
     def param_range(self) -> Tuple[int, int]:
@@ -128,6 +135,7 @@ class _Call:
     sessions: Dict[int, _Session] = field(default_factory=dict)  # id(handle) -> open session
     scratch: Dict[Tuple[torch.device, torch.dtype], torch.Tensor] = field(default_factory=dict)  # see _scratch
     owned: Dict[Tuple[Any, ...], torch.Tensor] = field(default_factory=dict)  # a live tensor's (storage, layout) -> its copy
+    request: Any = None  # the options of torch's state-dict function that made the call (see torch_request), or None
 
 
 # [Note: One call's state]  Sessions, the rank0_only scratch buffer and the ownership copies
@@ -153,7 +161,7 @@ def _enter(module: nn.Module, prefix: str, keep_vars: bool) -> _Call:
     calls = _calls()
     if not prefix or not calls:
         calls[:] = [c for c in calls if c.module() is not None and c.module() is not module]  # left by a raise
-        calls.append(_Call(weakref.ref(module)))
+        calls.append(_Call(weakref.ref(module), request=torch_request(f"{type(module).__name__}.state_dict()")))
     call = calls[-1]
     call.depth += 1
     call.keep_vars = keep_vars
@@ -171,6 +179,26 @@ def _leave(call: _Call) -> None:
     calls = _calls()
     if call.depth <= 0 and call in calls:
         calls.remove(call)
+
+
+# ---------------------------------------------------------------------------- torch's state-dict API
+def torch_request(what: str) -> Any:
+    """The options (``StateDictOptions``) of torch's ``torch.distributed.checkpoint.state_dict``
+    function this ``state_dict()``/``load_state_dict()`` call runs inside, or ``None``. Raises,
+    before anything is saved or loaded, if this torch hides the options, or if the call comes
+    from Lightning's ``ModelParallelStrategy`` (naming the strategy to use; [Note: Lightning's
+    ModelParallelStrategy] in ``_interop.py``)."""
+    request = torch_state_dict_request()
+    if request is UNKNOWN_REQUEST:
+        raise RuntimeError(
+            f"{what} was called by {TORCH_STATE_DICT_MODULE}, whose options (full or sharded) this torch version does "
+            "not show to composable_shard; it would save or load each rank's slices as if they were whole. Use "
+            "composable_shard's get_model_state_dict/get_optimizer_state_dict/set_model_state_dict/"
+            "set_optimizer_state_dict (same layout, keyed by FQN) or save_checkpoint/load_checkpoint. Nothing was "
+            "saved or loaded.")
+    if request is not None:
+        refuse_lightning_model_parallel(inspect.currentframe())  # see [Note: Lightning's ModelParallelStrategy]
+    return request
 
 
 # ---------------------------------------------------------------------------- registration
@@ -282,7 +310,7 @@ def _pre_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
     if state is None or state.handle is None:
         return
     check_between_steps([state], "state_dict()")
-    if state.state_dict_type is StateDictType.FULL_STATE_DICT:
+    if effective_type(state, call.request)[0] is StateDictType.FULL_STATE_DICT:
         call.sessions[id(state.handle)] = _Session()
 
 
@@ -308,8 +336,20 @@ def _post_state_dict(module: nn.Module, state_dict: Dict[str, Any], prefix: str,
             _leave(call)
 
 
+def effective_type(state: _FSDPState, request: Any) -> Tuple[StateDictType, Any]:
+    """The state-dict type and config ``state`` uses in a call made by torch's state-dict
+    function with options ``request`` (None: not made by one): inside :func:`state_dict_type`,
+    the context's; else, for torch's functions, what their options ask for (see [Note: torch's
+    state-dict API] in ``_optim_state_dict.py``); else the default, a full state dict."""
+    if state.state_dict_config is not None or request is None:  # a context's config is never None
+        return state.state_dict_type, state.state_dict_config or FullStateDictConfig()
+    if request.full_state_dict:  # torch keeps a full state dict on rank 0 only when it offloads
+        return StateDictType.FULL_STATE_DICT, FullStateDictConfig(request.cpu_offload, request.cpu_offload)
+    return StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(request.cpu_offload)
+
+
 def _save_entry(state_dict: Dict[str, Any], key: str, m: Managed, session: _Session, call: _Call) -> None:
-    kind, config = m.state.state_dict_type, m.state.state_dict_config or FullStateDictConfig()  # None: the defaults
+    kind, config = effective_type(m.state, call.request)
     if kind is StateDictType.SHARDED_STATE_DICT:
         local = m.local.detach()
         state_dict[key] = m.sharded(local.cpu() if config.offload_to_cpu else local)

@@ -71,6 +71,36 @@ versions checked (2.6, 2.11, 2.13, unless an entry says otherwise).
   (``_MEM_FORMAT_ENCODING``, ``filesystem._StorageInfo``, ``torch.serialization._get_layout``).
   Listed from the 2.13 sources and checked by saving and loading there; a torch that pickles
   another one makes ``load_checkpoint`` refuse it, naming the global.
+* ``torch_state_dict_request``: torch's ``torch.distributed.checkpoint.state_dict`` functions
+  (``get_state_dict``, ``get_model_state_dict``, ``get_optimizer_state_dict``, their ``set_*``
+  counterparts; what Lightning, Fabric, torchtitan and DCP's recipes call) ask a model and its
+  optimizers for their state with plain ``module.state_dict()`` / ``optimizer.state_dict()``
+  calls, and decide from the types they get back (``DTensor`` for FSDP2) whether a value is
+  sharded. Our sharded values are ``ShardedSlice`` s, which DCP saves and loads but torch's
+  full-state-dict path would pass through ungathered, so the library's state-dict hooks must
+  know whether such a call asked for full or sharded tensors (see [Note: torch's state-dict
+  API] in ``_optim_state_dict.py``). torch passes that nowhere but in the options of the call:
+  its private workers (``_get_model_state_dict``, ``_get_optim_state_dict``,
+  ``_load_model_state_dict``, ``_load_optim_state_dict``) hold them in a local named ``info``
+  (a ``_StateDictInfo``, subclass of the public ``StateDictOptions``), the public functions in
+  their ``options`` argument (``None``: the defaults). They are read from the innermost frame of
+  that module on this thread's stack (CPython frames; ``sys._getframe``). Read in 2.13. A frame
+  of that module with neither is reported as ``UNKNOWN_REQUEST`` and refused by the callers,
+  so a torch that moves this code fails loudly (the state-dict API tests fail) instead of
+  handing it per-rank slices.
+* ``TO_COPY``: ``ShardedSlice`` (a wrapper tensor of a parameter's global shape over this rank's
+  elements) must follow a ``.to(device/dtype)`` (torch's state-dict API moves every value of a
+  state dict with ``cpu_offload``): the operator a wrapper subclass's ``__torch_dispatch__``
+  receives for it is ``aten._to_copy`` (``Tensor.to`` decomposes into it), which has no public
+  name. Read in 2.13.
+* Frames of torch's code read elsewhere (names and locals, not attributes of torch):
+  ``_interop`` matches torch's clipping module (``torch.nn.utils.clip_grad``) on the stack, and
+  refuses torch's data-parallel wrappers by their frames, including torch's ``@contract`` wrapper
+  (``wrapper`` of the ``contract`` module in torch's ``_composable`` package: its locals ``func``,
+  ``modules``, ``module``, ``state``, ``registry_item``, ``default_all_state``, ``default_registry`` and its module's
+  ``STATE_KEY``/``REGISTRY_KEY``, read to take a refused call's entries out of ``__dict__``;
+  anything unexpected and nothing is touched). Read in 2.13; the tests of each fail when torch's
+  code moves (``test_clip_grad_norm.py``, ``test_interop.py``).
 * ``GuardedApplyHook``: ``nn.Module._apply(fn, recurse=True)`` is the one method behind
   ``.to()``, ``.half()``, ``.cuda()``, ``.float()``, ``.to_empty()``, ...; overriding it is the
   only way to see every cast and move of a sharded or replicated module (``_apply_guard``).
@@ -83,6 +113,7 @@ versions checked (2.6, 2.11, 2.13, unless an entry says otherwise).
 
 from __future__ import annotations
 
+import inspect
 import sys
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
@@ -93,7 +124,7 @@ import torch.nn as nn
 __all__ = ["queue_backward_callback", "set_module_tensor", "is_in_backward", "tensor_version", "make_wrapper_tensor",
            "is_compiled_module", "plain_torch_function", "as_plain", "FOREACH_NORM", "BATCH_NORM", "tensor_slots",
            "is_view_of", "DCPTensorHooks", "DCP_METADATA_GLOBALS", "GuardedApplyHook", "ALL_GATHER_SINGLE",
-           "REDUCE_SCATTER_SINGLE"]
+           "REDUCE_SCATTER_SINGLE", "torch_state_dict_request", "UNKNOWN_REQUEST", "TORCH_STATE_DICT_MODULE", "TO_COPY"]
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:
@@ -224,6 +255,34 @@ class GuardedApplyHook:
     def _cs_guarded_apply(self, apply: Callable[[], Any]) -> Any:
         """Run ``apply()`` (``nn.Module._apply`` on this module) and return its result."""
         return apply()
+
+
+TO_COPY = torch.ops.aten._to_copy.default  # private, see module docstring
+
+TORCH_STATE_DICT_MODULE = "torch.distributed.checkpoint.state_dict"
+UNKNOWN_REQUEST = object()  # a frame of torch's state-dict module whose options could not be read
+
+
+def torch_state_dict_request() -> Any:
+    """The options (a ``StateDictOptions``) of the torch ``torch.distributed.checkpoint.state_dict``
+    call this thread is running inside, ``None`` if it runs inside none, or ``UNKNOWN_REQUEST``
+    if it does but its options could not be read (see the module docstring)."""
+    dsd = sys.modules.get(TORCH_STATE_DICT_MODULE)
+    options_cls = getattr(dsd, "StateDictOptions", None)
+    if options_cls is None:  # never imported: none of its functions can be running
+        return None
+    frame = inspect.currentframe()
+    found_module = False
+    while frame is not None:
+        if frame.f_globals.get("__name__") == TORCH_STATE_DICT_MODULE:
+            found_module = True
+            local = frame.f_locals
+            if isinstance(local.get("info"), options_cls):
+                return local["info"]
+            if "options" in local and (local["options"] is None or isinstance(local["options"], options_cls)):
+                return local["options"] if local["options"] is not None else options_cls()
+        frame = frame.f_back
+    return UNKNOWN_REQUEST if found_module else None
 
 
 # See module docstring: torch 2.13's names, else the older ones.

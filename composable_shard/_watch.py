@@ -259,10 +259,10 @@ class OptimizerSteps:
             self.holds[optimizer] = cached
         if cached[1]:
             self.epoch += 1
-            self.stepped()
+            self.stepped(optimizer)
 
-    def stepped(self) -> None:
-        """Called once per counted step (after ``epoch`` was bumped)."""
+    def stepped(self, optimizer: Optimizer) -> None:
+        """Called once per counted step of ``optimizer`` (after ``epoch`` was bumped)."""
 
 
 class StepCounter(OptimizerSteps):
@@ -274,7 +274,7 @@ class StepCounter(OptimizerSteps):
         # optimizer freed at different times on different ranks changes nothing
         super().__init__(params)
 
-    def stepped(self) -> None:
+    def stepped(self, optimizer: Optimizer) -> None:
         self.pending += 1
 
     def take(self) -> List[int]:

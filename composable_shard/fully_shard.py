@@ -14,21 +14,21 @@ product of both sizes.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterable, List, Mapping, Optional, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Union
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from . import _apply_guard, _collectives
+from . import _apply_guard
 from ._common_utils import FSDP_API_NAME, _FSDPState
 from ._data_parallel import check_set_requires_gradient_sync
 from ._init_utils import apply_plan, plan_agreed, resolve_groups
 from ._mixed_precision import apply_mixed_precision
 from ._validation import check_bool, check_real
 from ._runtime_utils import register_runtime_hooks, wait_unshard
+from ._optim_state_dict import register_optimizer_state_dict_hooks
 from ._state_dict import check_model_state_dict, register_state_dict_hooks
-from ._interop import ForeignWrapperGuard
+from ._interop import ForeignWrapperGuard, shard_source, total_grad_norm
 from ._subclass import _NoCopyMixin, make_subclass
 from ._traversal_utils import _get_fsdp_states
 from ._unshard_params import unshard_params
@@ -191,17 +191,16 @@ def _finish_target(module: nn.Module, state: _FSDPState) -> None:
     make_subclass(module, "FSDP", FSDPModule)
     register_runtime_hooks(state, module)
     register_state_dict_hooks(state)
+    register_optimizer_state_dict_hooks(state)
     apply_mixed_precision(state, module)
 
 
-_CLIP_HINT = _collectives.collective_call_hint(
-    "`clip_grad_norm_`", "Every rank needs the global norm: call it on every rank after the same backward.")
-
-
 def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Clip the gradients of every parameter of ``module`` by their total norm, computed over
-    all shards on all ranks (parameters outside fully sharded modules count once). Returns the
-    total norm.
+    """Clip the gradients of every parameter of ``module`` by their total norm over all shards
+    on all ranks: what ``torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm,
+    norm_type)`` returns and does on one process holding the whole model (the norm of the
+    per-parameter norms; any real ``norm_type``, ``inf``, ``-inf`` and 0 included), on any mix
+    of strategies, process groups and ``replicate``. Returns the total norm.
 
     Example::
 
@@ -220,43 +219,40 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
         raise RuntimeError(f"clip_grad_norm_ between backwards without gradient sync ({', '.join(unsynced)}): "
                            ".grad holds each rank's own unreduced gradient, whose norm is not the global one. "
                            "Clip after the synced backward (set_requires_gradient_sync(True)).")
-    sharded = {id(p) for s in states if s.handle is not None for g in s.handle.groups for p in g.orig_params}
+    sources = _shard_sources(states)
     params = [p for p in module.parameters() if p.grad is not None]
-    sharded_grads = [p.grad for p in params if id(p) in sharded]
-    other_grads = [p.grad for p in params if id(p) not in sharded]
-    device = states[0].compute_device if states else torch.device("cpu")
-    local = _norm_accumulate(sharded_grads, norm_type, device)
-    groups = {id(s.process_group): s.process_group for s in states if s.process_group is not None and s.world_size > 1}
-    for group in groups.values():
-        op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
-        _collectives.all_reduce(local, group, tag="clip_grad_norm", op=op, hint=_CLIP_HINT).wait()
-    other = _norm_accumulate(other_grads, norm_type, device)
-    if norm_type == float("inf"):
-        total = torch.maximum(local, other)
-    else:
-        total = (local + other) ** (1.0 / norm_type)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for p in params:
-        p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))  # type: ignore[union-attr]  # filtered above
+    grads: List[torch.Tensor] = [p.grad for p in params]  # type: ignore[misc]  # filtered above
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=states[0].compute_device if states else None)
+    total = total_grad_norm(grads, [sources.get(id(p)) for p in params], norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's clip_grads_with_norm_
+    for grad in grads:
+        grad.mul_(coef.to(grad.device))
     return total
 
 
 def _check_clip_arguments(max_norm: Any, norm_type: Any) -> float:
-    """``max_norm`` a number >= 0, ``norm_type`` a number > 0 (``float('inf')`` for the max
-    norm); raises before any collective, identically on every rank."""
+    """``max_norm`` a number >= 0, ``norm_type`` any number but NaN (``float('inf')``: the max
+    norm, ``-inf``: the min, 0: the count of non-zero elements, as torch's); raises before any
+    collective, identically on every rank."""
     max_norm = check_real("clip_grad_norm_", "max_norm", max_norm)
-    norm = check_real("clip_grad_norm_", "norm_type", norm_type)
+    check_real("clip_grad_norm_", "norm_type", norm_type)
     if max_norm < 0:
         raise ValueError(f"clip_grad_norm_: max_norm must be >= 0, got {max_norm}")
-    if norm <= 0:
-        raise ValueError(f"clip_grad_norm_: norm_type must be > 0 (a p-norm, or float('inf')), got {norm_type!r}")
     return max_norm
 
 
-def _norm_accumulate(grads: List[Any], norm_type: float, device: torch.device) -> torch.Tensor:
-    """Sum of |g|^p (or max |g| for inf) over ``grads`` as a float32 scalar tensor."""
-    if not grads:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    if norm_type == float("inf"):
-        return torch.stack([g.detach().abs().max().float() if g.numel() else torch.zeros((), device=g.device) for g in grads]).max().to(device)
-    return torch.stack([torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type for g in grads]).sum().to(device)
+def _shard_sources(states: List[_FSDPState]) -> Dict[int, Any]:
+    """``id(parameter)`` -> the shard group its gradient's norm is combined over (see
+    :func:`_interop.shard_source`), for the original parameters of handles sharded over more
+    than one rank (FULL_SHARD, SHARD_GRAD_OP, the hybrids: their shard group only, never the
+    replicate group). NO_SHARD, ``replicate`` and unmanaged gradients are whole and equal on
+    every rank: absent, counted once (so is a parameter of a handle above ``module``, whose
+    sharded ``.grad`` carries its group: see :func:`_interop.total_grad_norm`)."""
+    sources: Dict[int, Any] = {}
+    for s in states:
+        group = s.process_group if s.world_size > 1 else None
+        if s.handle is not None and group is not None:
+            source = shard_source(group, s.compute_device)
+            sources.update((id(p), source) for g in s.handle.groups for p in g.orig_params)
+    return sources

@@ -31,6 +31,15 @@ their gradients are already equal) and full parameters (``replicate``, unmanaged
 communicate nothing. Peak memory beyond a plain step: ``2 * (N + ceil(N/W))`` bytes of one group
 at a time, plus the owned matrices' Newton-Schulz temporaries.
 
+Building the optimizer, ``add_param_group`` and a step after re-sharding are collective over
+the model's ranks (the one process group of its ``fully_shard``/``replicate`` states, as a load
+uses; none for a plain model): every check that can refuse (FQNs, original shapes,
+hyper-parameters, torch's own) runs before one 48-byte exchange in which the ranks agree on the
+outcome and on the plan (each param group's settings, each matrix's FQN, shape and group: what
+the owners and the step's collectives follow from). A refusal on one rank raises on every rank,
+naming it, and adds nothing; different plans raise on every rank ([Note: Agreed refusals] in
+``_data_parallel.py``).
+
 Compared with gathering each matrix to its owner and scattering the result back: that moves
 about ``2N/W`` bytes per rank per group instead of about ``4N(W-1)/W`` (half as many at W = 2,
 fewer still beyond) and buffers only the owned matrices, but needs an all-to-all with uneven
@@ -44,13 +53,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from . import _collectives
+from ._data_parallel import agreed
+from ._load_transaction import model_group
 from ._shard_math import param_offsets
 from ._state_dict import Managed, managed_params
 from ._torch_compat import unwrap_compiled
@@ -145,18 +156,24 @@ class _Plan:
     sharded: List[_ShardedGroup]
     whole: List[_Matrix]  # one rank holds all of it (a shard group of one rank, replicate, unmanaged)
 
+    @property
+    def matrices(self) -> List[_Matrix]:
+        """Every matrix in plan order: the sharded groups', then the whole ones."""
+        return [m for g in self.sharded for m in g.matrices] + self.whole
+
     def is_current(self) -> bool:
         """False if some parameter changed shape since planning (``fully_shard`` applied after
         the optimizer was built)."""
-        return all(m.param.shape == m.local_shape for g in self.sharded for m in g.matrices) and \
-            all(m.param.shape == m.local_shape for m in self.whole)
+        return all(m.param.shape == m.local_shape for m in self.matrices)
 
 
 class Muon(torch.optim.Optimizer):
     """``torch.optim.Muon`` for a model whose 2-D parameters ``fully_shard`` may have split across
     ranks (see [Note: Muon on flat shards]): momentum for this rank's elements only, each matrix
     orthogonalized whole on one rank of its shard group, the numbers of torch's Muon on the full
-    matrices. Works as well for ``replicate``'d and plain modules (no communication).
+    matrices. Works as well for ``replicate``'d and plain modules (no communication in the step).
+    Build it on every rank of the model: construction is collective (the ranks agree on the plan,
+    or all raise).
 
     Example::
 
@@ -189,26 +206,60 @@ class Muon(torch.optim.Optimizer):
                  momentum: float = 0.95, nesterov: bool = True,
                  ns_coefficients: Tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS, eps: float = DEFAULT_EPS,
                  ns_steps: int = DEFAULT_NS_STEPS, adjust_lr_fn: Optional[str] = None) -> None:
-        if not isinstance(model, nn.Module):
+        if not isinstance(model, nn.Module):  # raised alone: without a model there are no ranks to agree with
             raise TypeError(f"Muon: model must be the nn.Module the parameters belong to, got {type(model).__name__}")
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
-        _check_settings(defaults, "Muon")
         self._model: nn.Module = unwrap_compiled(model)  # names as users and checkpoints know them
-        self._plan: Optional[_Plan] = None  # made when first needed, again if the model is re-sharded
         self._constructed: bool = False  # True once torch's constructor added the initial groups
+        # agreed now (collective), not in the first step; made again if the model is re-sharded
+        self._plan: _Plan = self._agreed(f"Muon({type(self._model).__name__})", "Muon", "muon::init",
+                                         lambda: self._construct(params, defaults))
+        self._constructed = True
+
+    def _construct(self, params: Iterable[Any], defaults: Dict[str, Any]) -> _Plan:
+        """Every check of ``__init__`` and torch's constructor (no collective); the plan."""
+        _check_settings(defaults, "Muon")
         if isinstance(params, (torch.Tensor, str)):
             raise TypeError("Muon: params must be an iterable of parameters, FQNs or param groups, "
                             f"got a single {type(params).__name__}")
         super().__init__(params, defaults)
-        self._constructed = True
-        self._plan = self._current_plan()  # collective: the ranks agree on it now, not in the first step
+        return _make_plan(self._model, self._params())
+
+    def _agreed(self, api: str, applied: str, tag: str, prepare: Callable[[], _Plan]) -> _Plan:
+        """``prepare()`` (every check that can refuse, no collective), then one agreement over the
+        model's ranks (see [Note: Agreed refusals] in ``_data_parallel.py``): a refusal on any rank
+        raises on every rank, naming it, and so do plans or hyper-parameters that differ (the
+        step's collectives would pair other matrices). A plain model has no ranks to agree with."""
+        collective, group = model_group(self._model)
+        return agreed(api, [group] if collective else None, prepare,
+                      lambda plan: _layout(plan, self.param_groups, list(self.defaults)), applied=applied,
+                      what="ranks would step other matrices or hyper-parameters (give Muon the same parameters, in "
+                      "the same param groups with the same settings, on every rank)", tag=tag, digest_first=True)
+
+    def _params(self) -> List[nn.Parameter]:
+        return [p for g in self.param_groups for p in g["params"]]
 
     # ------------------------------------------------------------------ param groups
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """torch's ``add_param_group``, with parameters given as parameters of the model or FQNs,
         each checked to be 2-D in its original shape before anything changes. Collective once the
-        optimizer is built (the ranks agree on the new plan): call it on every rank."""
+        optimizer is built (the ranks agree on the new plan, or all raise and none adds the group):
+        call it on every rank."""
+        if not self._constructed:  # torch's constructor adding the first groups: inside __init__'s agreement
+            self._add_group(param_group)
+            return
+        count, plan = len(self.param_groups), self._plan
+        try:
+            self._plan = self._agreed("Muon.add_param_group", "add_param_group", "muon::add_param_group",
+                                      lambda: self._add_group(param_group))
+        except Exception:
+            del self.param_groups[count:]  # refused on some rank: added on none
+            self._plan = plan
+            raise
+
+    def _add_group(self, param_group: Dict[str, Any]) -> _Plan:
+        """Check ``param_group``, add it (torch's own checks refuse before adding) and plan: no collective."""
         if not isinstance(param_group, dict):
             raise TypeError(f"Muon: a param group must be a dict, got {type(param_group).__name__}")
         group = dict(param_group)
@@ -217,9 +268,7 @@ class Muon(torch.optim.Optimizer):
         group["params"] = self._resolve(raw_list)
         _check_settings({**self.defaults, **group}, "Muon: param group")
         super().add_param_group(group)
-        self._plan = None
-        if self._constructed:  # a group added later: planned (collectively) now, as in __init__
-            self._plan = self._current_plan()
+        return _make_plan(self._model, self._params())
 
     def _resolve(self, raw: List[Any]) -> List[nn.Parameter]:
         """The model's parameters for ``raw`` (parameters or FQNs), each checked to be a 2-D matrix
@@ -266,8 +315,9 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _current_plan(self) -> _Plan:
-        if self._plan is None or not self._plan.is_current():
-            self._plan = _make_plan(self._model, [p for g in self.param_groups for p in g["params"]])
+        if not self._plan.is_current():  # re-sharded since: every rank re-plans here, in its step
+            self._plan = self._agreed("Muon.step", "the step", "muon::replan",
+                                      lambda: _make_plan(self._model, self._params()))
         return self._plan
 
     def _step_whole(self, matrix: _Matrix, settings: Dict[str, Any]) -> None:
@@ -318,7 +368,7 @@ class Muon(torch.optim.Optimizer):
 
 def _check_grads(plan: _Plan) -> None:
     """Before anything changes: every gradient is shaped like its parameter (this rank's slice)."""
-    for m in [m for g in plan.sharded for m in g.matrices] + plan.whole:
+    for m in plan.matrices:
         grad = m.param.grad
         if grad is not None and grad.shape != m.param.shape:
             raise RuntimeError(f"Muon.step: the gradient of {m.fqn!r} has shape {tuple(grad.shape)}, the parameter "
@@ -384,8 +434,8 @@ def _managed(model: nn.Module) -> Dict[str, Managed]:
 
 
 def _make_plan(model: nn.Module, params: List[nn.Parameter]) -> _Plan:
-    """Group the Muon parameters by flat group (model order), assign owners, and check that the
-    ranks of each shard group agree on them (a mismatch would leave collectives unmatched)."""
+    """Group the Muon parameters by flat group (model order) and assign owners; local (the ranks
+    agree on :func:`_layout` of it in :meth:`Muon._agreed`)."""
     wanted = {id(p) for p in params}
     names = {id(p): n for n, p in model.named_parameters()}
     sharded: Dict[int, _ShardedGroup] = {}
@@ -414,25 +464,22 @@ def _make_plan(model: nn.Module, params: List[nn.Parameter]) -> _Plan:
     for p in params:
         if id(p) in whole_ids:
             whole.append(_Matrix(p, names.get(id(p), "?"), p.shape, p.shape))
-    plan = _Plan(list(sharded.values()), whole)
-    _check_agreement(plan)
-    return plan
+    return _Plan(list(sharded.values()), whole)
 
 
-def _check_agreement(plan: _Plan) -> None:
-    """Every rank of each shard group plans the same matrices in the same order, or every rank
-    raises (instead of hanging in, or mixing, the step's collectives)."""
-    by_group: Dict[int, Tuple[Any, List[Any]]] = {}
-    for g in plan.sharded:
-        entry = by_group.setdefault(id(g.where.state.process_group), (g.where.state.process_group, []))
-        entry[1].append([[m.fqn, list(m.shape)] for m in g.matrices])
-    for process_group, signature in by_group.values():
-        everyone = _collectives.all_gather_json(signature, process_group, tag="muon_plan")
-        differing = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
-        if differing:
-            raise ValueError(f"Muon: shard-group ranks {differing} were given other matrices than rank 0 "
-                             f"({everyone[differing[0]]} vs {everyone[0]}); build Muon with the same parameters, in "
-                             "the same order, on every rank.")
+def _layout(plan: _Plan, param_groups: List[Dict[str, Any]], settings: List[str]) -> List[str]:
+    """What every rank of the model must hold the same, one line each: each param group's
+    ``settings``, then each matrix of the plan (FQN, shape, param group) in plan order. The
+    owners follow from it (:func:`assign_matrices`), and so do the step's collectives."""
+    group_of = {id(p): i for i, g in enumerate(param_groups) for p in g["params"]}
+    return [f"param group {i}: " + ", ".join(f"{k}={_plain(g[k])}" for k in settings)
+            for i, g in enumerate(param_groups)] + \
+        [f"{m.fqn!r} {tuple(m.shape)} in param group {group_of[id(m.param)]}" for m in plan.matrices]
+
+
+def _plain(value: Any) -> str:
+    """A setting as text (a tensor lr by its value)."""
+    return repr(value.item() if isinstance(value, torch.Tensor) else value)
 
 
 def _rank() -> int:

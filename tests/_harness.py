@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import itertools
+import json
 import math
 import multiprocessing
 import os
@@ -51,13 +52,13 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["RankError", "RankTimeoutError", "SubtestError", "run_distributed",
-           "run_subtests", "world_sizes", "assert_close_ranks"]
+           "run_subtests", "world_sizes", "assert_close_ranks", "outcomes_through_files"]
 
 FAILURE_GRACE_S = 3.0  # after the first failure, how long the other ranks get to exit
 TERMINATE_GRACE_S = 1.0  # SIGTERM -> SIGKILL
@@ -202,6 +203,31 @@ def run_subtests(fn: Callable[..., None], grid: Mapping[str, Sequence[Any]], **f
             raise SubtestError(f"subtest {combo} failed: {type(exc).__name__}: {exc}") from exc
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
+
+
+def outcomes_through_files(directory: str, outcome: Dict[str, Any], deadline_s: float, call: str) -> List[Dict[str, Any]]:
+    """Inside a rank, every rank's ``outcome`` (JSON), exchanged through files in ``directory``:
+    no collective, so a rank stuck in one is not freed by it. Raises if a rank has not written
+    its own within ``deadline_s`` of this rank's (it waits in a collective the others never
+    joined); ``call`` names what the ranks were running, for that message."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, f".{rank}"), "w") as f:
+        json.dump(outcome, f)
+    os.replace(os.path.join(directory, f".{rank}"), os.path.join(directory, f"{rank}.json"))
+    paths = [os.path.join(directory, f"{r}.json") for r in range(world_size)]
+    deadline = time.monotonic() + deadline_s
+    while not all(os.path.exists(p) for p in paths):
+        if time.monotonic() > deadline:
+            missing = [r for r, p in enumerate(paths) if not os.path.exists(p)]
+            raise AssertionError(f"ranks {missing} did not return from {call} within {deadline_s} s of rank {rank}'s "
+                                 f"outcome {outcome}: they wait in a collective the refusing rank never joins")
+        time.sleep(0.02)
+    outcomes = []
+    for p in paths:
+        with open(p) as f:
+            outcomes.append(json.load(f))
+    return outcomes
 
 
 def assert_close_ranks(t: torch.Tensor, name: str) -> None:

@@ -64,11 +64,13 @@ _API = f"{PACKAGE}/api.py"
 _INIT = f"{PACKAGE}/_init_utils.py"
 _FULLY_SHARD = f"{PACKAGE}/fully_shard.py"
 _COLLECTIVES = f"{PACKAGE}/_collectives.py"
+_INTEROP = f"{PACKAGE}/_interop.py"
 
 _STORAGE = "tests/distributed/test_fully_shard_runtime.py::test_storage_per_rank_and_freeing"
 _PREFETCH = "tests/distributed/test_fully_shard_runtime.py::test_prefetch_is_issued_before_compute"
 _METHODS = "tests/distributed/test_fully_shard_runtime.py::test_no_sync_and_manual_unshard"
 _CLIP = "tests/distributed/test_fully_shard_runtime.py::test_clip_grad_norm_over_all_shards"
+_CLIP_MIX = "tests/distributed/test_clip_grad_norm.py::test_clip_grad_norm_is_one_process_on_every_mix"
 _TRAINING = "tests/distributed/test_fully_shard_training.py::test_parity_with_local_and_torch_fsdp"
 _MP = "tests/distributed/test_fully_shard_mixed_precision.py"
 _MP_OPTIONS = "tests/distributed/test_mixed_precision_options.py::test_mixed_precision_options"
@@ -79,6 +81,14 @@ _DIVERGENCE_TESTS = "tests/distributed/test_fully_shard_divergence.py"
 _REPLICATE_TESTS = "tests/distributed/test_replicate.py"
 _INIT_TESTS = "tests/distributed/test_fully_shard_init.py::test_init_options"
 _COMPOSE = "tests/distributed/test_compose.py::test_composition_matrix"
+_OPTIM = f"{PACKAGE}/optim.py"
+_MUON_SQUARE = "tests/distributed/test_muon.py::test_square_matrices_several_per_rank_match_torch_muon"
+_MUON_REFUSALS = ("tests/distributed/test_muon_agreement.py::"
+                  "test_refusal_on_one_rank_raises_on_every_rank_within_seconds")
+_OPTIM_SD = f"{PACKAGE}/_optim_state_dict.py"
+_LIGHTNING = f"{PACKAGE}/integrations/lightning.py"
+_TORCH_SD_API = "tests/distributed/test_torch_state_dict_api.py"
+_LIGHTNING_TESTS = "tests/distributed/test_lightning.py"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,8 +209,20 @@ MUTANTS: List[Mutant] = [
     _m("synced_grads_overwrite", "a synced backward overwrites .grad instead of accumulating",
        _FLAT, "old.add_(reduced)  # every .grad", "old.copy_(reduced)  # every .grad", f"{_METHODS}[2]"),
     _m("clip_inf_norm_summed", "clip_grad_norm_(norm_type=inf) sums the per-rank maxima",
-       _FULLY_SHARD, 'op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM',
-       "op = dist.ReduceOp.SUM", f"{_CLIP}[2]"),
+       _INTEROP, "op = dist.ReduceOp.SUM if not math.isinf(order) else dist.ReduceOp.MAX if order > 0 else "
+       "dist.ReduceOp.MIN", "op = dist.ReduceOp.SUM", f"{_CLIP}[2]", f"{_CLIP_MIX}_2"),
+    _m("clip_ancestor_handle_grads_whole", "clip_grad_norm_(model.blocks) counts the root handle's slices as whole",
+       _INTEROP, "tagged = [source if source is not None else _source_of(g) for g, source in zip(grads, sources)]",
+       "tagged = list(sources)", f"{_CLIP_MIX}_2"),
+    _m("clip_neg_inf_norm_maxed", "the -inf norm of a sharded gradient combines the ranks' minima with MAX",
+       _INTEROP, "dist.ReduceOp.MAX if order > 0 else dist.ReduceOp.MIN",
+       "dist.ReduceOp.MAX if order > 0 else dist.ReduceOp.MAX", f"{_CLIP_MIX}_2", f"{_CLIP_MIX}_4"),
+    _m("clip_no_shard_counted_per_rank", "clip_grad_norm_ sums a NO_SHARD gradient's norm over its replicas",
+       _FULLY_SHARD, "group = s.process_group if s.world_size > 1 else None",
+       "group = s.process_group if s.world_size > 1 else s.replicate_group", f"{_CLIP_MIX}_2"),
+    _m("clip_hybrid_over_replicate_group", "clip_grad_norm_ combines HYBRID shards over the replicate group",
+       _FULLY_SHARD, "group = s.process_group if s.world_size > 1 else None",
+       "group = (s.replicate_group or s.process_group) if s.world_size > 1 else None", f"{_CLIP_MIX}_4"),
     # ---------------------------------------------------------------- unshard_params write-back
     _m("writeback_direction_reversed", "unshard_params(writeback=True) copies the shard over the edits",
        _UNSHARD, "fp.data.copy_(item.full[start:start + fp.numel()])",
@@ -331,14 +353,30 @@ MUTANTS: List[Mutant] = [
        "for s in self._states(True):\n            s.reshard_after_backward", f"{_METHODS}[2]"),
     # ---------------------------------------------------------------- interoperability
     _m("torch_clip_sees_local_norm", "torch.nn.utils.clip_grad_norm_ clips each rank's slices by its own norm",
-       f"{PACKAGE}/_interop.py", "    return caller is not None and caller.f_globals.get(\"__name__\") == _CLIP_MODULE",
-       "    return False", "tests/distributed/test_interop.py::test_torch_clip_grad_norm_uses_the_global_norm[2]"),
+       _INTEROP, '        if current.f_globals.get("__name__") == _CLIP_MODULE:', "        if False:",
+       "tests/distributed/test_interop.py::test_torch_clip_grad_norm_uses_the_global_norm[2]"),
+    _m("torch_clip_frame_check_immediate_caller",
+       "torch's clip under a torch function mode (set_default_device, torch.device) sees each rank's own norm",
+       _INTEROP, "return below is None or _passes_on(below, func)", "return below is None", f"{_CLIP_MIX}_2"),
+    _m("torch_clip_frame_check_anywhere_on_stack",
+       "a norm taken inside a generator that torch's clip consumes (one rank logging) becomes collective",
+       _INTEROP, "return below is None or _passes_on(below, func)", "return True",
+       "tests/distributed/test_clip_grad_norm.py::test_norms_outside_torch_clipping_stay_local_under_modes"),
     _m("torch_clip_sums_norms_not_powers", "partial norms are summed instead of their p-th powers",
        f"{PACKAGE}/_interop.py", "    return norms if math.isinf(order) or order == 0 else norms.pow(order)",
        "    return norms", "tests/distributed/test_interop.py::test_torch_clip_grad_norm_uses_the_global_norm[2]"),
     _m("foreign_wrappers_allowed", "DistributedDataParallel around a sharded model broadcasts rank 0's slices",
-       f"{PACKAGE}/_interop.py", "    if wrapper is None:\n        return", "    if True:\n        return",
+       _INTEROP, "    if found is None:\n        return", "    if True:\n        return",
        "tests/distributed/test_interop.py::test_torch_data_parallel_wrappers_are_refused_at_construction"),
+    _m("torch_contract_apis_allowed", "torch's composable replicate on a sharded model is set up, its DDP broadcasts",
+       _INTEROP, "applied = _FOREIGN.get(_contract_api(frame)) if key == _CONTRACT else None", "applied = None",
+       "tests/distributed/test_interop.py::test_torch_data_parallel_wrappers_are_refused_at_construction"),
+    _m("torch_contract_entries_left", "a refused torch replicate/fully_shard leaves its registry in the module",
+       _INTEROP, "        _undo_contract_entries(contract)", "        pass",
+       "tests/distributed/test_interop.py::test_torch_data_parallel_wrappers_are_refused_at_construction"),
+    _m("torch_replicate_lazy_init_allowed", "torch's replicate applied before fully_shard broadcasts at the first forward",
+       _INTEROP, '            ("replicate", "init"): "torch\'s composable replicate",\n', "",
+       "tests/distributed/test_interop.py::test_torch_replicate_applied_before_fully_shard_is_refused_at_its_first_forward"),
     # ---------------------------------------------------------------- state dicts and loads
     _m("rank0_only_keeps_entries", "state_dict() under FullStateDictConfig(rank0_only=True) gives rank 1 buffers",
        f"{PACKAGE}/_state_dict.py", "            if config.rank0_only and rank_of() != 0:\n                del state_dict[key]",
@@ -357,6 +395,46 @@ MUTANTS: List[Mutant] = [
     _m("same_device_copy_refused", ".to('cpu:0') on the CPU raises instead of being a no-op",
        f"{PACKAGE}/_apply_guard.py", "    if copies_only:\n", "    if False:\n",
        "tests/distributed/test_interop.py::test_moves_to_the_shards_own_device_are_no_ops"),
+    # ---------------------------------------------------------------- Muon (composable_shard.optim)
+    _m("muon_zeroes_other_owned_matrices", "Muon zeroes a gathered group from its start to each owned matrix, "
+       "wiping the results of the rank's earlier owned matrices",
+       _OPTIM, "gathered[end:m.flat_start].zero_()", "gathered[:m.flat_start].zero_()", f"{_MUON_SQUARE}[2]"),
+    _m("muon_transposes_square_matrices", "Muon's Newton-Schulz transposes square matrices (other bfloat16 rounding)",
+       _OPTIM, "tall = matrix.shape[0] > matrix.shape[1]", "tall = matrix.shape[0] >= matrix.shape[1]",
+       f"{_MUON_SQUARE}[2]"),
+    _m("muon_refusals_raised_alone", "a Muon refused on one rank raises there only; the others build theirs",
+       _OPTIM, "return agreed(api, [group] if collective else None, prepare,", "return agreed(api, None, prepare,",
+       _MUON_REFUSALS),
+    _m("muon_refused_group_kept", "a param group refused on another rank stays added on the ranks that accepted it",
+       _OPTIM, "            del self.param_groups[count:]  # refused", "            pass  # refused", _MUON_REFUSALS),
+    # ---------------------------------------------------------------- torch's state-dict API, Lightning
+    _m("optim_state_dict_slices_plain", "optimizer.state_dict() shows sharded states as plain per-rank slices "
+       "(DCP keeps one rank's: the equal-shapes swap)",
+       _OPTIM_SD, "                    entries[name] = where.sharded(value.detach().reshape(-1))",
+       "                    entries[name] = value", f"{_TORCH_SD_API}::test_equal_shapes_resume_exactly"),
+    _m("torch_full_request_not_gathered", "torch's full_state_dict=True gets the optimizer's per-rank slices",
+       _OPTIM_SD, "    if request is not None and request.full_state_dict and members:",
+       "    if False and members:", f"{_TORCH_SD_API}::test_full_state_dicts_equal_fsdp2s"),
+    _m("torch_sharded_model_request_full", "torch's sharded request gathers the full model on every rank",
+       f"{PACKAGE}/_state_dict.py", "    return StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(request.cpu_offload)",
+       "    return StateDictType.FULL_STATE_DICT, FullStateDictConfig()",
+       f"{_TORCH_SD_API}::test_full_state_dicts_equal_fsdp2s"),
+    _m("optim_load_full_kept_whole", "optimizer.load_state_dict keeps a full-shaped state for a sharded parameter",
+       _OPTIM_SD, "    if isinstance(value, DTensor) or tuple(value.shape) == tuple(where.shape):",
+       "    if isinstance(value, DTensor):",
+       f"{_TORCH_SD_API}::test_resume_through_torch_api_at_another_world_size[torch:full-1-FULL_SHARD]"),
+    _m("extra_written_after_publishing", "save_checkpoint's extra lands outside the checksummed, published folder",
+       f"{PACKAGE}/_checkpoint_io.py", "(_write_extra(tmp, extra) or _publish(tmp, path))",
+       "(_publish(tmp, path) or _write_extra(path, extra))",
+       f"{_STATE_DICT_TESTS}::test_several_optimizers_and_extra_state"),
+    _m("lightning_accumulation_syncs", "ShardedStrategy reduces every accumulated micro-batch",
+       _LIGHTNING, "        with gradient_sync_off(self.model):\n            yield",
+       "        with contextlib.nullcontext():\n            yield",
+       f"{_LIGHTNING_TESTS}::test_trainer_matches_single_process_lightning_and_resumes"),
+    _m("lightning_model_parallel_saves", "Lightning's ModelParallelStrategy writes a checkpoint it cannot resume",
+       _INTEROP, '_LIGHTNING_MODEL_PARALLEL = ("lightning.pytorch.strategies.model_parallel", "lightning.fabric',
+       '_LIGHTNING_MODEL_PARALLEL = ("lightning.pytorch.strategies.model_parallel_", "lightning.fabric',
+       f"{_LIGHTNING_TESTS}::test_trainer_matches_single_process_lightning_and_resumes"),
 ]
 
 

@@ -54,7 +54,7 @@ import contextlib
 import importlib
 import os
 import shutil
-from typing import Any, Iterable, Iterator, Optional, Sequence, Tuple
+from typing import Any, Iterable, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -71,7 +71,8 @@ except ImportError as e:
         "composable_shard.integrations.transformers needs Hugging Face transformers and accelerate: "
         "pip install composable_shard[hf]") from e
 
-from .. import FSDPModule, ReplicateModule, clip_grad_norm_, get_model_state_dict, load_checkpoint, save_checkpoint
+from .. import clip_grad_norm_, get_model_state_dict, load_checkpoint, save_checkpoint
+from ._shared import gradient_sync_off, managed_modules
 
 __all__ = ["ShardedTrainer", "ShardedAccelerator", "export_process_group_env"]
 
@@ -85,7 +86,7 @@ _FOREIGN_ENGINES = ("DEEPSPEED", "FSDP", "MEGATRON_LM")
 
 def _is_managed(model: nn.Module) -> bool:
     """True if ``fully_shard`` or ``replicate`` manages ``model`` or a submodule of it."""
-    return any(isinstance(m, (FSDPModule, ReplicateModule)) for m in model.modules())
+    return bool(managed_modules(model))
 
 
 def export_process_group_env() -> None:
@@ -194,20 +195,8 @@ class ShardedAccelerator(accelerate.Accelerator):
             with super().no_sync(model):
                 yield
             return
-        managed = [m for m in model.modules() if isinstance(m, (FSDPModule, ReplicateModule))]
-        _set_gradient_sync(managed, False)
-        try:
+        with gradient_sync_off(model):
             yield
-        finally:
-            _set_gradient_sync(managed, True)
-
-
-def _set_gradient_sync(modules: Sequence[nn.Module], flag: bool) -> None:
-    for m in modules:
-        if isinstance(m, FSDPModule):
-            m.set_requires_gradient_sync(flag, recurse=False)
-        elif isinstance(m, ReplicateModule):
-            m.set_requires_gradient_sync(flag)
 
 
 def _unwrap_optimizer(optim: torch.optim.Optimizer) -> torch.optim.Optimizer:

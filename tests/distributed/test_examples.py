@@ -112,6 +112,19 @@ def _examples_on_two_ranks(root: str) -> None:
             assert result["reloaded_matches"] is True, result
             assert {"config.json", "model.safetensors"} <= set(os.listdir(os.path.join(out, "final")))
 
+    if importlib.util.find_spec("lightning") is not None:  # last: it tells Lightning about the harness's ranks
+        os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(dist.get_world_size()), NODE_RANK="0")
+        lightning_train = _example("lightning_train")  # ShardedStrategy: Trainer, ModelCheckpoint, resume
+        out = os.path.join(root, "lightning")
+        tiny = ["--steps-per-epoch", "3", "--width", "32", "--blocks", "2", "--seq", "32", "--batch", "4", "--lr", "1e-2",
+                "--out", out, *TEXT]
+        first = _quiet(lightning_train.main, tiny + ["--epochs", "2"])
+        _assert_falls(dict(enumerate(first["losses"])), "lightning_train", 0.3)
+        resumed = _quiet(lightning_train.main, tiny + ["--epochs", "3", "--resume"])
+        assert len(resumed["losses"]) == len(first["losses"]) // 2, (resumed["losses"], first["losses"])  # one epoch more
+        if rank == 0:
+            assert {"checksums.json", "extra.pt"} <= set(os.listdir(os.path.join(out, "last.ckpt")))
+
 
 def _runtime_bytes(model: nn.Module) -> Dict[str, int]:
     """Parameter and gradient bytes this rank holds: flat shards, replicated parameters, and

@@ -235,7 +235,7 @@ def _other_api_argument_errors() -> None:
         (("1.0",), TypeError, ("clip_grad_norm_", "max_norm", "number", "str")),
         ((1.0, "fro"), TypeError, ("clip_grad_norm_", "norm_type", "number", "str")),
         ((-1.0,), ValueError, ("max_norm", ">= 0")),
-        ((1.0, 0), ValueError, ("norm_type", "> 0")),
+        ((1.0, float("nan")), ValueError, ("clip_grad_norm_", "norm_type", "NaN")),  # 0, -inf, -1: as torch's
         ((float("nan"),), ValueError, ("max_norm", "NaN")),
     ]:
         _expect(lambda: clip_grad_norm_(model, *args), exc, *fragments)

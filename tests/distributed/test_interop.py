@@ -5,14 +5,18 @@ gradients] and [Note: Foreign wrappers] in ``_interop.py``).
 Without these: ``torch.nn.utils.clip_grad_norm_`` (what every framework loop calls) saw each
 rank's gradient slices only, so ranks clipped by different factors and their updates silently
 stopped being one model's; ``DistributedDataParallel`` around a sharded model broadcast rank 0's
-slices over rank 1's when their sizes happened to match; ``accelerate``'s ``.to("cpu:0")`` was
-refused although the shards already live there.
+slices over rank 1's when their sizes happened to match, and so did torch's composable
+``replicate`` at its first forward (its ``@contract`` traversal matched no listed frame); a
+refused FSDP2 ``fully_shard`` left torch's registry in the module; ``accelerate``'s
+``.to("cpu:0")`` was refused although the shards already live there.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import math
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -141,27 +145,102 @@ def _even_model() -> nn.Module:
     return fully_shard(model)
 
 
-def _wrappers() -> Dict[str, Callable[[nn.Module], Any]]:
+def _wrappers() -> Dict[str, Tuple[Callable[[nn.Module], nn.Module], Callable[[nn.Module], Any]]]:
+    """name -> (the module the wrapper is applied to, made from the managed one; the wrapper):
+    one or more per entry of ``_interop._FOREIGN`` (see :func:`_foreign_table_keys`)."""
+    from torch.distributed._composable.replicate import replicate as torch_replicate
+    from torch.distributed._composable.replicate_with_fsdp import replicate as replicate_with_fsdp
     from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard as torch_fully_shard
     from torch.nn.parallel import DistributedDataParallel
-    return {"DistributedDataParallel": DistributedDataParallel,
-            "DistributedDataParallel(parent)": lambda m: DistributedDataParallel(nn.Sequential(m)),
-            "FullyShardedDataParallel(parent)": lambda m: FullyShardedDataParallel(nn.Sequential(m)),
-            "torch fully_shard(parent)": lambda m: torch_fully_shard(nn.Sequential(m))}
+
+    def itself(m: nn.Module) -> nn.Module:
+        return m
+
+    def parent(m: nn.Module) -> nn.Module:
+        return nn.Sequential(m)
+
+    return {"DistributedDataParallel": (itself, DistributedDataParallel),
+            "DistributedDataParallel(parent)": (parent, DistributedDataParallel),
+            "FullyShardedDataParallel(parent)": (parent, FullyShardedDataParallel),
+            "torch fully_shard": (itself, torch_fully_shard),
+            "torch fully_shard(parent)": (parent, torch_fully_shard),
+            "torch replicate": (itself, torch_replicate),
+            "torch replicate(parent)": (parent, torch_replicate),
+            "replicate_with_fsdp": (itself, replicate_with_fsdp),
+            "replicate_with_fsdp(parent)": (parent, replicate_with_fsdp)}
+
+
+def _foreign_table_keys() -> Dict[Tuple[str, str], str]:
+    """The (module's last component, function name) of each torch wrapper entry point the
+    guard must know, read from the installed torch: exactly ``_interop._FOREIGN``'s keys, so a
+    torch that moved one, or an entry for an API torch no longer has, fails here. Values: the
+    wrapper case (or test) that exercises the entry."""
+    replicate_module = importlib.import_module("torch.distributed._composable.replicate")  # the package re-exports the function
+    from torch.distributed._composable.replicate_with_fsdp import replicate as replicate_with_fsdp
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard as torch_fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    def key(function: Any) -> Tuple[str, str]:
+        function = inspect.unwrap(function)
+        return (function.__module__.rsplit(".", 1)[-1], function.__code__.co_name)
+
+    return {key(DistributedDataParallel.__init__): "DistributedDataParallel",
+            key(FullyShardedDataParallel.__init__): "FullyShardedDataParallel(parent)",
+            key(torch_fully_shard): "torch fully_shard",
+            key(replicate_module.replicate): "torch replicate",
+            key(replicate_module._ReplicateState.init): "test_torch_replicate_applied_before_fully_shard_is_refused_at_its_first_forward",
+            key(replicate_with_fsdp): "replicate_with_fsdp"}
+
+
+def test_every_foreign_wrapper_entry_is_torchs_and_tested() -> None:
+    """Every entry of the guard's table names a function of the installed torch, each such
+    function has an entry, and each has a test: a table entry that matches nothing (FSDP1's
+    composable fully_shard, gone from torch) looks like protection and is none."""
+    from composable_shard._interop import _FOREIGN
+    keys = _foreign_table_keys()
+    assert set(keys) == set(_FOREIGN), (sorted(keys), sorted(_FOREIGN))
+    for entry, case in keys.items():
+        assert case in _wrappers() or case in globals(), (entry, case)
+
+
+def _dict_keys(modules: List[nn.Module]) -> List[List[str]]:
+    return [sorted(m.__dict__) for m in modules]
+
+
+def _raised_everywhere(raised: bool) -> None:
+    """Every rank raised (all-reduced, so a rank that did not makes every rank fail)."""
+    flag = torch.tensor([int(raised)])
+    dist.all_reduce(flag)
+    assert int(flag) == dist.get_world_size(), f"only {int(flag)} of {dist.get_world_size()} ranks raised"
+
+
+def _assert_refused(error: Optional[RuntimeError], wrapper: str, managed_by: str) -> None:
+    if error is None:
+        raise AssertionError(f"{wrapper} around a module managed by {managed_by} must raise on rank {dist.get_rank()}")
+    message = str(error)
+    assert "cannot wrap a module managed by" in message and managed_by in message, message
+    assert "composable_shard.integrations.transformers" in message and "Nothing was changed" in message, message
 
 
 def _wrapper_case(wrapper: str, managed_by: str) -> None:
-    """The wrapper raises at construction on every rank, naming the reason; every parameter's
-    object, storage and value are as before, and training goes on as local training would."""
+    """The wrapper raises when applied, on every rank, naming the reason; every parameter's
+    object, storage and value are as before, no module's ``__dict__`` gained or lost a key
+    (torch's @contract puts its registry and state in before it traverses), and training goes
+    on as local training would."""
     model = _even_model() if managed_by == "fully_shard" else replicate(nn.Sequential(nn.Linear(4, 4)))
+    make_target, wrap = _wrappers()[wrapper]
+    target = make_target(model)
+    modules = list(target.modules())
+    keys = _dict_keys(modules)
     before = [(n, p, p.untyped_storage().data_ptr(), p.detach().clone()) for n, p in model.named_parameters()]
+    error: Optional[RuntimeError] = None
     try:
-        _wrappers()[wrapper](model)
+        wrap(target)
     except RuntimeError as e:
-        assert "cannot wrap a module managed by" in str(e) and managed_by in str(e), e
-        assert "composable_shard.integrations.transformers" in str(e) and "Nothing was changed" in str(e), e
-    else:
-        raise AssertionError(f"{wrapper} around a module managed by {managed_by} must raise at construction")
+        error = e
+    _raised_everywhere(error is not None)
+    _assert_refused(error, wrapper, managed_by)
+    assert _dict_keys(modules) == keys, f"{wrapper}: module __dict__ keys changed on rank {dist.get_rank()}"
     after = list(model.named_parameters())
     for (n, p, ptr, value), (n2, p2) in zip_same(before, after, what=wrapper):
         assert n == n2 and p is p2 and p2.untyped_storage().data_ptr() == ptr, (wrapper, n)
@@ -173,7 +252,46 @@ def _wrapper_entry() -> None:
 
 
 def test_torch_data_parallel_wrappers_are_refused_at_construction() -> None:
+    """DDP, FSDP1, FSDP2's fully_shard, torch's composable replicate and replicate_with_fsdp,
+    on the managed module and on a plain parent of it. Before, torch's replicate passed (its
+    @contract wrapper traversed the module before any listed frame was on the stack) and set
+    up DDP at the first forward, whose broadcast overwrote rank 1's shards with rank 0's."""
     run_distributed(_wrapper_entry, 2, timeout=120)
+
+
+def _replicate_then_fully_shard(where: str) -> None:
+    """torch's composable replicate applied first (to the root, or to a plain parent of the
+    model), our fully_shard afterwards: the first forward, where torch's replicate would build
+    its DDP and broadcast rank 0's shards, raises on every rank; parameters and every
+    module's ``__dict__`` keys are as they were before that forward."""
+    from torch.distributed._composable.replicate import replicate as torch_replicate
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+    top = torch_replicate(model if where == "root" else nn.Sequential(model))
+    fully_shard(model[0])
+    fully_shard(model[1])
+    fully_shard(model)
+    modules = list(top.modules())
+    keys = _dict_keys(modules)
+    before = [(n, p.detach().clone()) for n, p in model.named_parameters()]
+    error: Optional[RuntimeError] = None
+    try:
+        top(torch.ones(2, 4))
+    except RuntimeError as e:
+        error = e
+    _raised_everywhere(error is not None)
+    _assert_refused(error, "torch's composable replicate", "fully_shard")
+    assert _dict_keys(modules) == keys, f"module __dict__ keys changed on rank {dist.get_rank()}"
+    for (n, value), (n2, p) in zip_same(before, list(model.named_parameters())):
+        assert n == n2 and torch.equal(p, value), f"{n} changed on rank {dist.get_rank()}"
+
+
+def _replicate_first_entry() -> None:
+    run_subtests(_replicate_then_fully_shard, {"where": ["root", "parent"]})
+
+
+def test_torch_replicate_applied_before_fully_shard_is_refused_at_its_first_forward() -> None:
+    run_distributed(_replicate_first_entry, 2, timeout=60)
 
 
 def test_moves_to_the_shards_own_device_are_no_ops() -> None:

@@ -19,11 +19,10 @@ loose from their flat shards so the optimizer updates storage the forward never 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
 import torch
@@ -33,7 +32,7 @@ import transformers  # the [hf] extra, which the README's test command installs
 
 from composable_shard import FSDPModule, ModuleWrapPolicy, ShardingStrategy, fully_shard, replicate, unshard_params
 from composable_shard._collectives import record_collectives
-from tests._harness import run_distributed, run_subtests
+from tests._harness import outcomes_through_files, run_distributed, run_subtests
 from tests._models import (VOCAB, WIDTH, Block, ParityModel, assert_losses_close, assert_params_close, batch,
                            distributed_training, local_rows, loss_fn, make_model, reference_training)
 
@@ -492,27 +491,8 @@ DEADLINE_S = 45.0  # a rank that has not returned from fully_shard by then waits
 SECONDS = 30.0
 
 
-def _outcomes(directory: str, outcome: Dict[str, object]) -> List[Dict[str, object]]:
-    """Every rank's outcome, exchanged through files (no collective: a rank stuck in one must
-    not be freed by it); raises if a rank has not written its own within DEADLINE_S."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, f".{rank}"), "w") as f:
-        json.dump(outcome, f)
-    os.replace(os.path.join(directory, f".{rank}"), os.path.join(directory, f"{rank}.json"))
-    paths = [os.path.join(directory, f"{r}.json") for r in range(world_size)]
-    deadline = time.monotonic() + DEADLINE_S
-    while not all(os.path.exists(p) for p in paths):
-        if time.monotonic() > deadline:
-            missing = [r for r, p in enumerate(paths) if not os.path.exists(p)]
-            raise AssertionError(f"ranks {missing} did not return from fully_shard within {DEADLINE_S} s of rank "
-                                 f"{rank}'s outcome {outcome}: they wait in a collective the refusing rank never joins")
-        time.sleep(0.02)
-    outcomes = []
-    for p in paths:
-        with open(p) as f:
-            outcomes.append(json.load(f))
-    return outcomes
+def _outcomes(directory: str, outcome: Dict[str, Any]) -> List[Dict[str, Any]]:
+    return outcomes_through_files(directory, outcome, DEADLINE_S, "fully_shard")
 
 
 def _refusing_setup(case: str) -> Tuple[nn.Module, Dict[str, object]]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import io
+import os
 import weakref
 from typing import Any, Callable, Dict, List, Tuple
 
@@ -21,6 +22,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict as torch_get_state_dict,
+                                                     set_model_state_dict as torch_set_model_state_dict,
+                                                     set_optimizer_state_dict as torch_set_optimizer_state_dict,
+                                                     set_state_dict as torch_set_state_dict)
 from torch.overrides import TorchFunctionMode
 
 from composable_shard import (FullStateDictConfig, MixedPrecision, ModuleWrapPolicy, ShardedSlice, ShardingStrategy,
@@ -280,16 +285,54 @@ def _checkpoint(model: nn.Module, optim: torch.optim.Optimizer) -> Dict[str, Any
     return {"model": get_model_state_dict(model, full=False), "optim": get_optimizer_state_dict(model, optim, full=False)}
 
 
+# torch's torch.distributed.checkpoint.state_dict options for the "torch:*" APIs (see test_torch_state_dict_api.py)
+TORCH_SAVES = {"torch:sharded": StateDictOptions(), "torch:sharded_offload": StateDictOptions(cpu_offload=True),
+               "torch:flat": StateDictOptions(flatten_optimizer_state_dict=True)}
+
+
+def _save_state(path: str, model: nn.Module, optim: torch.optim.Optimizer, api: str) -> None:
+    """Save through ``api``: plain DCP of our state dicts, ``save_checkpoint``, torch's state-dict
+    API with DCP (``TORCH_SAVES``), or torch's full state dict written by rank 0 (``torch:full``)."""
+    if api == "dcp":
+        dcp.save(_checkpoint(model, optim), checkpoint_id=f"{path}/ckpt")
+    elif api == "library":
+        save_checkpoint(f"{path}/ckpt", model, optim)
+    elif api == "torch:full":  # as Lightning's single-file save does
+        msd, osd = torch_get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if dist.get_rank() == 0:
+            torch.save({"model": msd, "optim": osd}, f"{path}/full.pt")
+    else:
+        msd, osd = torch_get_state_dict(model, optim, options=TORCH_SAVES[api])
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{path}/ckpt")
+
+
+def _load_state(path: str, model: nn.Module, optim: torch.optim.Optimizer, api: str) -> None:
+    """Load what :func:`_save_state` saved through ``api`` (``torch:full``: broadcast from rank 0)."""
+    if api == "dcp":
+        state = _checkpoint(model, optim)
+        dcp.load(state, checkpoint_id=f"{path}/ckpt")
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, optim, state["optim"])
+    elif api == "library":
+        load_checkpoint(f"{path}/ckpt", model, optim)
+    elif api == "torch:full":
+        full = torch.load(f"{path}/full.pt") if dist.get_rank() == 0 else {"model": {}, "optim": {}}
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        torch_set_model_state_dict(model, full["model"], options=options)
+        torch_set_optimizer_state_dict(model, optim, full["optim"], options=options)
+    else:
+        msd, osd = torch_get_state_dict(model, optim, options=TORCH_SAVES[api])
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=f"{path}/ckpt")
+        torch_set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd, options=TORCH_SAVES[api])
+
+
 def _save_run(path: str, layout: str, api: str) -> None:
-    """2 steps, a sharded save (plain DCP, or the library's save_checkpoint), 3 more steps;
-    rank 0 records the last 3 losses and the final full model and optimizer state."""
+    """2 steps, a save through ``api`` (see :func:`_save_state`), 3 more steps; rank 0 records
+    the last 3 losses and the final full model and optimizer state."""
     model = _build(layout, seed=0)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     _train(model, optim, range(2))
-    if api == "dcp":
-        dcp.save(_checkpoint(model, optim), checkpoint_id=f"{path}/ckpt")
-    else:
-        save_checkpoint(f"{path}/ckpt", model, optim)
+    _save_state(path, model, optim, api)
     losses = _train(model, optim, range(2, 5))
     final = {"losses": losses, "model": get_model_state_dict(model, rank0_only=True),
              "optim": get_optimizer_state_dict(model, optim, rank0_only=True)}
@@ -302,13 +345,7 @@ def _resume_run(path: str, layout: str, api: str) -> None:
     the same 3 steps: the uninterrupted run's losses, parameters and optimizer state."""
     model = _build(layout, seed=5)
     optim = torch.optim.AdamW(model.parameters(), lr=0.5, weight_decay=0.0)  # hyper-parameters come from the checkpoint
-    if api == "dcp":
-        state = _checkpoint(model, optim)
-        dcp.load(state, checkpoint_id=f"{path}/ckpt")
-        set_model_state_dict(model, state["model"])
-        set_optimizer_state_dict(model, optim, state["optim"])
-    else:
-        load_checkpoint(f"{path}/ckpt", model, optim)
+    _load_state(path, model, optim, api)
     assert optim.param_groups[0]["lr"] == 1e-2 and optim.param_groups[0]["weight_decay"] == 0.1
     losses = _train(model, optim, range(2, 5))
     expected = torch.load(f"{path}/uninterrupted.pt")
@@ -353,6 +390,95 @@ def test_resume_mixed_compositions(tmp_path: Any, saved: str, world_size: int, r
     run's."""
     run_distributed(_save_run, 2, str(tmp_path), saved, api)
     run_distributed(_resume_run, world_size, str(tmp_path), resumed, api)
+
+
+# ---------------------------------------------------------------------------- several optimizers, extra state
+def _two_optimizers(model: nn.Module) -> Tuple[torch.optim.Optimizer, torch.optim.Optimizer, Any]:
+    """AdamW on the blocks, SGD with momentum (and a step-decay schedule) on the rest."""
+    blocks = [p for n, p in model.named_parameters() if n.startswith("blocks.")]
+    rest = [p for n, p in model.named_parameters() if not n.startswith("blocks.") and p.requires_grad]
+    adamw = torch.optim.AdamW(blocks, lr=1e-2, weight_decay=0.1)
+    sgd = torch.optim.SGD(rest, lr=0.05, momentum=0.9)
+    return adamw, sgd, torch.optim.lr_scheduler.StepLR(sgd, step_size=1, gamma=0.5)
+
+
+def _train_two(model: nn.Module, optims: Tuple[Any, ...], steps: range) -> List[float]:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rows = GLOBAL_ROWS // world_size
+    losses = []
+    for step in steps:
+        inputs, targets = _global_batch(step)
+        loss = loss_fn(model(inputs[rank * rows:(rank + 1) * rows]), targets[rank * rows:(rank + 1) * rows])
+        loss.backward()
+        optims[0].step()
+        optims[1].step()
+        optims[2].step()
+        optims[0].zero_grad()
+        optims[1].zero_grad()
+        losses.append(global_mean(loss))
+    return losses
+
+
+def _save_two(path: str) -> None:
+    model = _build("FULL_SHARD", seed=0)
+    optims = _two_optimizers(model)
+    _train_two(model, optims, range(2))
+    save_checkpoint(f"{path}/ckpt", model, [optims[0], optims[1]], extra={"step": 2, "sched": optims[2].state_dict()})
+    with pytest.raises(RuntimeError, match="could not write extra"):  # refused on every rank, nothing published
+        save_checkpoint(f"{path}/bad", model, optims[0], extra={"fn": lambda: 0})
+    assert not os.path.exists(f"{path}/bad")
+    losses = _train_two(model, optims, range(2, 5))
+    final = get_model_state_dict(model, rank0_only=True)
+    if dist.get_rank() == 0:
+        torch.save({"losses": losses, "model": final}, f"{path}/uninterrupted.pt")
+
+
+def _resume_two(path: str) -> None:
+    model = _build("FULL_SHARD", seed=5)
+    optims = _two_optimizers(model)
+    before = get_model_state_dict(model)
+    with pytest.raises(ValueError, match="holds the state of 2 optimizer"):  # one of two: refused, nothing loaded
+        load_checkpoint(f"{path}/ckpt", model, optims[0])
+    _assert_state_dicts_equal(get_model_state_dict(model), before, "after a refused load")
+    extra = load_checkpoint(f"{path}/ckpt", model, [optims[0], optims[1]])
+    assert extra is not None and extra["step"] == 2, extra
+    optims[2].load_state_dict(extra["sched"])
+    assert optims[1].param_groups[0]["lr"] == 0.05 * 0.5 ** 2 and optims[1].state, optims[1].param_groups[0]
+    expected = torch.load(f"{path}/uninterrupted.pt")
+    torch.testing.assert_close(_train_two(model, optims, range(2, 5)), expected["losses"], atol=1e-5, rtol=0)
+    _assert_state_dicts_equal(get_model_state_dict(model), expected["model"], "resumed model", atol=1e-5)
+
+
+def test_several_optimizers_and_extra_state(tmp_path: Any) -> None:
+    """save_checkpoint/load_checkpoint of a model with two optimizers (AdamW on the blocks, SGD
+    with momentum and an LR schedule on the rest) and ``extra`` state (the step, the
+    scheduler): saved at 2 ranks, resumed at 4, the uninterrupted run's losses and parameters.
+    Without it a second optimizer's moments (e.g. Muon with AdamW) had no checkpoint at all, and
+    a loop's own state lived outside the checked, atomic directory."""
+    run_distributed(_save_two, 2, str(tmp_path))
+    run_distributed(_resume_two, 4, str(tmp_path))
+
+
+class _Opaque:
+    """Not among the types ``torch.load(weights_only=True)`` rebuilds."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+def _extra_weights_only(path: str) -> None:
+    model = _build("FULL_SHARD", seed=0)
+    save_checkpoint(f"{path}/ckpt", model, extra={"opaque": _Opaque(3)})
+    with pytest.raises(RuntimeError, match=r"extra\.pt: refused to unpickle it with weights_only=True \(.*_Opaque"):
+        load_checkpoint(f"{path}/ckpt", model)
+    with torch.serialization.safe_globals([_Opaque]):  # the user vouches for the class
+        assert load_checkpoint(f"{path}/ckpt", model)["opaque"].value == 3  # type: ignore[index]
+
+
+def test_extra_state_is_read_weights_only(tmp_path: Any) -> None:
+    """``extra`` is unpickled with ``weights_only=True``: a class torch does not rebuild raises,
+    naming the file and the class, unless the caller allows it (``safe_globals``)."""
+    run_distributed(_extra_weights_only, 2, str(tmp_path))
 
 
 # ---------------------------------------------------------------------------- strict loading

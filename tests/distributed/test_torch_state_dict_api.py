@@ -1,0 +1,231 @@
+"""torch's ``torch.distributed.checkpoint.state_dict`` API (what Lightning, Fabric, torchtitan and
+DCP's recipes call), DCP's ``Stateful`` protocol and ``dcp.save({"optim": optim.state_dict()})``
+on models this library manages, with torch's FSDP2 in the same scripts as the reference.
+
+Without these: torch's functions saw each rank's 1-D slice of the optimizer state under the full
+name; DCP kept one rank's slice per key, so a checkpoint held a partial optimizer state, and
+where every rank's slices had equal shapes a resume silently loaded rank 0's AdamW moments into
+every rank (a resumed run drifting from the uninterrupted one with nothing raised). A full state
+dict (``full_state_dict=True``) must be gathered (torch gathers only DTensors), and a sharded
+one must not materialise the full model on any rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Tuple
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict as torch_get_model,
+                                                     get_state_dict as torch_get_state_dict,
+                                                     set_model_state_dict as torch_set_model,
+                                                     set_state_dict as torch_set_state_dict)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from composable_shard import (ShardedSlice, fully_shard, get_model_state_dict, get_optimizer_state_dict,
+                              unshard_params)
+from tests._harness import run_distributed, run_subtests
+from tests.distributed.test_state_dict import _assert_state_dicts_equal, _build, _resume_run, _save_run, _train
+
+# ---------------------------------------------------------------------------- the equal-shapes swap
+WIDTH = 8
+
+
+def _equal_slices_model(seed: int) -> nn.Sequential:
+    """Two bias-free 8x8 linears, each its own handle: at W = 2 every rank holds 32 elements of
+    each, so a state dict keyed by name has the same shapes on both ranks (the case where DCP
+    loaded rank 0's slices into rank 1 without an error)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH, bias=False), nn.Tanh(), nn.Linear(WIDTH, WIDTH, bias=False))
+
+
+def _shard_equal(model: nn.Sequential, api: str) -> nn.Sequential:
+    if api == "ours":
+        fully_shard(model[0])
+        fully_shard(model[2])
+        fully_shard(model)
+    else:
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+        torch_fully_shard(model[0])
+        torch_fully_shard(model[2])
+        torch_fully_shard(model)
+    return model
+
+
+def _equal_steps(model: nn.Module, optim: torch.optim.Optimizer, steps: range) -> List[float]:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in steps:
+        g = torch.Generator().manual_seed(300 + step)
+        x = torch.randn(4, WIDTH, generator=g)
+        rows = 4 // world_size
+        loss = model(x[rank * rows:(rank + 1) * rows]).pow(2).mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world_size)
+    return losses
+
+
+def _full_of(model: nn.Module, api: str) -> Dict[str, torch.Tensor]:
+    if api == "ours":
+        with unshard_params(model, writeback=False):
+            return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+
+def _resume_through_torch_api(path: str, api: str, saver: str) -> Tuple[List[float], List[float], Dict[str, torch.Tensor]]:
+    """2 steps, save through torch's API (``saver``), 3 more steps (the uninterrupted run); a
+    differently initialised model and a fresh optimizer load the checkpoint the same way and
+    take the same 3 steps. Returns both runs' last 3 losses and the resumed parameters."""
+    model = _shard_equal(_equal_slices_model(0), api)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.05)
+    _equal_steps(model, optim, range(2))
+    if saver == "get_state_dict":
+        msd, osd = torch_get_state_dict(model, optim)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    elif saver == "stateful":  # DCP's recipe: an app state calling torch's functions
+        dcp.save({"app": _AppState(model, optim)}, checkpoint_id=path)
+    else:  # the plain optimizer state dict, straight into DCP
+        dcp.save({"model": torch_get_model(model), "optim": optim.state_dict()}, checkpoint_id=path)
+    uninterrupted = _equal_steps(model, optim, range(2, 5))
+    resumed_model = _shard_equal(_equal_slices_model(7), api)
+    resumed_optim = torch.optim.AdamW(resumed_model.parameters(), lr=0.05)
+    if saver == "get_state_dict":
+        msd, osd = torch_get_state_dict(resumed_model, resumed_optim)
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+        torch_set_state_dict(resumed_model, resumed_optim, model_state_dict=msd, optim_state_dict=osd)
+    elif saver == "stateful":
+        dcp.load({"app": _AppState(resumed_model, resumed_optim)}, checkpoint_id=path)
+    else:
+        _equal_steps(resumed_model, resumed_optim, range(7, 8))  # a fresh optimizer's state_dict() has no state to load into
+        state = {"model": torch_get_model(resumed_model), "optim": resumed_optim.state_dict()}
+        dcp.load(state, checkpoint_id=path)
+        torch_set_model(resumed_model, state["model"])
+        resumed_optim.load_state_dict(state["optim"])
+    resumed = _equal_steps(resumed_model, resumed_optim, range(2, 5))
+    return uninterrupted, resumed, _full_of(resumed_model, api)
+
+
+class _AppState(Stateful):
+    """torch's distributed-checkpoint recipe: the model and optimizer through torch's functions."""
+
+    def __init__(self, model: nn.Module, optim: torch.optim.Optimizer) -> None:
+        self.model, self.optim = model, optim
+
+    def state_dict(self) -> Dict[str, Any]:
+        msd, osd = torch_get_state_dict(self.model, self.optim)
+        return {"model": msd, "optim": osd}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        torch_set_state_dict(self.model, self.optim, model_state_dict=state_dict["model"],
+                             optim_state_dict=state_dict["optim"])
+
+
+def _equal_shapes_swap(path: str) -> None:
+    for saver in ("get_state_dict", "stateful", "optim.state_dict"):
+        theirs = _resume_through_torch_api(f"{path}/fsdp2-{saver}", "fsdp2", saver) if saver != "optim.state_dict" else None
+        mine = _resume_through_torch_api(f"{path}/ours-{saver}", "ours", saver)
+        uninterrupted, resumed, params = mine
+        # A swapped or partial optimizer state moves the resumed losses by ~1e-2 (measured 0.0088
+        # on the issue's model); float32 resumes to the last bit: atol 1e-6 leaves 4 orders.
+        torch.testing.assert_close(resumed, uninterrupted, atol=1e-6, rtol=0, msg=lambda m: f"{saver}: {m}")
+        if theirs is not None:  # FSDP2 on the same script: the same numbers
+            torch.testing.assert_close(resumed, theirs[1], atol=1e-5, rtol=0, msg=lambda m: f"{saver} vs FSDP2: {m}")
+            _assert_state_dicts_equal(params, theirs[2], f"{saver}: parameters vs FSDP2's", atol=1e-5)
+
+
+def test_equal_shapes_resume_exactly(tmp_path: Any) -> None:
+    """The swap of issue 42: saved and resumed through torch's get_state_dict/set_state_dict,
+    DCP's Stateful recipe and ``dcp.save({"optim": optim.state_dict()})``, the resumed run
+    takes the uninterrupted run's steps exactly, as FSDP2's does."""
+    run_distributed(_equal_shapes_swap, 2, str(tmp_path))
+
+
+# ---------------------------------------------------------------------------- full and sharded, other world sizes
+def _options(full: bool, cpu_offload: bool, **extra: Any) -> StateDictOptions:
+    return StateDictOptions(full_state_dict=full, cpu_offload=cpu_offload, **extra)
+
+
+def _fsdp2_model(seed: int) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from tests._models import make_model
+
+    model = make_model(seed)
+    for block in model.blocks:
+        torch_fully_shard(block)
+    torch_fully_shard(model)
+    return model
+
+
+def _full_like_fsdp2() -> None:
+    """torch's full state dicts of our model equal FSDP2's (an independent implementation)
+    after the same training, for each layout; sharded ones are ShardedSlice views and never a
+    full parameter; both load back into a fresh model exactly."""
+    theirs = _fsdp2_model(0)
+    their_optim = torch.optim.AdamW(theirs.parameters(), lr=1e-2, weight_decay=0.1)
+    _train(theirs, their_optim, range(2))
+
+    def check(layout: str, full: bool, cpu_offload: bool) -> None:
+        model = _build(layout, seed=0)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        _train(model, optim, range(2))
+        options = _options(full, cpu_offload)
+        msd, osd = torch_get_state_dict(model, optim, options=options)
+        if not full:  # sharded: this rank's elements only, for every managed parameter and its moments
+            held = sum(v.local.numel() for v in msd.values() if isinstance(v, ShardedSlice))
+            total = sum(v.numel() for v in msd.values() if isinstance(v, ShardedSlice))
+            assert total > 0 and (held < total) == (layout != "NO_SHARD"), (layout, held, total)
+            for fqn, entries in osd["state"].items():  # each moment: the parameter's elements on this rank
+                param = msd[fqn]
+                moment = entries["exp_avg"]
+                if isinstance(param, ShardedSlice):
+                    assert isinstance(moment, ShardedSlice) and moment.shape == param.shape, (fqn, moment)
+                    assert (moment.start, moment.end) == (param.start, param.end), (fqn, moment, param)
+                else:
+                    assert type(moment) is torch.Tensor and moment.shape == param.shape, (fqn, moment)
+            msd = get_model_state_dict(model)  # compare values through our own gather
+            osd_full = get_optimizer_state_dict(model, optim)
+            expected_msd, expected_osd = torch_get_state_dict(theirs, their_optim, options=_options(True, False))
+        else:
+            osd_full = osd
+            expected_msd, expected_osd = torch_get_state_dict(theirs, their_optim, options=options)
+        if cpu_offload and full and dist.get_rank() != 0:
+            assert msd == {} and osd == {}, (list(msd), list(osd))
+            return
+        _assert_state_dicts_equal(msd, expected_msd, f"{layout}: model", atol=1e-5)
+        assert list(osd_full["state"]) == list(expected_osd["state"])
+        for fqn, entries in expected_osd["state"].items():
+            for name, value in entries.items():
+                got = osd_full["state"][fqn][name]
+                assert not isinstance(got, ShardedSlice) and got.shape == value.shape, (fqn, name, type(got))
+                if cpu_offload:
+                    assert got.device.type == "cpu"
+                torch.testing.assert_close(got, value, atol=1e-5, rtol=0, msg=lambda m: f"{layout} {fqn}.{name}: {m}")
+
+    run_subtests(check, {"layout": ["FULL_SHARD", "NO_SHARD", "replicated_block"], "full": [True, False],
+                         "cpu_offload": [False, True]})
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_full_state_dicts_equal_fsdp2s(world_size: int) -> None:
+    run_distributed(_full_like_fsdp2, world_size)
+
+
+@pytest.mark.parametrize("how,world_size,layout", [
+    ("torch:sharded", 4, "FULL_SHARD"), ("torch:sharded_offload", 1, "plain"), ("torch:flat", 2, "replicated_block"),
+    ("torch:full", 4, "HYBRID_SHARD"), ("torch:full", 1, "FULL_SHARD")])
+def test_resume_through_torch_api_at_another_world_size(tmp_path: Any, how: str, world_size: int, layout: str) -> None:
+    """Saved at 2 ranks (FULL_SHARD) through torch's get_state_dict, sharded (DCP), flattened
+    optimizer state, or full on rank 0; resumed through torch's set_state_dict (a full one
+    broadcast from rank 0) at 4, 2 and 1 ranks into other layouts: the uninterrupted run's
+    losses, parameters and optimizer state."""
+    run_distributed(_save_run, 2, str(tmp_path), "FULL_SHARD", how)
+    run_distributed(_resume_run, world_size, str(tmp_path), layout, how)
