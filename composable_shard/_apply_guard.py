@@ -26,10 +26,10 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from ._flat_param import set_grad_of_any_shape
+from ._flat_param import set_grad_of_any_shape, take_pending_init_values
 from ._torch_compat import GuardedApplyHook, set_module_tensor
 
-__all__ = ["guard_apply", "applying_during_init", "GuardedApply", "same_view"]
+__all__ = ["guard_apply", "applying_during_init", "in_init", "GuardedApply", "same_view"]
 
 _depth = {"init": 0, "apply": 0}  # fully_shard's init calls in progress; guarded _apply calls in progress
 
@@ -43,6 +43,11 @@ def applying_during_init() -> Iterator[None]:
         yield
     finally:
         _depth["init"] -= 1
+
+
+def in_init() -> bool:
+    """Is fully_shard's initialization running user init code (see :func:`applying_during_init`)?"""
+    return _depth["init"] > 0
 
 
 class GuardedApply(GuardedApplyHook):
@@ -66,6 +71,7 @@ def guard_apply(module: nn.Module, apply: Callable[[], nn.Module]) -> nn.Module:
     ``.data``, ``.grad``) and buffer of the subtree back and raise, with the owner's advice."""
     if _depth["init"] or _depth["apply"]:  # init, or inside an outer guarded call
         return apply()
+    take_pending_init_values()  # see [Note: Initialization after to_empty] in _flat_param.py
     owners: Dict[int, Any] = {id(p): m for m in module.modules() if hasattr(m, "_guarded_params")
                               for p in getattr(m, "_guarded_params")()}
     if not owners:

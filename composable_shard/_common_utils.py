@@ -140,7 +140,11 @@ class _FSDPState(_State):
 
     def __init__(self) -> None:
         # -- configuration (set once by fully_shard) --
-        self.module: Optional[nn.Module] = None  # the fully sharded module this state belongs to
+        self.module: Optional[nn.Module] = None  # the fully sharded module this state belongs to (a ModuleGroup for a list)
+        self.awaiting_init: bool = False  # sharded on the meta device: uninitialized until to_empty (FSDP2's flow)
+        self.members: Optional[List[nn.Module]] = None  # fully_shard([...]): the listed modules, one handle for all
+        self.group_pending: Set[int] = set()  # members: id() of those whose forward has not run in this round
+        self.group_depth: int = 0  # members: forwards of members running (one inside another counts once)
         self.fqn: str = ""  # its FQN relative to the module fully_shard was called on
         self.process_group = None  # shard group, held weakly (see WeakGroup)
         self.replicate_group = None  # HYBRID: group across replicas, held weakly
@@ -160,6 +164,11 @@ class _FSDPState(_State):
         # -- per-module switches (FSDPModule methods) --
         self.sync_gradients: bool = True  # False: accumulate unsharded grads, no communication
         self.reshard_after_backward: bool = True  # False: keep parameters unsharded after backward
+        self.reshard_after_forward: bool = True  # False: keep them from forward to backward (set from the strategy)
+        self.gradient_divide_factor: Optional[float] = None  # None: divide reduced gradients by dp_world_size
+        self.forward_prefetch_states: Optional[List["_FSDPState"]] = None  # explicit forward prefetch (None: next in order)
+        self.backward_prefetch_states: Optional[List["_FSDPState"]] = None  # explicit backward prefetch (None: previous)
+        self.is_last_backward: bool = True  # FSDP2's hint; every backward here finishes its reductions
         self.state_dict_type: StateDictType = StateDictType.FULL_STATE_DICT  # set by state_dict_type(...)
         self.state_dict_config: Any = None  # its Full/ShardedStateDictConfig (None: the type's defaults)
         # -- runtime --
@@ -189,6 +198,12 @@ class _FSDPState(_State):
         if self._ctx is None:
             raise AssertionError(f"[rank {self.rank}] {self.describe()} is not a root (or before lazy init)")
         return self._ctx
+
+    @property
+    def gradient_divisor(self) -> float:
+        """What reduced gradients are divided by: the data-parallel world size (an average),
+        or what ``set_gradient_divide_factor`` set (1.0: a sum)."""
+        return float(self.dp_world_size) if self.gradient_divide_factor is None else self.gradient_divide_factor
 
     # Convenience for error messages.
     def describe(self) -> str:

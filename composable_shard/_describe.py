@@ -251,10 +251,14 @@ def _runtime_handles(model: nn.Module) -> Dict[int, _HandleInfo]:
     """id(fully sharded module) -> its handle as built."""
     states: List[Tuple[str, nn.Module, _FSDPState]] = []
     seen: Set[int] = set()
+    names = {id(m): fqn for fqn, m in model.named_modules()}
     for fqn, m in model.named_modules():
         state = _get_module_state(m, _FSDPState)
-        if state is not None and state.module is m and id(state) not in seen:
+        owner = state is not None and (state.module is m or (state.members is not None and state.members[0] is m))
+        if state is not None and owner and id(state) not in seen:  # a group of modules: one row, its members named
             seen.add(id(state))
+            if state.members is not None:
+                fqn = "+".join(names.get(id(member), "?") for member in state.members)
             states.append((fqn, m, state))
     out: Dict[int, _HandleInfo] = {}
     for fqn, m, state in states:

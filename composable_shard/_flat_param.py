@@ -94,7 +94,7 @@ from ._streams import Streams
 from ._torch_compat import has_grad_hooks, is_view_of, set_module_tensor, tensor_version
 
 __all__ = ["FlatParameter", "FlatParamHandle", "HandleTrainingState", "TRANSITIONS", "ParamInfo", "SharedParamInfo", "FlatGroup", "set_grad_of_any_shape",
-           "plan_groups", "compute_dtype_of", "reduce_dtype_of"]
+           "plan_groups", "compute_dtype_of", "reduce_dtype_of", "take_pending_init_values"]
 
 
 class HandleTrainingState(enum.Enum):
@@ -151,7 +151,12 @@ class _Owner(Protocol):
     replicate_group: Optional[dist.ProcessGroup]  # HYBRID: across replicas
     rank: int
     world_size: int  # shard group size
-    dp_world_size: int  # gradient divisor
+    dp_world_size: int  # data-parallel world size
+
+    @property
+    def gradient_divisor(self) -> float:  # what reduced gradients are divided by (dp_world_size unless set otherwise)
+        ...
+
     mixed_precision: Any  # Optional[MixedPrecision]
     streams: Optional[Streams]
     sync_gradients: bool
@@ -399,10 +404,13 @@ class FlatParamHandle:
         self.post_forward_index: Optional[int] = None  # position in the root's post-forward order
         self.index: int = -1  # position in the root's handles (set at lazy init; names it across ranks)
         self.prefetched_for_forward: bool = False  # gathered by forward prefetch, its forward not run yet
+        self.prefetched_in_backward_by: Optional["FlatParamHandle"] = None  # this backward's prefetch source
+        self.backward_prefetch_wasted: bool = False  # its backward prefetch once gathered a handle that never ran
         self.recomputes_in_backward: bool = False  # its forward runs again in backward (activation checkpointing)
         self.states_before_recompute: List[HandleTrainingState] = []  # pushed per recomputed forward in progress
         self.state: Optional[_Owner] = None  # the owning module's runtime state (set by fully_shard)
         self.keep_low_precision_grads: bool = False  # .grad in the compute dtype (see _mixed_precision.py)
+        self.init_buffers: Optional[List[torch.Tensor]] = None  # after to_empty: full buffers being initialized
         self._build(params, module, module_fqn, param_dtype, tuple(full_precision_classes))
         # The steps of the optimizers holding its parameters (not another model's): see is_stale.
         self.optimizer_steps: _watch.OptimizerSteps = _watch.OptimizerSteps(
@@ -472,6 +480,46 @@ class FlatParamHandle:
         if tensor.device == self.compute_device:
             return tensor
         return tensor.to(self.compute_device, non_blocking=True)
+
+    # ------------------------------------------------------------------ initialization after to_empty
+    def expose_for_init(self) -> None:
+        """[Note: Initialization after to_empty]  FSDP2's documented flow builds the model on the
+        meta device, shards it, then calls ``model.to_empty(device=...)`` and the model's own
+        initialization (``init_weights()``, ``reset_parameters()``), which writes the original
+        parameters in place, each whole. So ``to_empty`` makes each original parameter a
+        full-shape view of a temporary full flat buffer per group (the shard's dtype and device,
+        uninitialized), and the initialization writes whole parameters, on every rank the same
+        values as an unsharded model's with the same seed. The next use of the model (its
+        forward, a state dict, ``unshard_params``, a cast, an FSDPModule method) first takes
+        each rank's chunk of the buffers into its shards, points the parameters back at their
+        slices and drops the buffers (:func:`take_pending_init_values`): no collective. Between
+        the two the handle holds its full parameters once per rank (what the unsharded init
+        writes); the same parameter objects are seen throughout, so an optimizer built in
+        between holds the right ones."""
+        if self.init_buffers is not None:
+            return
+        buffers = []
+        for group in self.groups:
+            fp = group.flat_param
+            full = torch.empty(group.padded_numel, dtype=fp.dtype, device=fp.device)
+            pieces = torch.split(full, group.split_sizes)
+            for p, piece, shape in zip(group.orig_params, pieces, fp._shapes):
+                p.data = piece.view(shape)
+            buffers.append(full)
+        self.init_buffers = buffers
+        _PENDING_INIT.add(self)
+
+    def take_init_values(self) -> None:
+        """This rank's chunk of what the initialization wrote into the shards; parameters back
+        to their slices (see [Note: Initialization after to_empty])."""
+        if self.init_buffers is None:
+            return
+        with torch.no_grad():
+            for group, full in zip(self.groups, self.init_buffers):
+                group.flat_param.data.copy_(full.view(self.world_size, -1)[self.rank])
+                self._point_params_at_shard(group)
+        self.init_buffers = None
+        _PENDING_INIT.discard(self)
 
     def _point_params_at_shard(self, group: FlatGroup) -> None:
         """Make each original parameter's data its (1-D) slice of the shard."""
@@ -839,6 +887,19 @@ class FlatParamHandle:
         return f"FlatParamHandle({self.fqn or '<root>'}, groups={len(self.groups)}, state={self.training_state.name})"
 
 
+# Handles whose full parameters an initialization after ``to_empty`` is writing (see [Note:
+# Initialization after to_empty]); usually empty, so checking it costs nothing per step.
+_PENDING_INIT: "weakref.WeakSet[FlatParamHandle]" = weakref.WeakSet()
+
+
+def take_pending_init_values() -> None:
+    """Before any use of a model: finish every initialization after ``to_empty`` (per process:
+    handles of any model; no collective)."""
+    if _PENDING_INIT:
+        for handle in list(_PENDING_INIT):
+            handle.take_init_values()
+
+
 # ---------------------------------------------------------------------------- reductions
 # [Note: Reductions in flight]  A handle's post-backward issues its reduce-scatter and returns;
 # the next handle's backward computes while it runs. Its input, the unsharded gradient, is the
@@ -884,8 +945,8 @@ class Reduction:
         streams = handle_streams(state, self.handle.compute_device)
         if grad.dtype != self.reduce_dtype:
             grad = grad.to(self.reduce_dtype)
-        if self.reduce_dtype not in (torch.float32, torch.float64):
-            grad.div_(state.dp_world_size)  # pre-divide low precision to avoid overflow
+        if self.reduce_dtype not in (torch.float32, torch.float64) and state.gradient_divisor != 1:
+            grad.div_(state.gradient_divisor)  # pre-divide low precision to avoid overflow
         self.unsharded_grad = grad
         output = torch.empty(grad.numel() // state.world_size, dtype=grad.dtype, device=grad.device) \
             if state.world_size > 1 else grad  # allocated on the compute stream, which frees it
@@ -927,8 +988,8 @@ class Reduction:
         Streams.wait(self.event)
         self.unsharded_grad = None
         self.pending = None
-        if self.reduce_dtype in (torch.float32, torch.float64) and self.state.dp_world_size > 1:
-            output.div_(self.state.dp_world_size)
+        if self.reduce_dtype in (torch.float32, torch.float64) and self.state.gradient_divisor != 1:
+            output.div_(self.state.gradient_divisor)
         self.handle.accumulate_sharded_grad(self.group, output)
         self.stage = DONE
 

@@ -86,6 +86,7 @@ from .wrap import _as_policy
 __all__ = ["Plan", "plan_fully_shard", "plan_agreed", "apply_plan", "resolve_groups"]
 
 _HYBRID = {ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2}
+_FREES_AFTER_FORWARD = {ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD}  # the others keep until backward
 _CONFIG_KEYS = ("strategy", "mixed_precision", "cpu_offload", "forward_prefetch", "backward_prefetch", "limit_all_gathers")
 
 # Every module a fully_shard call made a fully sharded module, held weakly (see [Note: Shared parameters]).
@@ -122,6 +123,7 @@ class Plan:
     param_init_fn: Optional[Callable[[nn.Module], None]]
     sync_module_states: bool
     device_id: Optional[torch.device]
+    deferred: bool = False  # sharded on the meta device, initialized after to_empty (see [Note: Meta materialization])
 
     @property
     def strategies(self) -> List[ShardingStrategy]:
@@ -146,8 +148,14 @@ def plan_fully_shard(root: nn.Module, kwargs: Dict[str, Any]) -> Plan:
                           {id(p) for target in plan.targets for p in target.params},
                           "a flat parameter can neither hold nor reduce")
     _check_not_inside_initialized_root(root)
-    if plan.param_init_fn is None:
-        _check_meta_initializable(plan)
+    if plan.param_init_fn is None and _uninitializable(plan):
+        plan.deferred = True
+        if plan.sync_module_states:
+            raise ValueError(f"fully_shard({type(root).__name__}): sync_module_states=True on a model left on the meta "
+                             f"device ({', '.join(_uninitializable(plan)[:3])} have no reset_parameters()): there is "
+                             "nothing to broadcast. Pass param_init_fn=... to materialize it (rank 0's weights then "
+                             "reach every rank), or leave sync_module_states out and initialize after "
+                             "model.to_empty(device=...).")
     return plan
 
 
@@ -344,16 +352,11 @@ def _direct_meta(module: nn.Module, ignored_params: Set[nn.Parameter]) -> Iterat
             yield name, b
 
 
-def _check_meta_initializable(plan: Plan) -> None:
-    """Without ``param_init_fn``: every module that first registers a meta tensor must have a
-    ``reset_parameters()`` to initialize it (checked before anything changes)."""
-    missing = [f"{_join(fqn, name)!r} ({type(module).__name__})" for (fqn, module, name), *_
-               in _meta_registrations(plan).values() if not callable(getattr(module, "reset_parameters", None))]
-    if missing:
-        raise ValueError(
-            f"fully_shard({type(plan.root).__name__}): {', '.join(missing)} are on the meta device and their modules "
-            "have no reset_parameters() to initialize them. Pass param_init_fn=... (called with each fully sharded "
-            "module), give those modules a reset_parameters() method, or materialize the model before fully_shard.")
+def _uninitializable(plan: Plan) -> List[str]:
+    """Without ``param_init_fn``: the meta tensors whose first module has no ``reset_parameters()``
+    (then the call defers initialization: see [Note: Meta materialization])."""
+    return [f"{_join(fqn, name)!r} ({type(module).__name__})" for (fqn, module, name), *_
+            in _meta_registrations(plan).values() if not callable(getattr(module, "reset_parameters", None))]
 
 
 def _materialize(plan: Plan) -> bool:
@@ -361,6 +364,9 @@ def _materialize(plan: Plan) -> bool:
     registrations = _meta_registrations(plan)
     if not registrations:
         return False
+    if plan.deferred:
+        _defer_meta_params(plan)
+        return True
     if plan.param_init_fn is None:
         _reset_meta_modules(plan)
     else:
@@ -412,6 +418,28 @@ def _retie(registrations: Dict[int, List[Tuple[str, nn.Module, str]]]) -> None:
         for (_, owner, name), t in zip(places, current):
             if t is not keep:
                 setattr(owner, name, keep)
+
+
+def _defer_meta_params(plan: Plan) -> None:
+    """FSDP2's flow (see [Note: Meta materialization]): each meta parameter becomes a parameter of
+    uninitialized storage on the compute device (ties kept), so that the handles shard it; meta
+    buffers stay where they are. ``model.to_empty(device=...)`` and the model's own init follow."""
+    mixed = [_join(fqn, name) for fqn, m in _managed_modules(plan.root, plan.ignored_modules)
+             for name, p in m.named_parameters(recurse=False) if not p.is_meta and p not in plan.ignored_params]
+    if mixed:
+        raise ValueError(f"fully_shard({type(plan.root).__name__}): the model is partly on the meta device, and "
+                         f"{', '.join(_uninitializable(plan)[:3])} have no reset_parameters() to initialize them, "
+                         f"while {mixed[:3]} are materialized already. Build the whole model on the meta device "
+                         "(then model.to_empty(device=...) and its own init after fully_shard, FSDP2's flow), or "
+                         "pass param_init_fn=... to materialize the rest.")
+    replaced: Dict[int, nn.Parameter] = {}
+    for _, module in _managed_modules(plan.root, plan.ignored_modules):
+        for name, p in list(module.named_parameters(recurse=False, remove_duplicate=False)):
+            if p.is_meta and p not in plan.ignored_params:
+                if id(p) not in replaced:
+                    replaced[id(p)] = nn.Parameter(torch.empty_like(p, device=plan.compute_device),
+                                                   requires_grad=p.requires_grad)
+                setattr(module, name, replaced[id(p)])
 
 
 def _reset_meta_modules(plan: Plan) -> None:
@@ -647,7 +675,7 @@ def _plan_and_prepare(module: nn.Module, kwargs: Dict[str, Any]) -> Plan:
                 if p.device != plan.device_id and id(p) not in offloaded:
                     p.data = p.data.to(plan.device_id)
             for name, b in list(m.named_buffers(recurse=False)):
-                if b.device != plan.device_id:
+                if b.device != plan.device_id and not b.is_meta:  # meta ones: to_empty's (plan.deferred)
                     setattr(m, name, b.to(plan.device_id))
     return plan
 
@@ -685,6 +713,7 @@ def apply_plan(plan: Plan, root_state: _FSDPState, groups: Dict[ShardingStrategy
                                            full_precision_classes=full_precision_classes(mp),
                                            offload_params=bool(state.cpu_offload.offload_params))
             state.handle.state = state
+        state.awaiting_init = plan.deferred
         finish_target(target.module, state)
         _FULLY_SHARDED_MODULES.add(target.module)
 
@@ -705,4 +734,5 @@ def _fill_state(state: _FSDPState, target: _Target, plan: Plan, groups: _Groups)
     state.ignored_params = plan.ignored_params
     state.ignored_modules = plan.ignored_modules
     state.reshard_after_backward = cfg["strategy"] is not ShardingStrategy.NO_SHARD
+    state.reshard_after_forward = cfg["strategy"] in _FREES_AFTER_FORWARD
 

@@ -76,20 +76,19 @@ import torch.nn as nn
 from . import _collectives, _divergence, _watch
 from ._data_parallel import agree_used_and_steps
 from ._common_utils import HandleTrainingState, RootContext, TrainingState, WeakHook, _FSDPState
-from ._flat_param import FlatGroup, FlatParamHandle
+from ._flat_param import FlatGroup, FlatParamHandle, take_pending_init_values
+from ._fsdp2_compat import refuse_pipelining
 from ._streams import Streams
 from ._torch_compat import is_in_backward, queue_backward_callback
 from ._traversal_utils import _get_fsdp_states, owned_modules
 from ._tree_utils import convert, tensors_in
 from .contract import _get_registry
-from .api import BackwardPrefetch, ShardingStrategy
+from .api import BackwardPrefetch
 
-__all__ = ["register_runtime_hooks", "lazy_init", "wait_unshard",
+__all__ = ["register_runtime_hooks", "lazy_init", "wait_unshard", "issue_unshard",
            "recover_interrupted_backward", "assert_internal"]
 
 log = logging.getLogger("composable_shard")
-
-_FREES_AFTER_FORWARD = {ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD}
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -109,9 +108,10 @@ def _profiled(name: str) -> Callable[[_F], _F]:
 
 # ---------------------------------------------------------------------------- predicates
 def frees_after_forward(state: _FSDPState) -> bool:
-    """Does this module release unsharded parameters between forward and backward? Not the
-    root: its backward comes first, right after its forward."""
-    return state.strategy in _FREES_AFTER_FORWARD and not state.is_root
+    """Does this module release unsharded parameters between forward and backward? FULL_SHARD
+    and HYBRID_SHARD do, unless ``set_reshard_after_forward(False)``; not the root: its
+    backward comes first, right after its forward."""
+    return state.reshard_after_forward and not state.is_root
 
 
 def frees_after_backward(state: _FSDPState) -> bool:
@@ -140,12 +140,15 @@ def lazy_init(state: _FSDPState) -> None:
         return
     module = state.module
     assert_internal(module is not None, "state without module")
+    refuse_pipelining(module)
     states = _get_fsdp_states(module)  # type: ignore[arg-type]  # checked above
     names = {id(m): n for n, m in module.named_modules()}  # type: ignore[union-attr]  # checked above
     for s in states:
         s.is_root = s is state
         s.root = state
         s.fqn = names.get(id(s.module), s.fqn)  # FQNs relative to the root, for messages and tags
+        if s.members is not None:
+            s.fqn = "+".join(names.get(id(m), "?") or "<root>" for m in s.members)
         if s.handle is not None:
             s.handle.fqn = s.fqn
     state._ctx = RootContext(states, [s.handle for s in states if s.handle is not None])
@@ -176,6 +179,11 @@ def _issue_gathers(state: _FSDPState, handle: FlatParamHandle) -> None:
     if root is not None and (root.ctx.check_order or root.ctx.debug_checks) and handle.will_gather():
         _divergence.agree_before_gather(root, state, handle)
     handle.issue_gathers()
+
+
+def issue_unshard(state: _FSDPState, handle: FlatParamHandle) -> None:
+    """Issue ``handle``'s all-gathers (agreed, see :func:`_issue_gathers`) without waiting."""
+    _issue_gathers(state, handle)
 
 
 def wait_unshard(state: _FSDPState, handle: FlatParamHandle, forward: bool = False) -> None:
@@ -209,8 +217,26 @@ def _prefetch_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
     """Unshard the handle whose backward comes after ``handle``'s: the one that finished its
     forward just before it (so the root, which finishes last, prefetches the last block)."""
     root = _root_of(state)
-    if handle.post_forward_index is not None:
-        _prefetch(root, root.ctx.post_forward_order, handle.post_forward_index - 1)
+    if handle.post_forward_index is not None and not handle.backward_prefetch_wasted:
+        target = _prefetch(root, root.ctx.post_forward_order, handle.post_forward_index - 1)
+        if target is not None:
+            target.prefetched_in_backward_by = handle
+
+
+def _prefetch_chosen(states: List[_FSDPState], for_forward: bool) -> None:
+    """[Note: Chosen prefetch]  ``set_modules_to_forward_prefetch``/``..._backward_prefetch``
+    (FSDP2's explicit prefetch) replace the one-ahead prefetch of a module: its pre-forward
+    (pre-backward) issues the all-gathers of each chosen module, in the order given, from the
+    first iteration on. Each still unshards itself when it runs (waiting for the gather); one
+    prefetched for a forward that then skips it is released at the end of the forward."""
+    for chosen in states:
+        target = chosen.handle
+        if target is not None and target.training_state in (HandleTrainingState.IDLE, HandleTrainingState.BACKWARD_PRE) \
+                and target.needs_unshard():
+            _collectives.trace("prefetch", target.fqn)
+            _issue_gathers(chosen, target)
+            if for_forward:
+                target.prefetched_for_forward = True
 
 
 def _prefetch(root: _FSDPState, order: List[FlatParamHandle], index: int) -> Optional[FlatParamHandle]:
@@ -225,16 +251,33 @@ def _prefetch(root: _FSDPState, order: List[FlatParamHandle], index: int) -> Opt
 
 
 # ---------------------------------------------------------------------------- forward
+# [Note: Groups of modules]  ``fully_shard([a, b, ...])`` gives the listed modules one handle
+# (FSDP2's grouping: ``[model.norm, model.output]``), its state shared by all of them. Each member's
+# forward runs the handle's pre- and post-forward, with two differences: a member called inside
+# another member's forward only has its inputs cast (``group_depth``), and a post-forward keeps the
+# unsharded parameters while some member has not run its forward yet in this round
+# (``group_pending``: filled by the first member's pre-forward, each member taken out by its
+# post-forward; every root forward starts a new round), as the next one will compute on them. A
+# member called several times (a loss
+# applying ``output`` chunk by chunk) starts a new round each time the previous one ended; its
+# gathers are no-ops while the storage is kept (``set_reshard_after_forward(False)``).
 @_profiled("cs::pre_forward")
 def _pre_forward(state: _FSDPState, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
     """Pre: handle IDLE (its storage possibly kept). Post: handle FORWARD, unsharded views in
     place, next handle's all-gather issued when forward prefetch is on."""
+    take_pending_init_values()  # see [Note: Initialization after to_empty] in _flat_param.py
     lazy_init(state)
     if _recomputing(state):
         return _pre_recompute(state, args, kwargs)
     if state.training_state is TrainingState.SUMMON_FULL_PARAMS:
         _check_forward_on_full_params(state)
         return args, kwargs
+    if state.members is not None:  # see [Note: Groups of modules]
+        state.group_depth += 1
+        if state.group_depth > 1:
+            return _cast_inputs(state, args, kwargs)
+        if not state.group_pending:
+            state.group_pending = {id(m) for m in state.members}
     if state.is_root:
         args, kwargs = _root_pre_forward(state, args, kwargs)
     args, kwargs = _cast_inputs(state, args, kwargs)
@@ -248,7 +291,9 @@ def _pre_forward(state: _FSDPState, module: nn.Module, args: Tuple[Any, ...], kw
     if handle.is_stale():  # kept from an earlier step; the shards changed since
         handle.reshard(free=True)
     wait_unshard(state, handle, forward=torch.is_grad_enabled())
-    if first_use and state.forward_prefetch and _root_of(state).ctx.exec_order_recorded:
+    if first_use and state.forward_prefetch_states is not None:
+        _prefetch_chosen(state.forward_prefetch_states, for_forward=True)
+    elif first_use and state.forward_prefetch and _root_of(state).ctx.exec_order_recorded:
         _prefetch_forward(state, handle)
     return args, kwargs
 
@@ -263,6 +308,9 @@ def _root_pre_forward(root: _FSDPState, args: Tuple[Any, ...], kwargs: Dict[str,
                                "exit the context first.")
     if root.ctx.final_callback_queued and not is_in_backward():
         recover_interrupted_backward(root)
+    awaiting = [s for s in root._all_fsdp_states if s.awaiting_init]
+    if awaiting:
+        _raise_awaiting_init(awaiting[0])
     if root.ctx.changes_to_check:
         _watch.raise_on_model_change(root._all_fsdp_states)
         root.ctx.changes_to_check = False
@@ -279,6 +327,8 @@ def _root_pre_forward(root: _FSDPState, args: Tuple[Any, ...], kwargs: Dict[str,
             h.post_forward_index = None
     for s in root._all_fsdp_states:
         s.training_state = TrainingState.FORWARD_BACKWARD
+        if s.members is not None:  # a new round for every group of modules (see [Note: Groups of modules])
+            s.group_pending, s.group_depth = set(), 0
     if root.compute_device.type != "cpu":
         args, kwargs = convert(args, _to_device(root)), convert(kwargs, _to_device(root))
     return args, kwargs
@@ -302,6 +352,16 @@ def _follow_user_changes(root: _FSDPState) -> None:
             _raise_hooked(_state_of(handle), hooked)
         for group in handle.refresh_requires_grad():
             _register_post_backward(_state_of(handle), handle, group)
+
+
+def _raise_awaiting_init(state: _FSDPState) -> None:
+    """A model fully_shard sharded on the meta device (its own init deferred: some module had no
+    ``reset_parameters()``) holds uninitialized shards until ``to_empty`` and an init."""
+    raise RuntimeError(
+        f"composable_shard: {state.describe()} was sharded on the meta device and is not initialized yet (FSDP2's "
+        "flow): call model.to_empty(device=...) on the fully sharded root and then the model's own initialization "
+        "(e.g. `with torch.no_grad(): model.init_weights()`) before its first forward. "
+        "Or pass param_init_fn=... to fully_shard to initialize while sharding.")
 
 
 def _raise_detached(state: _FSDPState, fqns: List[str]) -> None:
@@ -394,7 +454,16 @@ def _post_forward(state: _FSDPState, module: nn.Module, args: Tuple[Any, ...], o
         return _post_recompute(state, output)
     if state.training_state is TrainingState.SUMMON_FULL_PARAMS:
         return output  # a forward inside unshard_params: plain computation, see _check_forward_on_full_params
+    others_pending = False
+    if state.members is not None:  # see [Note: Groups of modules]
+        state.group_depth = max(state.group_depth - 1, 0)
+        state.group_pending.discard(id(module))
+        if state.group_depth > 0 and sys.exc_info()[1] is None:
+            return output
+        others_pending = bool(state.group_pending)
     if output is None and sys.exc_info()[1] is not None:
+        if state.members is not None:
+            state.group_pending, state.group_depth = set(), 0
         _abort_forward(state)
         return None
     needs_backward = torch.is_grad_enabled()
@@ -411,7 +480,7 @@ def _post_forward(state: _FSDPState, module: nn.Module, args: Tuple[Any, ...], o
         _collectives.trace("post_forward", handle.fqn)
         handle.enter(HandleTrainingState.IDLE, "post_forward", expect=(HandleTrainingState.FORWARD,))
         _record_post_forward_order(state, handle)
-        handle.reshard(free=frees_after_forward(state) or not needs_backward)
+        handle.reshard(free=(frees_after_forward(state) or not needs_backward) and not others_pending)
         if needs_backward:
             hook = functools.partial(_pre_backward_hook, state, handle)
             for tensor in tensors:
@@ -548,7 +617,9 @@ def _pre_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
     if handle.recomputes_in_backward:
         handle.release_earlier_reductions()  # before the recomputation, see [Note: Reductions in flight]
     wait_unshard(state, handle)
-    if state.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+    if state.backward_prefetch_states is not None:
+        _prefetch_chosen(state.backward_prefetch_states, for_forward=False)
+    elif state.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
         _prefetch_backward(state, handle)
 
 
@@ -578,7 +649,7 @@ def _post_backward(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup)
         handle.enter(HandleTrainingState.BACKWARD_POST, "post_backward")
         if frees_after_backward(state):
             handle.reshard(free=True)
-        if state.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+        if state.backward_prefetch_states is None and state.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             _prefetch_backward(state, handle)
 
 
@@ -592,6 +663,7 @@ def _finalize_backward(root: _FSDPState) -> None:
     _reduce_leftover_unsynced(root)
     finish_reductions(root)
     steps_disagree = attach_reduced_grads(root)
+    _note_wasted_prefetches(root)
     _reset_after_backward(root)
     root.ctx.exec_order_recorded = True
     if steps_disagree is not None:  # raised last: the model is consistent and idle
@@ -686,10 +758,21 @@ _SKIPPED = ("Each rank updates its own slice of every parameter, so the slices o
             "(the sharded_grad_scaler module of its FSDP package), which decides on all ranks' gradients together.")
 
 
+def _note_wasted_prefetches(root: _FSDPState) -> None:
+    """[Note: Backward prefetch that gathers for nothing]  A backward that stops short of the
+    handle its prefetch gathered (a loss applying the output layer chunk by chunk, each chunk's
+    backward ending at a detached input, as torchtitan's does) would gather it for nothing every
+    time: that source stops prefetching from then on (the handle gathers itself when it runs)."""
+    for h in root._all_handles:
+        if h.prefetched_in_backward_by is not None and h.training_state is HandleTrainingState.IDLE:
+            h.prefetched_in_backward_by.backward_prefetch_wasted = True
+
+
 def _reset_after_backward(root: _FSDPState) -> None:
     for s in root._all_fsdp_states:
         h = s.handle
         if h is not None:
+            h.prefetched_in_backward_by = None
             if h.is_unsharded or not h.unsharded_storage_freed():
                 h.reshard(free=frees_after_backward(s))
             h.enter(HandleTrainingState.IDLE, "end of backward")
@@ -725,16 +808,18 @@ def register_runtime_hooks(state: _FSDPState, module: nn.Module) -> None:
     The forward hooks are excluded from ``torch.compile`` (``torch.compiler.disable``): a
     compiled block (``block.compile()``) runs them eagerly around its compiled forward, so
     dynamo never guards on the per-step bookkeeping they change, and a block compiles once."""
-    module.register_forward_pre_hook(torch.compiler.disable(functools.partial(_pre_forward, state)), prepend=True,
-                                     with_kwargs=True)
-    module.register_forward_hook(torch.compiler.disable(functools.partial(_post_forward, state)), always_call=True)
+    members = state.members if state.members is not None else [module]
+    for member in members:
+        member.register_forward_pre_hook(torch.compiler.disable(functools.partial(_pre_forward, state)), prepend=True,
+                                         with_kwargs=True)
+        member.register_forward_hook(torch.compiler.disable(functools.partial(_post_forward, state)), always_call=True)
     handle = state.handle
     if handle is not None:
         for group in handle.groups:
             if group.requires_grad:
                 _register_post_backward(state, handle, group)
         for name, holder in _param_holders(handle):
-            if holder is not module:
+            if all(holder is not m for m in members):
                 holder.register_forward_pre_hook(functools.partial(_check_called_unsharded, state, name))
     _track_modules(state, module)
 

@@ -58,7 +58,7 @@ import torch.nn as nn
 
 from . import _collectives
 from ._common_utils import _FSDPState
-from ._flat_param import FlatGroup
+from ._flat_param import FlatGroup, take_pending_init_values
 from ._interop import refuse_lightning_model_parallel
 from ._shard_math import param_offsets
 from ._sharded_tensor import ShardedSlice
@@ -305,6 +305,7 @@ def _close_context(modules: List[nn.Module], hooks: List[Any]) -> None:
 
 # ---------------------------------------------------------------------------- saving
 def _pre_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    take_pending_init_values()  # see [Note: Initialization after to_empty] in _flat_param.py
     call = _enter(module, prefix, keep_vars)
     state = module.__dict__.get(_OWNER_KEY)
     if state is None or state.handle is None:
@@ -481,6 +482,7 @@ def local_slice(m: Managed, key: str, value: Any) -> torch.Tensor:
 
 def _pre_load_state_dict(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any,
                          strict: bool, missing_keys: List[str], unexpected_keys: List[str], error_msgs: List[str]) -> None:
+    take_pending_init_values()  # see [Note: Initialization after to_empty] in _flat_param.py
     registry = managed_params(module)
     check_between_steps(list({id(m.state): m.state for m in registry.values()}.values()), "load_state_dict()")
     for name, m in registry.items():

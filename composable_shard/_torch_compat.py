@@ -105,6 +105,18 @@ versions checked (2.6, 2.11, 2.13, unless an entry says otherwise).
   ``.to()``, ``.half()``, ``.cuda()``, ``.float()``, ``.to_empty()``, ...; overriding it is the
   only way to see every cast and move of a sharded or replicated module (``_apply_guard``).
   Signature read in 2.13.
+* ``FSDP2_MODULE_MARKER``: torch's FSDP2 ``FSDPModule`` class (public, exported by torch's FSDP package),
+  as an extra base of our ``FSDPModule`` and for nothing else. torch's and its ecosystem's code
+  decide by ``isinstance(m, FSDPModule)`` whether to call FSDP2's methods on a module
+  (torchtitan's ``set_gradient_divide_factor(1.0)`` before dividing by the token count itself,
+  its chunked loss's ``set_reshard_after_forward``/``unshard``, ``torch.distributed.pipelining``'s
+  gradient-sync switches): on a plain module they silently skip them, and torchtitan's gradients
+  are then off by the world size. With the marker those calls reach our methods. None of FSDP2's
+  code runs: our class overrides every attribute torch's class defines (implemented, or raising
+  with our equivalent; ``test_fsdp2_surface.py`` checks each name), and ``_get_fsdp_state`` raises.
+  This is the one import of torch's FSDP package by the library, for its class object only
+  (read in 2.6 and 2.13, where the class has no ``__slots__`` and
+  its methods only; ``()`` where the package cannot be imported).
 * ``ALL_GATHER_SINGLE``, ``REDUCE_SCATTER_SINGLE``: not private, but the one version switch:
   torch 2.13 names the single-tensor collectives ``all_gather_single``/``reduce_scatter_single``
   and deprecates ``all_gather_into_tensor``/``reduce_scatter_tensor`` (a ``FutureWarning``);
@@ -124,7 +136,7 @@ import torch.nn as nn
 __all__ = ["queue_backward_callback", "set_module_tensor", "is_in_backward", "tensor_version", "make_wrapper_tensor",
            "is_compiled_module", "plain_torch_function", "as_plain", "FOREACH_NORM", "BATCH_NORM", "tensor_slots",
            "is_view_of", "DCPTensorHooks", "DCP_METADATA_GLOBALS", "GuardedApplyHook", "ALL_GATHER_SINGLE",
-           "REDUCE_SCATTER_SINGLE", "torch_state_dict_request", "UNKNOWN_REQUEST", "TORCH_STATE_DICT_MODULE", "TO_COPY"]
+           "REDUCE_SCATTER_SINGLE", "FSDP2_MODULE_MARKER", "TORCH_FSDP_PACKAGE", "torch_state_dict_request", "UNKNOWN_REQUEST", "TORCH_STATE_DICT_MODULE", "TO_COPY"]
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:
@@ -249,7 +261,11 @@ class GuardedApplyHook:
     runs as ``self._cs_guarded_apply(apply)``, ``apply()`` being the call itself."""
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
-        parent_apply = super()._apply  # type: ignore[misc]  # nn.Module's, next in the module class's MRO
+        # nn.Module's, next in the module class's MRO -- past torch FSDP2's FSDPModule when it is a base
+        # (FSDP2_MODULE_MARKER): its _apply needs FSDP2's state, which our modules do not have.
+        after: type = FSDP2_MODULE_MARKER[0] if FSDP2_MODULE_MARKER and isinstance(self, FSDP2_MODULE_MARKER[0]) \
+            else GuardedApplyHook
+        parent_apply = super(after, self)._apply  # type: ignore[misc,arg-type]  # nn.Module's
         return self._cs_guarded_apply(lambda: parent_apply(fn, recurse))
 
     def _cs_guarded_apply(self, apply: Callable[[], Any]) -> Any:
@@ -288,3 +304,21 @@ def torch_state_dict_request() -> Any:
 # See module docstring: torch 2.13's names, else the older ones.
 ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+TORCH_FSDP_PACKAGE = "torch.distributed.fsdp"  # FSDP2's arguments (MixedPrecisionPolicy, ...) are recognised by module name
+
+
+def _fsdp2_module_marker() -> Tuple[type, ...]:
+    """torch's FSDP2 ``FSDPModule`` class as a one-element tuple of bases, ``()`` without it
+    (see the module docstring)."""
+    if not dist.is_available():
+        return ()
+    try:
+        from torch.distributed.fsdp import FSDPModule  # the class object only: see the module docstring
+    except ImportError:
+        return ()
+    return (FSDPModule,)
+
+
+FSDP2_MODULE_MARKER: Tuple[type, ...] = _fsdp2_module_marker()

@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from . import _collectives
 from ._common_utils import HandleTrainingState, TrainingState, _FSDPState
-from ._flat_param import FlatGroup, FlatParamHandle, set_grad_of_any_shape
+from ._flat_param import FlatGroup, FlatParamHandle, set_grad_of_any_shape, take_pending_init_values
 from ._runtime_utils import recover_interrupted_backward
 from ._shard_math import param_offsets
 from ._torch_compat import is_in_backward
@@ -116,6 +116,7 @@ def check_between_steps(states: List[_FSDPState], what: str = "unshard_params/su
     """Refuse to run ``what`` during a forward or backward, or nested in ``unshard_params``;
     finish off a backward that raised (its end-of-backward step never ran), so any state
     between steps is accepted."""
+    take_pending_init_values()  # see [Note: Initialization after to_empty] in _flat_param.py
     roots = {id(s.root): s.root for s in states if s.root is not None}
     for root in roots.values():
         if root.ctx.forward_in_progress or (root.ctx.final_callback_queued and is_in_backward()):

@@ -21,26 +21,33 @@ import torch.nn as nn
 
 from . import _apply_guard
 from ._common_utils import FSDP_API_NAME, _FSDPState
+from ._flat_param import take_pending_init_values
 from ._data_parallel import check_set_requires_gradient_sync
 from ._init_utils import apply_plan, plan_agreed, resolve_groups
 from ._mixed_precision import apply_mixed_precision
 from ._validation import check_bool, check_real
-from ._runtime_utils import register_runtime_hooks, wait_unshard
+from ._runtime_utils import issue_unshard, register_runtime_hooks
 from ._optim_state_dict import register_optimizer_state_dict_hooks
 from ._state_dict import check_model_state_dict, register_state_dict_hooks
+from ._fsdp2_compat import FSDP2_ARGUMENTS, FSDP2Methods, UnshardHandle, fsdp2_arguments
 from ._interop import ForeignWrapperGuard, shard_source, total_grad_norm
+from ._torch_compat import FSDP2_MODULE_MARKER, set_module_tensor
 from ._subclass import _NoCopyMixin, make_subclass
 from ._traversal_utils import _get_fsdp_states
-from ._unshard_params import unshard_params
+from ._unshard_params import check_between_steps, unshard_params
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from .contract import _get_module_state, _register_api, contract
+from .contract import _get_module_state, _register_api, _unregister_api, contract
 
 __all__ = ["fully_shard", "FSDPModule", "clip_grad_norm_"]
 
 
-class FSDPModule(ForeignWrapperGuard, _NoCopyMixin, _apply_guard.GuardedApply):
+class FSDPModule(ForeignWrapperGuard, _NoCopyMixin, _apply_guard.GuardedApply, FSDP2Methods, *FSDP2_MODULE_MARKER):  # type: ignore[misc]  # a tuple of bases
     """Mixin of every fully sharded module (its class becomes ``FSDP<Orig>`` with bases
-    ``(FSDPModule, Orig)``). ``copy.deepcopy``/pickle raise: use the state-dict APIs."""
+    ``(FSDPModule, Orig)``). ``copy.deepcopy``/pickle raise: use the state-dict APIs.
+
+    Also a subclass of torch FSDP2's ``FSDPModule``, so that code written for FSDP2 calls its
+    methods here (see [Note: FSDP2 drop-in] in ``_fsdp2_compat.py``): the FSDP2 methods are
+    implemented, accepted where the step here already does what they ask, or refused."""
 
     _api_name = "fully_shard"
 
@@ -54,8 +61,8 @@ class FSDPModule(ForeignWrapperGuard, _NoCopyMixin, _apply_guard.GuardedApply):
     _apply_advice = ("the forward would keep computing on the old values and the optimizer would update copies "
                      "nothing reads. Cast or move the model before fully_shard (device_id= moves it there); for "
                      "low-precision compute use mixed_precision=MixedPrecision(param_dtype=...). A model built on "
-                     "the meta device needs no to_empty() afterwards: fully_shard materialized it (param_init_fn=, "
-                     "or each module's reset_parameters()).")
+                     "the meta device: call to_empty(device=...) on the fully sharded root before its first step, then "
+                     "the model's own init; or let fully_shard initialize it (param_init_fn=, or reset_parameters()).")
 
     def _guarded_params(self) -> List[torch.Tensor]:
         """The original parameters of this module's own handle (for ``_apply_guard``)."""
@@ -70,18 +77,65 @@ class FSDPModule(ForeignWrapperGuard, _NoCopyMixin, _apply_guard.GuardedApply):
             return state._all_fsdp_states
         return _get_fsdp_states(self)  # type: ignore[arg-type]  # self is an nn.Module
 
-    def unshard(self) -> None:
-        """All-gather this module's parameters now (a later forward reuses them). Idempotent."""
+    def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
+        """All-gather this module's parameters now (a later forward reuses them). Idempotent.
+        ``async_op=True`` returns an :class:`UnshardHandle` at once, the gathers in flight."""
+        check_bool(f"{type(self).__name__}.unshard", "async_op", async_op)
+        take_pending_init_values()
         state = self._fsdp_state()
         if state.handle is not None and state.handle.needs_unshard():
-            wait_unshard(state, state.handle)
-            state.handle.use_sharded_views()
+            issue_unshard(state, state.handle)
+        if async_op:
+            return UnshardHandle(self)
+        self._finish_unshard()
+        return None
+
+    def _finish_unshard(self) -> None:
+        state = self._fsdp_state()
+        if state.handle is not None:
+            state.handle.wait_gathers()  # the views stay the shards' until a forward uses the buffers
 
     def reshard(self) -> None:
         """Free this module's unsharded parameters. Idempotent."""
+        take_pending_init_values()
         state = self._fsdp_state()
         if state.handle is not None:
             state.handle.reshard(free=True)
+
+    def to_empty(self, *, device: Any, recurse: bool = True) -> "FSDPModule":
+        """FSDP2's initialization flow: build on the meta device, ``fully_shard``, then
+        ``model.to_empty(device=...)`` and the model's own init (``init_weights()``). Buffers and
+        tensors no handle owns get new, uninitialized storage on ``device``, as ``nn.Module.to_empty``
+        gives; each sharded parameter becomes whole until the model is next used, so that the init
+        writes whole parameters (the values an unsharded model gets with the same seed). See
+        [Note: Initialization after to_empty] in ``_flat_param.py``."""
+        every = self._states(True)
+        trained = any(s._ctx is not None and s._ctx.exec_order_recorded for s in every)  # a backward finished
+        if _apply_guard.in_init() or not recurse or trained:
+            # fully_shard's own init, or after training began: nn.Module's (the guard refuses the latter)
+            return super().to_empty(device=device, recurse=recurse)  # type: ignore[misc,no-any-return]  # nn.Module's
+        target = torch.device(device)
+        states = [s for s in every if s.handle is not None]
+        check_between_steps(states, "to_empty()")
+        for s in states:
+            where = s.handle.shard_device  # type: ignore[union-attr]  # filtered above
+            if target.type != where.type or (target.index is not None and where.index is not None
+                                             and target.index != where.index):
+                raise ValueError(f"{type(self).__name__}.to_empty(device={device!r}): fully_shard already placed "
+                                 f"{s.describe()}'s shards on {where}; pass that device (device_id= at fully_shard "
+                                 "chooses it).")
+        slots = [(m, name, g.orig_params[i], g.orig_params[i].data) for s in states for g in s.handle.groups  # type: ignore[union-attr]  # filtered above
+                 for m, _, name, i in g.registrations()]
+        with _apply_guard.applying_during_init():
+            super().to_empty(device=device, recurse=True)  # type: ignore[misc]  # buffers and unmanaged tensors
+        for m, name, p, data in slots:  # the handles' parameters stay the objects they were, on their shards
+            p.data = data
+            set_module_tensor(m, name, p)
+        for s in states:
+            s.handle.expose_for_init()  # type: ignore[union-attr]  # filtered above
+        for s in every:
+            s.awaiting_init = False
+        return self
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: backward communicates nothing and accumulates unsharded gradients; the next
@@ -139,6 +193,12 @@ def fully_shard(
     forward_prefetch: bool = True,
     backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE,
     limit_all_gathers: bool = True,
+    reshard_after_forward: Optional[bool] = None,
+    mp_policy: Any = None,
+    offload_policy: Any = None,
+    ignored_params: Optional[Iterable[nn.Parameter]] = None,
+    shard_placement_fn: Any = None,
+    dp_mesh_dims: Any = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters across ranks in place (ZeRO-3 by default).
 
@@ -172,7 +232,36 @@ def fully_shard(
         backward_prefetch: when to all-gather the next handle in backward (None: never).
         limit_all_gathers: at most two handles' all-gathers in flight, always (prefetch runs one
             ahead); False raises ``ValueError`` ([Note: limit_all_gathers] in ``_validation.py``).
+        reshard_after_forward: FSDP2's name for the choice of strategy: True is FULL_SHARD
+            (HYBRID_SHARD on a 2-D mesh), False SHARD_GRAD_OP (_HYBRID_SHARD_ZERO2); not with
+            ``strategy``.
+        mp_policy: FSDP2's ``MixedPrecisionPolicy``, mapped onto ``mixed_precision`` with
+            FSDP2's casts (see [Note: FSDP2 drop-in] in ``_fsdp2_compat.py``).
+        offload_policy: FSDP2's ``OffloadPolicy``/``CPUOffloadPolicy``, mapped onto ``cpu_offload``.
+        ignored_params: FSDP2's name for ``ignored_states`` given as parameters.
+        shard_placement_fn: FSDP2's per-parameter placements; anything but None raises.
+        dp_mesh_dims: FSDP2's data-parallel sub-mesh of an SPMD mesh; anything but None raises.
     """
+    fsdp2 = dict(reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, offload_policy=offload_policy,
+                 ignored_params=ignored_params, shard_placement_fn=shard_placement_fn, dp_mesh_dims=dp_mesh_dims,
+                 mixed_precision=mixed_precision, cpu_offload=cpu_offload, ignored_states=ignored_states,
+                 strategy_given=strategy is not ShardingStrategy.FULL_SHARD)
+    overrides = fsdp2_arguments(f"fully_shard({type(module).__name__})", fsdp2,
+                                hybrid=mesh is not None and getattr(mesh, "ndim", 1) == 2) \
+        if any(fsdp2[k] is not None for k in FSDP2_ARGUMENTS) or (mesh is not None and getattr(mesh, "ndim", 1) == 2) \
+        else {}
+    strategy = overrides.get("strategy", strategy)
+    mixed_precision = overrides.get("mixed_precision", mixed_precision)
+    cpu_offload = overrides.get("cpu_offload", cpu_offload)
+    ignored_states = overrides.get("ignored_states", ignored_states)
+    if isinstance(module, (list, tuple)):
+        return _fully_shard_group(module, dict(process_group=process_group, mesh=mesh, policy=policy, strategy=strategy,
+                                               mixed_precision=mixed_precision, cpu_offload=cpu_offload,
+                                               ignored_modules=ignored_modules, ignored_states=ignored_states,
+                                               device_id=device_id, param_init_fn=param_init_fn,
+                                               sync_module_states=sync_module_states, forward_prefetch=forward_prefetch,
+                                               backward_prefetch=backward_prefetch,
+                                               limit_all_gathers=limit_all_gathers))
     kwargs = dict(process_group=process_group, mesh=mesh, policy=policy, strategy=strategy,
                   mixed_precision=mixed_precision, cpu_offload=cpu_offload, ignored_modules=ignored_modules,
                   ignored_states=ignored_states, device_id=device_id, param_init_fn=param_init_fn,
@@ -184,11 +273,62 @@ def fully_shard(
     return module
 
 
+class ModuleGroup(nn.Module):
+    """The modules of one ``fully_shard([a, b, ...])`` call as the children of a module that is not
+    part of the model: what the call plans and flattens, and its state's ``module``. Never called."""
+
+    def __init__(self, members: List[nn.Module]) -> None:
+        super().__init__()
+        for i, member in enumerate(members):
+            self.add_module(str(i), member)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:  # noqa: D102  # never called
+        raise RuntimeError("a fully_shard group of modules is not a module of the model; call its members")
+
+
+def _fully_shard_group(modules: Any, kwargs: Dict[str, Any]) -> Any:
+    """``fully_shard([a, b, ...])``: one handle over the listed modules' parameters (FSDP2's
+    grouping; see [Note: Groups of modules] in ``_runtime_utils.py``). Planned and applied on a
+    :class:`ModuleGroup` of them; each member then gets the state, the class and the hooks."""
+    members = list({id(m): m for m in modules}.values())
+    api = f"fully_shard([{', '.join(type(m).__name__ for m in members)}])"
+    nested = [type(m).__name__ for m in members if any(o is not m and any(x is m for x in o.modules()) for o in members)]
+    if nested:
+        raise ValueError(f"{api}: {nested} lie inside other modules of the list; list modules that are not inside "
+                         "one another (the outer one's handle already takes the inner one's parameters).")
+    if kwargs["policy"] is not None:
+        raise ValueError(f"{api}: a policy chooses fully sharded modules inside one module; with a list of modules "
+                         "pass policy=None (or call fully_shard on each module with its policy).")
+    state = fully_shard.state(members[0])
+    if state is None:
+        raise AssertionError("composable_shard internal error: the contract attached no state to the group")
+    for m in members:  # the group carries the state while it is planned, so the members are not "already sharded"
+        _unregister_api(m, FSDP_API_NAME)
+    group = ModuleGroup(members)
+    _register_api(group, FSDP_API_NAME, state)
+    state.members = members
+    try:
+        plan = plan_agreed(group, kwargs)
+        groups = {s: resolve_groups(s, kwargs["process_group"], kwargs["mesh"]) for s in plan.strategies}
+        apply_plan(plan, state, groups, _FSDPState, _finish_target)  # type: ignore[arg-type]  # state set above
+    except BaseException:
+        state.members = None
+        for m in members:
+            _register_api(m, FSDP_API_NAME, state)  # as the contract left it: it takes them out again
+        raise
+    return modules
+
+
 def _finish_target(module: nn.Module, state: _FSDPState) -> None:
     """Attach the state, swap the class, register the hooks."""
     if _get_module_state(module, _FSDPState) is not state:
         _register_api(module, FSDP_API_NAME, state)
-    make_subclass(module, "FSDP", FSDPModule)
+    if state.members is not None and module is state.module:
+        for member in state.members:
+            _register_api(member, FSDP_API_NAME, state)
+            make_subclass(member, "FSDP", FSDPModule)
+    else:
+        make_subclass(module, "FSDP", FSDPModule)
     register_runtime_hooks(state, module)
     register_state_dict_hooks(state)
     register_optimizer_state_dict_hooks(state)

@@ -89,6 +89,8 @@ _OPTIM_SD = f"{PACKAGE}/_optim_state_dict.py"
 _LIGHTNING = f"{PACKAGE}/integrations/lightning.py"
 _TORCH_SD_API = "tests/distributed/test_torch_state_dict_api.py"
 _LIGHTNING_TESTS = "tests/distributed/test_lightning.py"
+_FSDP2 = f"{PACKAGE}/_fsdp2_compat.py"
+_DROPIN = "tests/distributed/test_fsdp2_dropin.py::test_fsdp2_dropin"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -435,6 +437,25 @@ MUTANTS: List[Mutant] = [
        _INTEROP, '_LIGHTNING_MODEL_PARALLEL = ("lightning.pytorch.strategies.model_parallel", "lightning.fabric',
        '_LIGHTNING_MODEL_PARALLEL = ("lightning.pytorch.strategies.model_parallel_", "lightning.fabric',
        f"{_LIGHTNING_TESTS}::test_trainer_matches_single_process_lightning_and_resumes"),
+    _m("divide_factor_ignored", "set_gradient_divide_factor(1.0) is stored but reductions still average",
+       f"{PACKAGE}/_common_utils.py",
+       "        return float(self.dp_world_size) if self.gradient_divide_factor is None else self.gradient_divide_factor",
+       "        return float(self.dp_world_size)", _DROPIN),
+    _m("group_frees_before_last_member", "a group of modules reshards after its first member's forward",
+       _RUNTIME, "        handle.reshard(free=(frees_after_forward(state) or not needs_backward) and not others_pending)",
+       "        handle.reshard(free=(frees_after_forward(state) or not needs_backward))", _DROPIN),
+    _m("reshard_after_forward_method_ignored", "set_reshard_after_forward(False) changes nothing",
+       _FSDP2, "            s.reshard_after_forward = reshard_after_forward",
+       "            pass", _DROPIN),
+    _m("chosen_prefetch_ignored", "set_modules_to_forward_prefetch gathers nothing early",
+       _RUNTIME, "        _prefetch_chosen(state.forward_prefetch_states, for_forward=True)",
+       "        pass", _DROPIN),
+    _m("init_values_wrong_chunk", "to_empty's init lands every rank's first chunk in its shard",
+       _FLAT, "                group.flat_param.data.copy_(full.view(self.world_size, -1)[self.rank])",
+       "                group.flat_param.data.copy_(full.view(self.world_size, -1)[0])", _DROPIN),
+    _m("deferred_forward_allowed", "a model sharded uninitialized on meta trains on garbage",
+       _RUNTIME, "    if awaiting:\n        _raise_awaiting_init(awaiting[0])", "    if False:\n        _raise_awaiting_init(awaiting[0])",
+       _DROPIN, "tests/distributed/test_fully_shard_errors.py::test_errors_are_clear_and_leave_the_model_unchanged"),
 ]
 
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from composable_shard import (CPUOffload, CustomPolicy, MixedPrecision, ModuleWrapPolicy, ShardingStrategy, checkpoint,
-                              clip_grad_norm_, fully_shard, replicate)
+                              clip_grad_norm_, fully_shard, replicate, unshard_params)
 from composable_shard._traversal_utils import _get_fsdp_states
 from composable_shard.contract import _get_registry
 from tests._harness import run_distributed, run_subtests
@@ -192,7 +192,10 @@ def _fully_shard_argument_errors() -> None:
     for kwargs, exc, fragments in cases:
         _expect(lambda: fully_shard(model, **kwargs), exc, *fragments)
         _assert_unchanged(before, model)
-    _expect(lambda: fully_shard([model[0], model[2]]), TypeError, "fully_shard", "one nn.Module", "list")  # type: ignore[arg-type]
+    _expect(lambda: fully_shard([model[0], model[2]], policy=ModuleWrapPolicy({nn.Linear})), ValueError,
+            "fully_shard([", "policy=None")  # a list of modules is one FSDP2-style group, without a policy
+    _assert_unchanged(before, model)
+    _expect(lambda: fully_shard([model, model[0]]), ValueError, "['Linear']", "inside other modules of the list")
     _assert_unchanged(before, model)
     _expect(lambda: ModuleWrapPolicy(nn.Linear), TypeError, "module_classes", "ModuleWrapPolicy({Linear})")  # type: ignore[arg-type]
     _expect(lambda: ModuleWrapPolicy({"Linear"}), TypeError, "module_classes", "'Linear'")  # type: ignore[arg-type]
@@ -272,17 +275,36 @@ class _MetaModel(nn.Module):
         self.lin = nn.Linear(4, 3)
         self.inner = _NoReset()
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + self.inner.w
+
 
 def _meta_errors() -> None:
-    """Meta parameters nothing can initialize raise at fully_shard naming them, and the model
-    gets no fully_shard state, hook or class change."""
+    """Meta parameters nothing can initialize: without param_init_fn fully_shard shards the model
+    uninitialized (FSDP2's flow) and its forward raises, naming to_empty, until ``to_empty``;
+    with a param_init_fn that leaves some on meta it raises naming them, and the model gets no
+    fully_shard state, hook or class change; sync_module_states on such a model raises."""
+    with torch.device("meta"):
+        deferred = _MetaModel()
+    _expect(lambda: fully_shard(deferred, sync_module_states=True), ValueError, "sync_module_states", "meta",
+            "'inner.w' (_NoReset)", "to_empty")
+    fully_shard(deferred)
+    assert not deferred.inner.w.is_meta  # sharded, uninitialized storage
+    _expect(lambda: deferred(torch.ones(2, 4)), RuntimeError, "meta device", "not initialized", "to_empty")
+    deferred.to_empty(device="cpu")
+    with torch.no_grad():
+        deferred.lin.reset_parameters()
+        deferred.inner.w.fill_(0.5)
+    assert deferred.lin.weight.shape == (3, 4)  # whole while the init writes it
+    with torch.no_grad():
+        out = deferred(torch.ones(2, 4))
+    assert out.shape == (2, 3) and deferred.inner.w.shape == (0 if dist.get_rank() == 0 else 3,)  # [0, 9) and [9, 18) of 18
+    with unshard_params(deferred):
+        assert torch.equal(deferred.inner.w, torch.full((3,), 0.5))
+
     with torch.device("meta"):
         model = _MetaModel()
     before = _snapshot(model)
-    _expect(lambda: fully_shard(model), ValueError, "'inner.w' (_NoReset)", "meta", "reset_parameters",
-            "param_init_fn")
-    _assert_unchanged(before, model)
-    assert model.lin.weight.is_meta and model.inner.w.is_meta
 
     def only_linears(module: nn.Module) -> None:
         for sub in module.modules():

@@ -493,7 +493,8 @@ def _cast_or_move_after_fully_shard(call: str) -> None:
                 casts[call]()
             except RuntimeError as e:
                 assert "new storage" in str(e) and "before fully_shard" in str(e) and "MixedPrecision" in str(e), e
-                assert call != "to_empty" or "needs no to_empty()" in str(e), e
+                assert call != "to_empty" or "to_empty(device=...) on the fully sharded root before its first step" \
+                    in str(e), e
                 target = model.blocks[1] if call == "block.half" else model
                 assert f"[{next(n for n, _ in target.named_parameters())!r}," in str(e), e  # in model order
             else:

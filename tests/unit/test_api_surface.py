@@ -89,11 +89,18 @@ def test_library_never_imports_torch_data_parallel_runtimes() -> None:
     tests and benchmarks only."""
     forbidden = re.compile(r"torch\.distributed\.fsdp|torch\.distributed\._composable|DistributedDataParallel|"
                            r"from torch\.distributed import fsdp|torch\.nn\.parallel")
-    for path in PACKAGE.glob("*.py"):
+    marker_imports = 0
+    for path in PACKAGE.rglob("*.py"):
         for lineno, line in enumerate(path.read_text().splitlines(), 1):
             code = line.split("#")[0]
+            if path.name == "_torch_compat.py" and code.strip() == "from torch.distributed.fsdp import FSDPModule":
+                marker_imports += 1  # the isinstance marker, its class object only ([Note] in _torch_compat.py)
+                continue
+            if path.name == "_torch_compat.py" and code.startswith('TORCH_FSDP_PACKAGE = "torch.distributed.fsdp"'):
+                continue  # the package's name, to recognise FSDP2's argument classes without importing them
             if ("import" in code or "torch." in code) and forbidden.search(code):
                 raise AssertionError(f"{path.name}:{lineno}: {line.strip()}")
+    assert marker_imports == 1, marker_imports
 
 
 # [Note: Private torch uses] _torch_compat.py is the one file allowed to use private torch APIs
