@@ -75,7 +75,7 @@ INIT_SEED = 1234
 DATA_SEED = 5678
 MB = 1e6
 PHASES = ("fwd", "bwd", "opt", "zero")
-WORKLOADS = ("gpt4", "gpt16", "llama", "llama_nocache")
+WORKLOADS = ("gpt4", "gpt16", "llama", "llama_nocache", "llama_frozen")
 DEFAULT_WORKLOADS = ("gpt4", "gpt16", "llama")
 DEFAULT_FRACTIONS = "0,0.2,0.4,0.6,0.8,1"
 HUGE_BUDGET = 1 << 50  # above any peak: the plan of replicate(model)
@@ -94,9 +94,13 @@ class Workload:
             from transformers import LlamaConfig, LlamaForCausalLM
             config = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                                  num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=128)
-            if self.name == "llama_nocache":  # what HF's own gradient checkpointing sets for training
+            if self.name in ("llama_nocache", "llama_frozen"):  # what HF's own gradient checkpointing sets
                 config.use_cache = False
-            return LlamaForCausalLM(config)
+            model = LlamaForCausalLM(config)
+            if self.name == "llama_frozen":  # fine-tuning the upper half: layers 0-1 frozen
+                for layer in model.model.layers[:2]:
+                    layer.requires_grad_(False)
+            return model
         from benchmarks.model import GPT
         return GPT(blocks={"gpt4": 4, "gpt16": 16}[self.name])
 

@@ -251,6 +251,7 @@ def plan(model: nn.Module, example_batch: Any, *, memory_budget: int, world_size
             achievable and the ranks or batch it would take).
     """
     world = _check_arguments(model, memory_budget, world_size, optimizer, bandwidth)
+    _refuse_meta(model, example_batch)
     blocks = _find_blocks(model, block_types)
     profile = _agreed(_profile(model, blocks, example_batch, loss_fn))
     search = _Search(model, blocks, profile, world, optimizer, mixed_precision, bandwidth)
@@ -273,6 +274,18 @@ def _check_arguments(model: nn.Module, memory_budget: int, world_size: Optional[
         raise ValueError(f"plan: {type(model).__name__} already carries fully_shard or replicate; plan the plain "
                          "model (before any API is applied), then apply the plan to it")
     return _describe._planned_world_size(world_size)
+
+
+def _refuse_meta(model: nn.Module, example_batch: Any) -> None:
+    """A model or batch on the meta device has no storage: the measured forward and backward would
+    count every activation as 0 bytes and return a plan that runs out of memory at step one."""
+    meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    batch_meta = any(t.is_meta for t in tensors_in(example_batch, None))
+    if meta or batch_meta:
+        where = f"parameters and buffers such as {meta[:3]}" if meta else "the example batch"
+        raise ValueError(f"plan: {where} of {type(model).__name__} are on the meta device, which has no storage: "
+                         "every activation would be measured as 0 bytes and the plan would not fit on real devices. "
+                         "Plan a materialized model (on the device it will train on) with a real example batch.")
 
 
 def _find_blocks(model: nn.Module, block_types: Optional[Iterable[type]]) -> List[Tuple[str, nn.Module]]:
@@ -475,6 +488,7 @@ class _Cost:
     replicate_grads: int  # replicate: the gradients autograd makes before they are copied into buckets
     largest_param: int  # the largest piece of one original parameter this rank's optimizer steps
     num_flag_params: int  # original parameters counted by fully_shard's used-flags all-reduce
+    frozen_whole: int = 0  # replicate: frozen parameters it does not manage, held whole on every rank
 
 
 def _handle_cost(info: _describe._HandleInfo) -> _Cost:
@@ -494,9 +508,13 @@ def _handle_cost(info: _describe._HandleInfo) -> _Cost:
 
 
 def _replicate_cost(row: ModuleRow, module: nn.Module) -> _Cost:
+    """``replicate`` manages the trainable parameters (its row); frozen ones it leaves alone are
+    still held whole on every rank (describe's "(not managed)" row): counted, or replicating a
+    frozen block would look free."""
     trained = [p for p in module.parameters() if p.requires_grad]
+    frozen = sum(p.numel() * p.dtype.itemsize for p in module.parameters() if not p.requires_grad)
     largest = max((p.numel() * p.dtype.itemsize for p in trained), default=0)
-    return _Cost(row, 0, 0, sum(p.numel() * p.dtype.itemsize for p in trained), largest, 0)
+    return _Cost(row, 0, 0, sum(p.numel() * p.dtype.itemsize for p in trained), largest, 0, frozen)
 
 
 class _Search:
@@ -618,13 +636,15 @@ def _step_terms(s: _Search, assignment: Optional[Sequence[_Option]]) -> _Step:
         rep = _Option("replicate", None, False)
         costs = tuple(s.costs[k][rep] for k in range(len(s.blocks)))
         whole = s.whole
-        return _Step(whole.row.param_bytes, _optimizer_bytes(s, [whole.row]), whole.row.grad_bytes, 0, 0, 0,
+        return _Step(whole.row.param_bytes + whole.frozen_whole, _optimizer_bytes(s, [whole.row]), whole.row.grad_bytes,
+                     0, 0, 0,
                      s.after_grad, False, whole.replicate_grads, (rep,) * len(costs), costs, whole.largest_param)
     options = tuple(assignment)
     costs = tuple(s.costs[k][o] for k, o in enumerate(options))
     rows = [s.root.row] + [c.row for c in costs]
     buckets = sum(c.row.grad_bytes for c, o in zip(costs, options) if o.api == "replicate")
-    return _Step(sum(r.param_bytes for r in rows), _optimizer_bytes(s, rows), buckets, s.root.unsharded,
+    return _Step(sum(r.param_bytes for r in rows) + sum(c.frozen_whole for c in costs), _optimizer_bytes(s, rows),
+                 buckets, s.root.unsharded,
                  s.root.unsharded_grad, s.root.row.grad_bytes, s.after_grad if s.root.unsharded_grad else 0, True,
                  sum(c.replicate_grads for c in costs), options, costs,
                  max(c.largest_param for c in (s.root,) + costs))
@@ -789,7 +809,8 @@ def _infeasible(s: _Search, smallest: List[_Option], budget: int) -> str:
     for _ in range(30):
         mid = (low + high) / 2
         low, high = (mid, high) if _simulate(s, smallest, mid).total <= budget else (low, mid)
-    return text + f"; or at {s.world} ranks a per-rank batch at most {low:.0%} of the example's (activations " \
+    percent = math.floor(low * 1000) / 10  # rounded down: what the message suggests must fit
+    return text + f"; or at {s.world} ranks a per-rank batch at most {percent:.1f}% of the example's (activations " \
                   f"scale with the batch), or a larger memory_budget."
 
 

@@ -99,6 +99,42 @@ def test_infeasible_budget_names_the_smallest_peak_and_what_it_takes() -> None:
         plan(model, batch, memory_budget=1000, world_size=2)
 
 
+def test_batch_fraction_rounds_down_to_what_fits() -> None:
+    """One byte below the smallest peak the batch would have to shrink a little: the message
+    says a fraction below 100% (it said "100%", which does not fit), rounded down."""
+    model, batch = _toy()
+    smallest = _smallest_peak(model, batch)
+    with pytest.raises(ValueError) as info:
+        plan(model, batch, memory_budget=smallest - 1, world_size=2)
+    percent = re.search(r"a per-rank batch at most ([\d.]+)% of the example's", str(info.value))
+    assert percent is not None and 90.0 <= float(percent.group(1)) < 100.0, str(info.value)
+
+
+def test_frozen_parameters_under_replicate_are_counted() -> None:
+    """Frozen blocks under ``replicate`` are held whole on every rank although replicate does not
+    manage them: the plan's parameter bytes count them (before, replicating a frozen block looked
+    free and the measured peak went over the budget by the frozen bytes) and equal describe's."""
+    model, batch = _toy()
+    for block in model.blocks[:2]:
+        block.requires_grad_(False)
+    total = sum(q.numel() * q.element_size() for q in model.parameters())
+    p = plan(model, batch, memory_budget=10 ** 12, world_size=2)
+    assert {c.api for c in p.choices} == {"replicate"}, p.choices  # replicate(model) fits any budget this large
+    assert p.components["parameters"] == total == p.param_bytes, (p.components, total, p.param_bytes)
+
+
+def test_meta_device_model_or_batch_is_refused() -> None:
+    """Meta tensors have no storage: every activation would be measured as 0 bytes (a Llama-8B
+    shaped plan then predicted 32 KB of activations and fit anywhere). Refused, naming why."""
+    with torch.device("meta"):
+        model = Toy()
+    with pytest.raises(ValueError, match=r"plan: parameters and buffers such as \['emb.weight'.*meta device.*0 bytes"):
+        plan(model, torch.randint(0, VOCAB, (BATCH, SEQ)), memory_budget=10 ** 9, world_size=2)
+    real, _ = _toy()
+    with pytest.raises(ValueError, match=r"plan: the example batch of Toy are on the meta device"):
+        plan(real, torch.empty(BATCH, SEQ, dtype=torch.long, device="meta"), memory_budget=10 ** 9, world_size=2)
+
+
 def test_planning_leaves_parameters_grads_buffers_and_rng_untouched() -> None:
     """The measured forward/backward draws dropout masks and bumps the buffer: both undone."""
     model, batch = _toy()
