@@ -31,7 +31,9 @@
   gradient sync off for every micro-batch: the step would end with gradients never reduced; and
   its zero-bubble schedules' weight pass asks the original parameters for gradients, which a
   sharded forward never used. A fully sharded module's first forward under a pipelining
-  schedule raises (:func:`refuse_pipelining`), as does ``set_is_last_backward`` from there.
+  schedule raises (:func:`refuse_pipelining`), as does ``set_is_last_backward`` from there, unless
+  the stage is ``composable_shard.integrations.pipelining.PipelineStage``, which drives them
+  itself ([Note: Pipelined stages] there).
 """
 
 from __future__ import annotations
@@ -305,12 +307,14 @@ def refuse_pipelining(module: Any) -> None:
     gradients, which the forward never used (they are views of the shards)."""
     frame = inspect.currentframe()
     while frame is not None:
+        if getattr(frame.f_locals.get("self"), "_composable_shard_stage", False):
+            return  # composable_shard.integrations.pipelining's stage drives it ([Note: Pipelined stages])
         if str(frame.f_globals.get("__name__", "")).startswith(_PIPELINING):
             raise RuntimeError(
                 f"torch.distributed.pipelining on a stage whose modules fully_shard manages ({type(module).__name__}): "
                 "torch's schedules finish each step through torch FSDP2's internal state (gradient sync is off for "
                 "every micro-batch until then), which composable_shard modules do not have, and their zero-bubble "
                 "weight pass asks the original parameters for gradients, which the sharded forward never used: "
-                "gradients would go unreduced or missing. Pipelined fully_shard stages are not supported yet; "
-                "replicate(stage_module) data-parallelizes a stage exactly (one all-reduce per micro-batch).")
+                "gradients would go unreduced or missing. Build the stage with "
+                "composable_shard.integrations.pipelining.PipelineStage (same arguments) instead of torch's.")
         frame = frame.f_back  # type: ignore[assignment]  # None ends the loop

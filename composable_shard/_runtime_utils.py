@@ -85,7 +85,7 @@ from ._tree_utils import convert, tensors_in
 from .contract import _get_registry
 from .api import BackwardPrefetch
 
-__all__ = ["register_runtime_hooks", "lazy_init", "wait_unshard", "issue_unshard",
+__all__ = ["register_runtime_hooks", "lazy_init", "wait_unshard", "issue_unshard", "reduce_accumulated",
            "recover_interrupted_backward", "assert_internal"]
 
 log = logging.getLogger("composable_shard")
@@ -703,6 +703,24 @@ def _reduce_leftover_unsynced(root: _FSDPState) -> None:
         for group in handle.groups:
             if group.unreduced_grad is not None and not group.grad_ready:
                 handle.reduce(group, handle.take_unsharded_grad(group))  # type: ignore[arg-type]  # not None
+
+
+def reduce_accumulated(root: _FSDPState) -> None:
+    """Between steps: reduce what backwards with gradient sync off accumulated, as the next synced
+    backward would have (one reduction per group, ``.grad`` the reduced shards afterwards, handles
+    resharded as after a backward). For a schedule whose last backward is unsynced too (torch's
+    pipelining, ``composable_shard.integrations.pipelining``). Pre: every state of the tree syncs."""
+    if root.ctx.forward_in_progress or (root.ctx.final_callback_queued and is_in_backward()):
+        raise RuntimeError(f"{root.describe()}: gradients can be reduced between steps only, not during forward or "
+                           "backward.")
+    if root.ctx.final_callback_queued:
+        recover_interrupted_backward(root)
+    _reduce_leftover_unsynced(root)
+    finish_reductions(root)
+    steps_disagree = attach_reduced_grads(root)
+    _reset_after_backward(root)
+    if steps_disagree is not None:
+        raise RuntimeError(steps_disagree)
 
 
 def finish_reductions(root: _FSDPState) -> None:

@@ -26,7 +26,7 @@ from ._data_parallel import check_set_requires_gradient_sync
 from ._init_utils import apply_plan, plan_agreed, resolve_groups
 from ._mixed_precision import apply_mixed_precision
 from ._validation import check_bool, check_real
-from ._runtime_utils import issue_unshard, register_runtime_hooks
+from ._runtime_utils import issue_unshard, reduce_accumulated, register_runtime_hooks
 from ._optim_state_dict import register_optimizer_state_dict_hooks
 from ._state_dict import check_model_state_dict, register_state_dict_hooks
 from ._fsdp2_compat import FSDP2_ARGUMENTS, FSDP2Methods, UnshardHandle, fsdp2_arguments
@@ -144,6 +144,19 @@ class FSDPModule(ForeignWrapperGuard, _NoCopyMixin, _apply_guard.GuardedApply, F
         for s in self._states(recurse):
             s.sync_gradients = requires_gradient_sync
 
+    def reduce_accumulated_gradients(self) -> None:
+        """Reduce now, between steps, what backwards with ``set_requires_gradient_sync(False)``
+        accumulated in this module's tree (what the next synced backward would have reduced):
+        one reduction per flat group, then ``.grad`` is the reduced shard's view as after a synced
+        backward. For loops whose last backward is unsynced too (torch's pipelining schedules,
+        through ``composable_shard.integrations.pipelining``). Turns gradient sync back on."""
+        take_pending_init_values()
+        states = self._states(True)
+        for s in states:
+            s.sync_gradients = True
+        for root in {id(s.root): s.root for s in states if s.root is not None}.values():
+            reduce_accumulated(root)
+
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """False: keep parameters unsharded after backward (saves the next forward's
         all-gather; the caller must reshard before the optimizer updates the shards)."""
@@ -254,6 +267,9 @@ def fully_shard(
     mixed_precision = overrides.get("mixed_precision", mixed_precision)
     cpu_offload = overrides.get("cpu_offload", cpu_offload)
     ignored_states = overrides.get("ignored_states", ignored_states)
+    given = module
+    if isinstance(module, (list, tuple)) and len({id(m) for m in module}) == 1:
+        module = module[0]  # a list of one module is that module, as in FSDP2
     if isinstance(module, (list, tuple)):
         return _fully_shard_group(module, dict(process_group=process_group, mesh=mesh, policy=policy, strategy=strategy,
                                                mixed_precision=mixed_precision, cpu_offload=cpu_offload,
@@ -270,7 +286,7 @@ def fully_shard(
     plan = plan_agreed(module, kwargs)  # every refusal before the first collective, agreed by all ranks
     groups = {s: resolve_groups(s, process_group, mesh) for s in plan.strategies}
     apply_plan(plan, fully_shard.state(module), groups, _FSDPState, _finish_target)  # type: ignore[arg-type]  # state set by contract
-    return module
+    return given  # type: ignore[no-any-return]  # the module, or the list it came in
 
 
 class ModuleGroup(nn.Module):

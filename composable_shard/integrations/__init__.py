@@ -4,6 +4,8 @@
   ``accelerate`` for a model sharded by this library (``pip install composable_shard[hf]``).
 - :mod:`composable_shard.integrations.lightning`: Lightning's ``Trainer`` and ``Fabric``
   (``ShardedStrategy``, ``ShardedFabricStrategy``; ``pip install composable_shard[lightning]``).
+- :mod:`composable_shard.integrations.pipelining`: torch's pipeline schedules over stages whose
+  modules this library manages (``PipelineStage``; needs only torch).
 - ``_shared``: what both need of a managed model (managed modules, gradient sync off).
 
 Nothing here is imported by ``import composable_shard``: the core package depends on torch

@@ -245,6 +245,23 @@ def test_examples_on_two_ranks() -> None:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def _pipeline_example() -> None:
+    pipeline = _example("pipeline_train")
+    for schedule in ("1f1b", "gpipe"):
+        result = _quiet(pipeline.main, ["--schedule", schedule, "--steps", "6", "--width", "32", "--blocks", "2",
+                                        "--heads", "2", "--seq", "32", "--batch", "4", "--lr", "1e-2", *TEXT])
+        if dist.get_rank() >= 2:  # the last stage's ranks compute the loss
+            _assert_falls(result["losses"], f"pipeline_train {schedule}", 0.3)
+        else:
+            assert result["losses"] == {}, result
+
+
+def test_pipeline_example_on_four_ranks() -> None:
+    """``examples/pipeline_train.py``: 2 fully sharded stages x 2 data-parallel ranks, 1F1B and
+    GPipe; the loss falls (parity with one process is tests/distributed/test_pipelining.py's)."""
+    run_distributed(_pipeline_example, 4, timeout=120)
+
+
 def test_train_gpt_as_a_plain_script(capsys: pytest.CaptureFixture[str]) -> None:
     """``python examples/train_gpt.py`` (no torchrun) picks its own port and runs; ``--help``
     is argparse's, with the defaults filled in."""

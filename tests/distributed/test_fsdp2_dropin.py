@@ -199,6 +199,8 @@ def _surface() -> None:
         fully_shard(_build().layers[0], strategy=ShardingStrategy.SHARD_GRAD_OP, reshard_after_forward=True)
     with pytest.raises(ValueError, match="set_gradient_divide_factor: factor must be a positive"):
         model.set_gradient_divide_factor(0.0)
+    one = _build()
+    assert fully_shard([one.norm]) == [one.norm] and fully_shard.state(one.norm).module is one.norm  # as fully_shard(norm)
 
 
 # ---------------------------------------------------------------------------- torchtitan's apply_fsdp
@@ -408,8 +410,8 @@ def _meta_to_empty_init() -> None:
 
 
 def _pipelining_refused() -> None:
-    """A pipeline stage whose module fully_shard manages raises at its first forward, naming
-    pipelining and replicate (one stage per rank here: each rank's pipeline is its own)."""
+    """torch's own pipeline stage over modules fully_shard manages raises at the first forward,
+    naming ours (one stage per rank here: each rank's pipeline is its own)."""
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
     groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
@@ -424,7 +426,7 @@ def _pipelining_refused() -> None:
         schedule = ScheduleGPipe(stage, 2, loss_fn=lambda out, target: F.cross_entropy(out.flatten(0, 1),
                                                                                         target.flatten()))
         rows = _mine(_tokens(0))
-        with pytest.raises(RuntimeError, match="pipelining.*replicate"):
+        with pytest.raises(RuntimeError, match="pipelining.*composable_shard.integrations.pipelining.PipelineStage"):
             schedule.step(rows[:, :-1], target=rows[:, 1:])
 
 
