@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from composable_shard import FSDPModule, fully_shard, get_model_state_dict, unshard_params
 from composable_shard._collectives import record_collectives
+from tests._c10d_count import C10dCount
 from tests._harness import run_distributed, run_subtests
 from tests._models import Block, assert_params_close, full_grads, zip_same
 
@@ -118,25 +118,6 @@ def _torch_fsdp2() -> Any:
     return fsdp
 
 
-class _C10dCount(TorchDispatchMode):
-    """Counts the c10d collectives torch FSDP2 issues (gloo: ``_allgather_base_``,
-    ``_reduce_scatter_base_``) by kind."""
-
-    KINDS = {"_allgather_base_": "all_gather", "allgather_": "all_gather", "_reduce_scatter_base_": "reduce_scatter",
-             "reduce_scatter_": "reduce_scatter", "allreduce_": "all_reduce"}
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: Counter = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func.namespace == "c10d":
-            kind = self.KINDS.get(func.__name__.split(".")[0])
-            if kind is not None:
-                self.counts[kind] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _our_counts(step: Callable[[], None]) -> Counter:
     with record_collectives() as recorder:
         step()
@@ -144,7 +125,7 @@ def _our_counts(step: Callable[[], None]) -> Counter:
 
 
 def _fsdp2_counts(step: Callable[[], None]) -> Counter:
-    with _C10dCount() as mode:
+    with C10dCount() as mode:
         step()
     return Counter({k: v for k, v in mode.counts.items() if k in ("all_gather", "reduce_scatter")})
 

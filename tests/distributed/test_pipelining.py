@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from composable_shard import fully_shard, replicate, unshard_params
 from composable_shard._collectives import record_collectives
+from tests._c10d_count import C10dCount
 from tests._harness import run_distributed, run_subtests
 from tests._models import Block
 
@@ -60,21 +60,6 @@ def _mesh() -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-
-
-class _C10dCount(TorchDispatchMode):
-    KINDS = {"_allgather_base_": "all_gather", "allgather_": "all_gather", "_reduce_scatter_base_": "reduce_scatter",
-             "reduce_scatter_": "reduce_scatter", "allreduce_": "all_reduce"}
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: Counter = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kind = self.KINDS.get(func.__name__.split(".")[0]) if func.namespace == "c10d" else None
-        if kind is not None:
-            self.counts[kind] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _stage_indices(schedule: str, pp_rank: int) -> List[int]:
@@ -197,7 +182,7 @@ def _parity(schedule_name: str, how: str) -> None:
 def _fsdp2_counts(schedule_name: str) -> Counter:
     _, schedule, _ = _build_stages("fsdp2", schedule_name, "fully_shard")
     _step(schedule, 0)
-    with _C10dCount() as mode:
+    with C10dCount() as mode:
         _step(schedule, 1)
     return mode.counts
 
