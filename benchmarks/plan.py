@@ -75,13 +75,43 @@ INIT_SEED = 1234
 DATA_SEED = 5678
 MB = 1e6
 PHASES = ("fwd", "bwd", "opt", "zero")
-WORKLOADS = ("gpt4", "gpt16", "llama", "llama_nocache", "llama_frozen")
+WORKLOADS = ("gpt4", "gpt16", "llama", "llama_nocache", "llama_frozen", "gpt_uneven", "convnet")
 DEFAULT_WORKLOADS = ("gpt4", "gpt16", "llama")
 DEFAULT_FRACTIONS = "0,0.2,0.4,0.6,0.8,1"
 HUGE_BUDGET = 1 << 50  # above any peak: the plan of replicate(model)
 
 
 # ---------------------------------------------------------------------------- workloads
+class ConvBlock(nn.Module):
+    """A residual convolution block with batch norm (running statistics: buffers)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x + self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
+
+
+class ConvNet(nn.Module):
+    """A non-transformer workload: stem convolution, 4 residual blocks at 32x32, pooled linear head."""
+
+    def __init__(self, channels: int = 48, blocks: int = 4) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, channels, 3, padding=1)
+        self.blocks = nn.ModuleList([ConvBlock(channels) for _ in range(blocks)])
+        self.head = nn.Linear(channels, 10)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.stem(images))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean(dim=(2, 3)))
+
+
 class Workload:
     """One model, its per-rank batch and its loss; ``example``/``plan_loss`` are what plan() gets."""
 
@@ -101,10 +131,18 @@ class Workload:
                 for layer in model.model.layers[:2]:
                     layer.requires_grad_(False)
             return model
-        from benchmarks.model import GPT
+        if self.name == "convnet":
+            return ConvNet()
+        from benchmarks.model import GPT, WIDTH, Block
+        if self.name == "gpt_uneven":  # block 1 holds 10x the parameters of the others (its MLP 58x wide)
+            model = GPT(blocks=4)
+            model.blocks[1] = Block(hidden=58 * WIDTH)
+            return model
         return GPT(blocks={"gpt4": 4, "gpt16": 16}[self.name])
 
     def make_batch(self, gen: torch.Generator) -> Any:
+        if self.name == "convnet":
+            return torch.randn(self.batch, 3, 32, 32, generator=gen), torch.randint(0, 10, (self.batch,), generator=gen)
         from benchmarks.model import SEQ, VOCAB, make_batch
         tokens, targets = make_batch(self.batch, SEQ, VOCAB, gen)
         if self.name.startswith("llama"):  # the model shifts the labels itself
@@ -120,6 +158,8 @@ class Workload:
             return None
         import torch.nn.functional as F
         targets = batch[1]
+        if self.name == "convnet":
+            return lambda logits: F.cross_entropy(logits, targets)
         return lambda logits: F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
@@ -127,6 +167,8 @@ class Workload:
             return model(**batch).loss
         import torch.nn.functional as F
         tokens, targets = batch
+        if self.name == "convnet":
+            return F.cross_entropy(model(tokens), targets)
         return F.cross_entropy(model(tokens).reshape(-1, 4096), targets.reshape(-1))
 
 

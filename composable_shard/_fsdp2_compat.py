@@ -306,15 +306,23 @@ def refuse_pipelining(module: Any) -> None:
     own module is plain: its zero-bubble weight pass would ask the original parameters for
     gradients, which the forward never used (they are views of the shards)."""
     frame = inspect.currentframe()
-    while frame is not None:
-        if getattr(frame.f_locals.get("self"), "_composable_shard_stage", False):
-            return  # composable_shard.integrations.pipelining's stage drives it ([Note: Pipelined stages])
-        if str(frame.f_globals.get("__name__", "")).startswith(_PIPELINING):
-            raise RuntimeError(
-                f"torch.distributed.pipelining on a stage whose modules fully_shard manages ({type(module).__name__}): "
-                "torch's schedules finish each step through torch FSDP2's internal state (gradient sync is off for "
-                "every micro-batch until then), which composable_shard modules do not have, and their zero-bubble "
-                "weight pass asks the original parameters for gradients, which the sharded forward never used: "
-                "gradients would go unreduced or missing. Build the stage with "
-                "composable_shard.integrations.pipelining.PipelineStage (same arguments) instead of torch's.")
-        frame = frame.f_back  # type: ignore[assignment]  # None ends the loop
+    pipelining = False
+    try:
+        while frame is not None:
+            # Only torch's pipelining frames' locals are read: reading a frame's f_locals makes CPython keep a
+            # snapshot of them on the frame, which would keep a caller's deleted model alive.
+            if str(frame.f_globals.get("__name__", "")).startswith(_PIPELINING):
+                pipelining = True
+                if getattr(frame.f_locals.get("self"), "_composable_shard_stage", False):
+                    return  # composable_shard.integrations.pipelining's stage drives it ([Note: Pipelined stages])
+            frame = frame.f_back
+    finally:
+        del frame
+    if pipelining:
+        raise RuntimeError(
+            f"torch.distributed.pipelining on a stage whose modules fully_shard manages ({type(module).__name__}): "
+            "torch's schedules finish each step through torch FSDP2's internal state (gradient sync is off for "
+            "every micro-batch until then), which composable_shard modules do not have, and their zero-bubble "
+            "weight pass asks the original parameters for gradients, which the sharded forward never used: "
+            "gradients would go unreduced or missing. Build the stage with "
+            "composable_shard.integrations.pipelining.PipelineStage (same arguments) instead of torch's.")

@@ -24,6 +24,7 @@ on planted sources first: a checker that finds nothing would pass any package.
 from __future__ import annotations
 
 import ast
+import importlib
 import pathlib
 import types
 from typing import Dict, Iterator, List, Optional, Set, Tuple
@@ -274,7 +275,10 @@ def _overrides(cls: ast.ClassDef, aliases: Dict[str, str]) -> Iterator[Tuple[int
 
 def _torch_object(dotted: str) -> type:
     obj: object = torch
-    for part in dotted.split(".")[1:]:
+    parts = dotted.split(".")
+    for i, part in enumerate(parts[1:], 1):
+        if not hasattr(obj, part):  # a subpackage nobody imported yet (torch.distributed.pipelining)
+            importlib.import_module(".".join(parts[:i + 1]))
         obj = getattr(obj, part)
     return obj if isinstance(obj, type) else type(obj)
 
