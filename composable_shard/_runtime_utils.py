@@ -306,11 +306,10 @@ def _root_pre_forward(root: _FSDPState, args: Tuple[Any, ...], kwargs: Dict[str,
         if s.training_state is TrainingState.SUMMON_FULL_PARAMS:
             raise RuntimeError(f"{s.describe()}: forward called inside summon_full_params/unshard_params; "
                                "exit the context first.")
+        if s.awaiting_init:
+            _raise_awaiting_init(s)
     if root.ctx.final_callback_queued and not is_in_backward():
         recover_interrupted_backward(root)
-    awaiting = [s for s in root._all_fsdp_states if s.awaiting_init]
-    if awaiting:
-        _raise_awaiting_init(awaiting[0])
     if root.ctx.changes_to_check:
         _watch.raise_on_model_change(root._all_fsdp_states)
         root.ctx.changes_to_check = False

@@ -267,22 +267,16 @@ def fully_shard(
     mixed_precision = overrides.get("mixed_precision", mixed_precision)
     cpu_offload = overrides.get("cpu_offload", cpu_offload)
     ignored_states = overrides.get("ignored_states", ignored_states)
-    given = module
-    if isinstance(module, (list, tuple)) and len({id(m) for m in module}) == 1:
-        module = module[0]  # a list of one module is that module, as in FSDP2
-    if isinstance(module, (list, tuple)):
-        return _fully_shard_group(module, dict(process_group=process_group, mesh=mesh, policy=policy, strategy=strategy,
-                                               mixed_precision=mixed_precision, cpu_offload=cpu_offload,
-                                               ignored_modules=ignored_modules, ignored_states=ignored_states,
-                                               device_id=device_id, param_init_fn=param_init_fn,
-                                               sync_module_states=sync_module_states, forward_prefetch=forward_prefetch,
-                                               backward_prefetch=backward_prefetch,
-                                               limit_all_gathers=limit_all_gathers))
     kwargs = dict(process_group=process_group, mesh=mesh, policy=policy, strategy=strategy,
                   mixed_precision=mixed_precision, cpu_offload=cpu_offload, ignored_modules=ignored_modules,
                   ignored_states=ignored_states, device_id=device_id, param_init_fn=param_init_fn,
                   sync_module_states=sync_module_states, forward_prefetch=forward_prefetch,
                   backward_prefetch=backward_prefetch, limit_all_gathers=limit_all_gathers)
+    given = module
+    if isinstance(module, (list, tuple)) and len({id(m) for m in module}) == 1:
+        module = module[0]  # a list of one module is that module, as in FSDP2
+    if isinstance(module, (list, tuple)):
+        return _fully_shard_group(module, kwargs)
     plan = plan_agreed(module, kwargs)  # every refusal before the first collective, agreed by all ranks
     groups = {s: resolve_groups(s, process_group, mesh) for s in plan.strategies}
     apply_plan(plan, fully_shard.state(module), groups, _FSDPState, _finish_target)  # type: ignore[arg-type]  # state set by contract

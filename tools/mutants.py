@@ -470,7 +470,7 @@ MUTANTS: List[Mutant] = [
        _FLAT, "                group.flat_param.data.copy_(full.view(self.world_size, -1)[self.rank])",
        "                group.flat_param.data.copy_(full.view(self.world_size, -1)[0])", _DROPIN),
     _m("deferred_forward_allowed", "a model sharded uninitialized on meta trains on garbage",
-       _RUNTIME, "    if awaiting:\n        _raise_awaiting_init(awaiting[0])", "    if False:\n        _raise_awaiting_init(awaiting[0])",
+       _RUNTIME, "        if s.awaiting_init:\n            _raise_awaiting_init(s)", "        if False:\n            _raise_awaiting_init(s)",
        _DROPIN, "tests/distributed/test_fully_shard_errors.py::test_errors_are_clear_and_leave_the_model_unchanged"),
 ]
 

@@ -28,7 +28,7 @@ library manages: :class:`PipelineStage`, used in place of torch's.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Set, Tuple
 
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
@@ -78,16 +78,27 @@ class PipelineStage(_TorchPipelineStage):
     def _manages_fully_sharded(self) -> bool:
         return any(isinstance(m, FSDPModule) for m in self.submod.modules())
 
-    def _managed(self) -> Tuple[List[FSDPModule], List[ReplicateModule]]:
-        sharded = [m for m in self.submod.modules() if isinstance(m, FSDPModule)]
-        replicated = [m for m in self.submod.modules() if isinstance(m, ReplicateModule)]
-        return sharded, replicated  # type: ignore[return-value]  # filtered by class
+    def _managed(self) -> Tuple[List[FSDPModule], List[ReplicateModule], List[FSDPModule]]:
+        """The stage's fully sharded modules, its replicated ones, and the outermost fully sharded
+        ones (each reduces its subtree), found once: not per micro-batch."""
+        found = self.__dict__.get("_cs_managed")
+        if found is None:
+            sharded = [m for m in self.submod.modules() if isinstance(m, FSDPModule)]
+            replicated = [m for m in self.submod.modules() if isinstance(m, ReplicateModule)]
+            outermost: List[FSDPModule] = []
+            covered: Set[int] = set()
+            for m in sharded:  # pre-order: an outer module comes before what it contains
+                if id(m) not in covered:
+                    outermost.append(m)
+                    covered.update(id(x) for x in m.modules())
+            found = self.__dict__["_cs_managed"] = (sharded, replicated, outermost)
+        return found  # type: ignore[no-any-return,return-value]  # built above
 
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: Dict[str, Any],
                                    last_backward: bool = False) -> Any:
         """A micro-batch's backward: fully sharded modules accumulate and stay unsharded,
         replicated ones accumulate until the last micro-batch (see [Note: Pipelined stages])."""
-        sharded, replicated = self._managed()
+        sharded, replicated, _ = self._managed()
         if backward_type != "full" and sharded:
             raise _refusal(f"this schedule (a {backward_type!r} backward pass)")
         saved = self.__dict__.setdefault("_cs_reshard_after_backward", {})
@@ -109,11 +120,10 @@ class PipelineStage(_TorchPipelineStage):
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         """End of the step: the fully sharded modules' accumulated gradients reduced once and
         resharded; then torch's scaling by the number of micro-batches."""
-        sharded, replicated = self._managed()
+        _, replicated, outermost = self._managed()
         for state, value in self.__dict__.pop("_cs_reshard_after_backward", {}).values():
             state.reshard_after_backward = value  # as configured (NO_SHARD keeps)
-        roots = [m for m in sharded if not any(o is not m and any(x is m for x in o.modules()) for o in sharded)]
-        for m in roots:
+        for m in outermost:
             m.reduce_accumulated_gradients()
         for r in replicated:
             r.set_requires_gradient_sync(True)
