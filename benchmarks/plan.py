@@ -3,6 +3,7 @@ the smallest feasible peak and one unsharded process's peak (and one above it), 
 train, and compare the measured peak per rank with the plan's prediction and the budget.
 
     python benchmarks/plan.py                         # gpt4, gpt16, llama at W=2: the table; exit 1 on a miss
+    python benchmarks/plan.py --workloads gpt_uneven,convnet,llama_v256,llama_frozen   # issue 44's workloads
     python benchmarks/plan.py --workloads gpt4 --fractions 0,0.5,1 [--world-size 2] [--tolerance 0.10]
                               [--warmup 1] [--steps 2] [--timed-steps 3] [--above 1.10] [--no-trace]
                               [--json PATH]
@@ -18,13 +19,19 @@ Needs the counting allocator (a C++ compiler and ``ninja``, as benchmarks/memory
              default loss, ``output.loss``), LlamaConfig's defaults otherwise (``use_cache=True``:
              a DynamicCache is filled in training too). llama_nocache (not in the default set):
              the same with ``use_cache=False``, as HF's own gradient checkpointing sets it.
+             llama_frozen: llama_nocache with layers 0-1 ``requires_grad=False``. llama_v256:
+             llama_nocache with a 256-token vocabulary (a small head: plans peak inside a block's
+             backward, SHARD_GRAD_OP ones among them). gpt_uneven: gpt4 with block 1's MLP 58x
+             wide (10x the parameters of the others). convnet: a stem convolution, 4 residual
+             conv + BatchNorm blocks (48 channels, 32x32), a pooled linear head, cross-entropy.
              Model seed 1234, data seed 5678 + rank.
   reference  "one unsharded process's peak": the plain model (no API) trained in one process
              under the counting allocator, measured as below. The smallest feasible peak is the
              plan's own (``plan`` with a budget of 1 B fails, naming it); both are computed
              per workload before the budgets are chosen.
-  budgets    smallest + f * (unsharded - smallest) for each f of ``--fractions`` (default six, 0 to
-             1), plus ``--above`` (1.10) x max(unsharded peak, the plan's predicted peak of
+  budgets    smallest + f * (top - smallest) for each f of ``--fractions`` (default six, 0 to
+             1; top = max(unsharded peak, the plan's predicted peak of ``replicate(model)``, which
+             is the larger when one block dominates the model)), plus ``--above`` (1.10) x max(unsharded peak, the plan's predicted peak of
              ``replicate(model)``): there the plan must be all ``replicate``, no checkpointing.
   ranks      per budget, W fresh gloo ranks install the allocator first, make their batches, then
              (baseline = live bytes) build the model, ``plan(model, batch, memory_budget=budget,
@@ -75,7 +82,7 @@ INIT_SEED = 1234
 DATA_SEED = 5678
 MB = 1e6
 PHASES = ("fwd", "bwd", "opt", "zero")
-WORKLOADS = ("gpt4", "gpt16", "llama", "llama_nocache", "llama_frozen", "gpt_uneven", "convnet")
+WORKLOADS = ("gpt4", "gpt16", "llama", "llama_nocache", "llama_frozen", "llama_v256", "gpt_uneven", "convnet")
 DEFAULT_WORKLOADS = ("gpt4", "gpt16", "llama")
 DEFAULT_FRACTIONS = "0,0.2,0.4,0.6,0.8,1"
 HUGE_BUDGET = 1 << 50  # above any peak: the plan of replicate(model)
@@ -122,9 +129,10 @@ class Workload:
         torch.manual_seed(INIT_SEED)
         if self.name.startswith("llama"):
             from transformers import LlamaConfig, LlamaForCausalLM
-            config = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+            vocab = 256 if self.name == "llama_v256" else 4096  # a small head: the peak falls in a block's backward
+            config = LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                                  num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=128)
-            if self.name in ("llama_nocache", "llama_frozen"):  # what HF's own gradient checkpointing sets
+            if self.name in ("llama_nocache", "llama_frozen", "llama_v256"):  # what HF's own gradient checkpointing sets
                 config.use_cache = False
             model = LlamaForCausalLM(config)
             if self.name == "llama_frozen":  # fine-tuning the upper half: layers 0-1 frozen
@@ -144,7 +152,7 @@ class Workload:
         if self.name == "convnet":
             return torch.randn(self.batch, 3, 32, 32, generator=gen), torch.randint(0, 10, (self.batch,), generator=gen)
         from benchmarks.model import SEQ, VOCAB, make_batch
-        tokens, targets = make_batch(self.batch, SEQ, VOCAB, gen)
+        tokens, targets = make_batch(self.batch, SEQ, 256 if self.name == "llama_v256" else VOCAB, gen)
         if self.name.startswith("llama"):  # the model shifts the labels itself
             return {"input_ids": tokens, "labels": tokens}
         return tokens, targets
@@ -368,9 +376,11 @@ def run_workload(name: str, args: argparse.Namespace, so_path: str) -> Dict[str,
     unsharded = local["peak"]
     print(f"{name}: one unsharded process's peak {unsharded / MB:.2f} MB (measured), smallest feasible "
           f"{smallest / MB:.2f} MB, replicate(model) predicted {replicate_peak / MB:.2f} MB")
-    if unsharded <= smallest:
-        return {"workload": name, "error": f"unsharded peak {unsharded:,} B <= the smallest plan's {smallest:,} B"}
-    budgets = [(f"{f:g}", smallest + int(f * (unsharded - smallest))) for f in args.fractions]
+    top = max(unsharded, replicate_peak)  # a model dominated by one block may not shrink below one process
+    if top <= smallest:
+        return {"workload": name, "error": f"unsharded peak {unsharded:,} B and replicate(model)'s {replicate_peak:,} B "
+                                           f"<= the smallest plan's {smallest:,} B"}
+    budgets = [(f"{f:g}", smallest + int(f * (top - smallest))) for f in args.fractions]
     budgets.append(("above", int(math.ceil(args.above * max(unsharded, replicate_peak)))))
     rows = []
     for where, budget in budgets:

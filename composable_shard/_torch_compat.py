@@ -121,6 +121,16 @@ versions checked (2.6, 2.11, 2.13, unless an entry says otherwise).
   torch 2.13 names the single-tensor collectives ``all_gather_single``/``reduce_scatter_single``
   and deprecates ``all_gather_into_tensor``/``reduce_scatter_tensor`` (a ``FutureWarning``);
   older versions have only the old names.
+* ``fake_tensor_mode``, ``is_fake``, ``without_fake_mode``, ``TorchDispatchMode``, ``storage_id``: ``plan`` runs a model's forward and
+  backward on fake tensors (shapes and storage sizes, no memory) to measure its activations
+  without holding them ([Note: Planning on fake tensors] in ``_plan_profile.py``). torch's fake
+  tensors are ``torch._subclasses.fake_tensor.FakeTensorMode`` and a mode that sees every
+  operator's outputs subclasses ``torch.utils._python_dispatch.TorchDispatchMode``; neither has a
+  public name (``torch.utils.flop_counter`` is built on the second); nor do ``FakeTensor`` (the
+  class) and ``unset_fake_temporarily`` (run operators for real inside the mode, for positions
+  computed from ``arange``: see ``_plan_profile._Tracker``). Views share a storage, and a
+  fake or meta storage's ``data_ptr`` is 0 for all of them, so a storage is told apart by its
+  ``UntypedStorage._cdata`` (the address of its storage object). Read in 2.13.
 """
 
 from __future__ import annotations
@@ -136,7 +146,7 @@ import torch.nn as nn
 __all__ = ["queue_backward_callback", "set_module_tensor", "is_in_backward", "tensor_version", "make_wrapper_tensor",
            "is_compiled_module", "plain_torch_function", "as_plain", "FOREACH_NORM", "BATCH_NORM", "tensor_slots",
            "is_view_of", "DCPTensorHooks", "DCP_METADATA_GLOBALS", "GuardedApplyHook", "ALL_GATHER_SINGLE",
-           "REDUCE_SCATTER_SINGLE", "FSDP2_MODULE_MARKER", "TORCH_FSDP_PACKAGE", "torch_state_dict_request", "UNKNOWN_REQUEST", "TORCH_STATE_DICT_MODULE", "TO_COPY"]
+           "REDUCE_SCATTER_SINGLE", "FSDP2_MODULE_MARKER", "TORCH_FSDP_PACKAGE", "torch_state_dict_request", "UNKNOWN_REQUEST", "TORCH_STATE_DICT_MODULE", "TO_COPY", "fake_tensor_mode", "is_fake", "without_fake_mode", "TorchDispatchMode", "storage_id"]
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:
@@ -322,3 +332,34 @@ def _fsdp2_module_marker() -> Tuple[type, ...]:
 
 
 FSDP2_MODULE_MARKER: Tuple[type, ...] = _fsdp2_module_marker()
+
+
+# ---------------------------------------------------------------------------- planning on fake tensors
+# plan() measures activations on fake tensors ([Note: Planning on fake tensors] in _plan_profile.py):
+# FakeTensorMode, the dispatch-mode base class and a storage's identity have no public names.
+
+
+def fake_tensor_mode() -> Any:
+    """A new ``FakeTensorMode`` taking real tensors as constants (imported when first needed)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode  # private, see module docstring
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def is_fake(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a fake tensor."""
+    from torch._subclasses.fake_tensor import FakeTensor  # private, see module docstring
+    return isinstance(tensor, FakeTensor)
+
+
+def without_fake_mode() -> Any:
+    """A context in which operators run on real tensors although a ``FakeTensorMode`` is active."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily  # private, see module docstring
+    return unset_fake_temporarily()
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402  # private, see module docstring
+
+
+def storage_id(tensor: torch.Tensor) -> int:
+    """An identity of ``tensor``'s storage, shared by its views, unique while the storage lives
+    (a fake or meta tensor's ``data_ptr`` is 0 for every storage)."""
+    return int(tensor.untyped_storage()._cdata)

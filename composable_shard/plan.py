@@ -2,14 +2,15 @@
 ``replicate`` / ``checkpoint`` so that a training step fits a per-rank memory budget at the least
 communication plus recomputation.
 
-Three steps, each in its own section below:
+Three steps:
 
-1. **Measure** (:func:`_profile`): one real forward and backward of the plain model on one rank's
-   batch, in the planning process, attributes every storage autograd saves for backward to the
-   block whose forward saved it (``torch.autograd.graph.saved_tensors_hooks`` + module forward
-   hooks), records each block's inputs (what a checkpointed block keeps) and times each block's
-   forward (the recomputation cost). Parameters, gradients, buffers and RNG state are left as
-   they were.
+1. **Measure** (``_plan_profile.profile_model``): one forward and backward of the model on fake
+   tensors (shapes and storage sizes, no memory: [Note: Planning on fake tensors] in
+   ``_plan_profile.py``) attributes every storage autograd saves for backward to the block whose
+   forward saved it, records each block's inputs (what a checkpointed block keeps), outputs, the
+   most its backward holds at once and its forward FLOPs; on a materialized model each block's
+   forward is also timed on the real device (the recomputation cost). Parameters, gradients,
+   buffers and RNG state are left as they were.
 2. **Count** (:func:`_static_description`): parameter, gradient, optimizer bytes and bytes sent
    per step come from ``describe``'s own planning code (``_describe._plan_handles``, which is
    ``fully_shard``'s planning, and ``_describe``'s row arithmetic), so ``describe(model)`` after
@@ -19,7 +20,10 @@ Three steps, each in its own section below:
 
 [Note: Plan cost model]
   seconds(plan) = bytes_sent(plan) / bandwidth + sum of the measured forward seconds of the
-  checkpointed blocks (each is recomputed once in backward). ``bytes_sent`` is counted exactly as
+  checkpointed blocks (each is recomputed once in backward): timed on the real device, or, when
+  the model is on the meta device (``profile="fake"``), its counted forward FLOPs at
+  ``device_flops`` FLOP/s (``DEFAULT_DEVICE_FLOPS``, 400e12: about 40% of an H100's dense bf16
+  peak). ``bytes_sent`` is counted exactly as
   ``describe``/``record_collectives`` count (bytes this rank sends per step). ``bandwidth``
   defaults to 10 GB/s (``DEFAULT_BANDWIDTH``): the order of an inter-node link or PCIe; on gloo
   over loopback it is lower, which only makes communication dearer relative to recomputation,
@@ -31,9 +35,7 @@ Three steps, each in its own section below:
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, cast
@@ -42,15 +44,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _describe, _shard_math
+from . import _data_parallel, _describe, _shard_math
 from ._describe import ModuleRow, ShardingDescription
+from ._plan_profile import DEFAULT_DEVICE_FLOPS, PROFILES, BlockProfile, Profile, agreed, profile_model
 from ._tree_utils import tensors_in
 from .api import MixedPrecision, ShardingStrategy
 from .checkpoint import checkpoint
 from .fully_shard import fully_shard
 from .replicate import replicate
 
-__all__ = ["plan", "MemoryPlan", "Choice", "BlockProfile", "DEFAULT_BANDWIDTH"]
+__all__ = ["plan", "MemoryPlan", "Choice", "BlockProfile", "DEFAULT_BANDWIDTH", "DEFAULT_DEVICE_FLOPS"]
 
 DEFAULT_BANDWIDTH = 10e9  # bytes per second, see [Note: Plan cost model]
 OPTIMIZERS = ("adamw", "adam", "sgd")  # the optimizers whose state plan() counts (sgd: no momentum, no state)
@@ -81,27 +84,6 @@ class Choice:
     strategy: str
     checkpoint: bool
     prefetch: bool
-
-
-@dataclass(frozen=True)
-class BlockProfile:
-    """What one block's measured forward and backward showed (bytes of one rank's batch)."""
-
-    fqn: str
-    saved_bytes: int  # storages its forward saved for backward, each once, parameters excluded
-    input_bytes: int  # storages of its tensor inputs not already an earlier block's input
-    largest_saved: int  # the largest of those storages (its backward's transient gradients scale with it)
-    forward_seconds: float  # one forward of the block: what recomputing it costs
-
-
-@dataclass(frozen=True)
-class _Profile:
-    blocks: Tuple[BlockProfile, ...]
-    before_bytes: int  # saved outside every block before the first block's forward (embeddings)
-    after_bytes: int  # saved outside every block after it (final norm, head, loss)
-    after_largest: int  # the largest storage saved there (e.g. the log-softmax of the logits)
-    after_params: frozenset  # ids of the parameters of modules outside the blocks that ran after them (the head)
-    batch_bytes: int = 0  # the example batch's own storages: alive for the whole step
 
 
 @dataclass(frozen=True)
@@ -142,6 +124,7 @@ class MemoryPlan:
     description: ShardingDescription
     profiles: Tuple[BlockProfile, ...]
     mixed_precision: Optional[MixedPrecision] = None
+    profile_source: str = "measured"  # "measured": forward times from the device; "fake": FLOPs at a device model
 
     @property
     def param_bytes(self) -> int:
@@ -210,13 +193,15 @@ class MemoryPlan:
 def plan(model: nn.Module, example_batch: Any, *, memory_budget: int, world_size: Optional[int] = None,
          block_types: Optional[Iterable[type]] = None, optimizer: str = "adamw",
          mixed_precision: Optional[MixedPrecision] = None, loss_fn: Optional[Callable[[Any], torch.Tensor]] = None,
-         bandwidth: float = DEFAULT_BANDWIDTH) -> MemoryPlan:
+         bandwidth: float = DEFAULT_BANDWIDTH, profile: str = "auto",
+         device_flops: float = DEFAULT_DEVICE_FLOPS) -> MemoryPlan:
     """Choose, per block, ``fully_shard`` (FULL_SHARD or SHARD_GRAD_OP) or ``replicate``, with or
     without ``checkpoint``, so that one training step (forward, backward, optimizer step) fits in
     ``memory_budget`` bytes per rank at the least communication plus recomputation.
 
-    Activations are measured by one real forward and backward of ``model`` on ``example_batch``
-    (one rank's batch) in this process; parameter, gradient and optimizer bytes and bytes sent come
+    Activations are measured by one forward and backward of ``model`` on ``example_batch`` (one
+    rank's batch) on fake tensors, which hold no memory: a model built on the meta device (no
+    weights) plans as well as a materialized one, in a small fraction of its budget. Parameter, gradient and optimizer bytes and bytes sent come
     from the same planning code as :func:`describe`. The model is left exactly as it was
     (parameters, gradients, buffers, RNG state); nothing is applied until :meth:`MemoryPlan.apply`.
     A budget above one unsharded process's peak gives ``replicate(model)`` and no checkpointing.
@@ -229,9 +214,10 @@ def plan(model: nn.Module, example_batch: Any, *, memory_budget: int, world_size
         optim = torch.optim.AdamW(model.parameters())
 
     Args:
-        model: a plain model (nothing applied yet), on the device it will train on.
+        model: a plain model (nothing applied yet), on the device it will train on or on the
+            meta device.
         example_batch: one rank's batch: a tensor (``model(x)``), a tuple or list (``model(*b)``)
-            or a dict (``model(**b)``).
+            or a dict (``model(**b)``); meta tensors are fine (only shapes and dtypes are read).
         memory_budget: bytes per rank the step may hold (tensor bytes above what exists before
             the model is built).
         world_size: ranks to plan for (default: the process group's size).
@@ -243,18 +229,30 @@ def plan(model: nn.Module, example_batch: Any, *, memory_budget: int, world_size
         loss_fn: ``loss_fn(output)`` -> scalar for the measured backward; default ``output.loss``
             when the output has one, else ``output.float().sum()`` (a tuple: its first element).
         bandwidth: bytes per second of the cost model ([Note: Plan cost model]).
+        profile: where the recomputation costs come from: ``"measured"`` times each block's
+            forward on the model's device, ``"fake"`` counts its FLOPs at ``device_flops``;
+            ``"auto"`` (default) measures a materialized model and counts a meta-device one.
+            The bytes are the fake pass's either way.
+        device_flops: FLOP/s of the device model of ``profile="fake"``.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, or a batch/loss of an unsupported type.
         ValueError: a budget that is not a positive int, an unknown optimizer, no block found,
-            a model already sharded, or no plan fits (the message gives the smallest peak
-            achievable and the ranks or batch it would take).
+            a model already sharded, a model whose forward cannot run on fake tensors
+            (data-dependent operations), ``profile="measured"`` on a meta-device model, or no
+            plan fits (the message gives the smallest peak achievable and the ranks or batch it
+            would take).
     """
     world = _check_arguments(model, memory_budget, world_size, optimizer, bandwidth)
-    _refuse_meta(model, example_batch)
+    source = _profile_source(model, example_batch, profile, device_flops)
     blocks = _find_blocks(model, block_types)
-    profile = _agreed(_profile(model, blocks, example_batch, loss_fn))
-    search = _Search(model, blocks, profile, world, optimizer, mixed_precision, bandwidth)
+    group: Optional[List[Optional[dist.ProcessGroup]]] = \
+        [None] if dist.is_initialized() and dist.get_world_size() > 1 else None
+    measured = agreed(_data_parallel.agreed(  # a refusal on one rank ([Note: Agreed refusals]) raises on every rank
+        "plan", group, lambda: profile_model(model, blocks, example_batch, loss_fn, mixed_precision, source, device_flops),
+        lambda profile: [[b.fqn] for b in profile.blocks], applied="a plan", what="ranks disagree on the blocks plan() found (plan the same model, with the same block_types, on every rank)",
+        tag="plan::profile", digest_first=True))
+    search = _Search(model, blocks, measured, world, optimizer, mixed_precision, bandwidth)
     assignment = _choose(search, memory_budget)
     return search.result(assignment, memory_budget)
 
@@ -276,16 +274,22 @@ def _check_arguments(model: nn.Module, memory_budget: int, world_size: Optional[
     return _describe._planned_world_size(world_size)
 
 
-def _refuse_meta(model: nn.Module, example_batch: Any) -> None:
-    """A model or batch on the meta device has no storage: the measured forward and backward would
-    count every activation as 0 bytes and return a plan that runs out of memory at step one."""
+def _profile_source(model: nn.Module, example_batch: Any, profile: str, device_flops: float) -> str:
+    """``"fake"`` or ``"measured"`` for ``profile`` ([Note: Measured times] in ``_plan_profile.py``)."""
+    if profile not in PROFILES:
+        raise ValueError(f"plan: profile must be one of {list(PROFILES)}, got {profile!r}")
+    if not (isinstance(device_flops, (int, float)) and not isinstance(device_flops, bool) and 0 < device_flops < math.inf):
+        raise ValueError(f"plan: device_flops must be a positive, finite number of FLOP/s, got {device_flops!r}")
     meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
-    batch_meta = any(t.is_meta for t in tensors_in(example_batch, None))
-    if meta or batch_meta:
+    meta_batch = any(t.is_meta for t in tensors_in(example_batch, None))
+    if profile == "measured" and (meta or meta_batch):
         where = f"parameters and buffers such as {meta[:3]}" if meta else "the example batch"
-        raise ValueError(f"plan: {where} of {type(model).__name__} are on the meta device, which has no storage: "
-                         "every activation would be measured as 0 bytes and the plan would not fit on real devices. "
-                         "Plan a materialized model (on the device it will train on) with a real example batch.")
+        raise ValueError(f"plan: profile='measured' times each block's forward on the real device, but {where} "
+                         f"of {type(model).__name__} are on the meta device; use profile='fake' (recomputation "
+                         "priced by FLOPs at device_flops) or plan the materialized model")
+    if profile == "auto":
+        return "fake" if meta or meta_batch else "measured"
+    return profile
 
 
 def _find_blocks(model: nn.Module, block_types: Optional[Iterable[type]]) -> List[Tuple[str, nn.Module]]:
@@ -319,162 +323,6 @@ def _find_blocks(model: nn.Module, block_types: Optional[Iterable[type]]) -> Lis
 
 def _numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
-
-
-# ---------------------------------------------------------------------------- measure
-def _call(model: nn.Module, batch: Any) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return model(batch)
-    if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    if isinstance(batch, dict):
-        return model(**batch)
-    raise TypeError(f"plan: example_batch must be a tensor, tuple, list or dict, got {type(batch).__name__}")
-
-
-def _default_loss(output: Any) -> torch.Tensor:
-    loss = getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        output = output[0]
-    if isinstance(output, torch.Tensor):
-        return output.float().sum()
-    raise TypeError(f"plan: cannot make a loss of a {type(output).__name__} output; pass loss_fn=...")
-
-
-class _Recorder:
-    """Forward hooks and a pack hook attributing saved storages to the block running."""
-
-    def __init__(self, blocks: List[Tuple[str, nn.Module]], param_keys: Set[Tuple[int, int]]) -> None:
-        self.blocks = blocks
-        self.param_keys = param_keys  # parameter storages: counted as parameters, not activations
-        self.reset()
-
-    def reset(self) -> None:
-        """Forget the warm-up pass: the recorded pass starts from nothing."""
-        blocks = self.blocks
-        self.running: List[int] = []  # indices of the blocks whose forward is running
-        self.started = False  # a block's forward has begun
-        self.owner: Dict[Tuple[int, int], int] = {}  # storage -> block index, -1 before, -2 after the blocks
-        self.nbytes: Dict[Tuple[int, int], int] = {}
-        self.inputs: List[Set[Tuple[int, int]]] = [set() for _ in blocks]
-        self.seconds: List[float] = [0.0] * len(blocks)
-        self.t0: List[float] = [0.0] * len(blocks)
-        self.after_params: Set[int] = set()  # parameters of modules outside the blocks run after them
-
-    def pre(self, index: int, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
-        self.running.append(index)
-        self.started = True
-        for t in tensors_in((args, kwargs), None):
-            self.inputs[index].add(_key(t))
-            self.nbytes.setdefault(_key(t), t.untyped_storage().nbytes())
-        self.t0[index] = time.perf_counter()
-
-    def outside(self, module: nn.Module) -> None:
-        if self.started and not self.running:
-            self.after_params.update(id(p) for p in module.parameters(recurse=False))
-
-    def post(self, index: int) -> None:
-        self.seconds[index] += time.perf_counter() - self.t0[index]
-        self.running.pop()
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        key = _key(t)
-        if key[0] and key not in self.param_keys and key not in self.owner:
-            self.owner[key] = self.running[0] if self.running else (-2 if self.started else -1)
-            self.nbytes[key] = t.untyped_storage().nbytes()
-        return t
-
-
-def _key(t: torch.Tensor) -> Tuple[int, int]:
-    storage = t.untyped_storage()
-    return (storage.data_ptr(), storage.nbytes())
-
-
-def _profile(model: nn.Module, blocks: List[Tuple[str, nn.Module]], batch: Any,
-             loss_fn: Optional[Callable[[Any], torch.Tensor]]) -> _Profile:
-    """One warm-up and one recorded forward + backward of ``model`` on ``batch``.
-
-    [Note: Measured, not estimated] The activations of a real step at the real shape are what
-    decide the peak, and they depend on kernels (attention saves its probabilities or not),
-    dtypes and the batch: counting what autograd actually saves is exact where a formula would
-    be a guess. Gradients come from ``torch.autograd.grad`` so no ``.grad`` is touched; buffers
-    (running statistics) are copied back and the RNG is forked, so the model is left as it was.
-    The second pass is the recorded one: the first pays one-time costs (allocations, lazily
-    built caches) that would inflate the measured forward times."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    param_keys = {_key(p) for p in model.parameters()}
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    recorder = _Recorder(blocks, param_keys)
-    handles = []
-    for index, (_, block) in enumerate(blocks):
-        handles.append(block.register_forward_pre_hook(
-            lambda m, a, k, i=index: recorder.pre(i, a, k), with_kwargs=True))
-        handles.append(block.register_forward_hook(lambda m, a, o, i=index: recorder.post(i)))
-    inside = {id(m) for _, block in blocks for m in block.modules()}
-    for m in model.modules():
-        if id(m) not in inside and any(True for _ in m.parameters(recurse=False)):
-            handles.append(m.register_forward_pre_hook(lambda mod, a: recorder.outside(mod)))
-    try:
-        with torch.random.fork_rng(devices=devices):
-            _step(model, batch, loss_fn, params, None)
-            recorder.reset()
-            _step(model, batch, loss_fn, params, recorder)
-    finally:
-        for h in handles:
-            h.remove()
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
-    batch_bytes = sum({_key(t): t.untyped_storage().nbytes() for t in tensors_in(batch, None)}.values())
-    return dataclasses.replace(_summarize(recorder), batch_bytes=batch_bytes)
-
-
-def _agreed(profile: _Profile) -> _Profile:
-    """Rank 0's measured forward times on every rank of the process group, if there is one.
-
-    [Note: Ranks choose alike] The choice depends on measured times, which differ between
-    ranks; ranks that chose differently would apply different handles and hang in their first
-    collective. So every rank plans with rank 0's times (one broadcast; bytes are equal anyway)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return profile
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    seconds = torch.tensor([b.forward_seconds for b in profile.blocks], dtype=torch.float64, device=device)
-    dist.broadcast(seconds, src=0)  # a tensor, not an object collective: no pickle (tests/unit/test_no_pickle.py)
-    blocks = tuple(BlockProfile(b.fqn, b.saved_bytes, b.input_bytes, b.largest_saved, float(t))
-                   for b, t in zip(profile.blocks, seconds.tolist()))
-    return dataclasses.replace(profile, blocks=blocks)
-
-
-def _step(model: nn.Module, batch: Any, loss_fn: Optional[Callable[[Any], torch.Tensor]],
-          params: List[nn.Parameter], recorder: Optional[_Recorder]) -> None:
-    pack = recorder.pack if recorder is not None else (lambda t: t)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        output = _call(model, batch)
-        loss = (loss_fn or _default_loss)(output)
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise TypeError("plan: loss_fn(output) must return a scalar tensor")
-    del output
-    if params and loss.requires_grad:
-        torch.autograd.grad(loss, params, allow_unused=True)
-
-
-def _summarize(recorder: _Recorder) -> _Profile:
-    saved: List[List[int]] = [[] for _ in recorder.blocks]
-    before: List[int] = []
-    after: List[int] = []
-    for key, owner in recorder.owner.items():
-        (before if owner == -1 else after if owner == -2 else saved[owner]).append(recorder.nbytes[key])
-    seen: Set[Tuple[int, int]] = set()
-    profiles = []
-    for index, (fqn, _) in enumerate(recorder.blocks):
-        fresh = recorder.inputs[index] - seen
-        seen |= recorder.inputs[index]
-        profiles.append(BlockProfile(fqn, sum(saved[index]), sum(recorder.nbytes[k] for k in fresh),
-                                     max(saved[index], default=0), recorder.seconds[index]))
-    return _Profile(tuple(profiles), sum(before), sum(after), max(after, default=0), frozenset(recorder.after_params))
 
 
 # ---------------------------------------------------------------------------- count
@@ -521,7 +369,7 @@ class _Search:
     """Everything the choice needs, computed once: each block's cost under each option, the
     root's, the whole-model ``replicate``'s, and the measured profile."""
 
-    def __init__(self, model: nn.Module, blocks: List[Tuple[str, nn.Module]], profile: _Profile, world: int,
+    def __init__(self, model: nn.Module, blocks: List[Tuple[str, nn.Module]], profile: Profile, world: int,
                  optimizer: str, mixed_precision: Optional[MixedPrecision], bandwidth: float) -> None:
         self.model, self.blocks, self.profile, self.world = model, blocks, profile, world
         self.optimizer, self.mixed_precision, self.bandwidth = optimizer, mixed_precision, bandwidth
@@ -594,7 +442,7 @@ class _Search:
                                    o.checkpoint, o.api == "fully_shard") for (fqn, _), o in zip(self.blocks, options)]
         return MemoryPlan(self.world, budget, moment.total, dict(moment.parts), moment.name,
                           description.collective_bytes(), tuple(choices), self.seconds(assignment), self.bandwidth,
-                          description, self.profile.blocks, self.mixed_precision)
+                          description, self.profile.blocks, self.mixed_precision, self.profile.source)
 
 
 def _row_bytes(row: ModuleRow) -> int:
@@ -662,24 +510,29 @@ def _simulate(s: _Search, assignment: Optional[Sequence[_Option]], scale: float 
     parameter, ``_runtime_utils.py``), so the step's memory is a sum of known terms at a few
     candidate moments; the peak is the largest:
       always            parameters (shards, replicas), optimizer state, replicate's buckets
-      end of forward    + every kept activation (a checkpointed block keeps its inputs only),
-                        the root's unsharded parameters (kept for its backward) and those of
-                        SHARD_GRAD_OP blocks
-      start of backward + two tensors of the size of the largest one saved after the blocks (the
-                        gradients of the loss's input and of the logits), and the last block's
+      forward after     + every kept activation (a checkpointed block keeps its inputs only),
+      the blocks        the root's unsharded parameters (kept for its backward) and those of
+                        SHARD_GRAD_OP blocks, and the most the head and loss held at once in the
+                        measured forward (their saved tensors and temporaries)
+      start of backward the same with the head's saved tensors and the most the backward of the
+                        loss and head held above them, the head's parameters' gradients (they wait
+                        for the root's reduction at the end of backward); and the last block's
                         unsharded parameters if FULL_SHARD (the root's pre-backward prefetches them)
       backward of k     blocks after k have freed their activations; k's are alive (recomputed if
-                        checkpointed) with two of its largest as transient gradients; k's unsharded
+                        checkpointed), with the gradient of its outputs and the most its measured
+                        backward held above its start (a checkpointed block: at least its input,
+                        that gradient and the most its measured forward held); k's unsharded
                         parameters and the prefetched ones of k-1 ([Note: Handle order]), k's
-                        unsharded gradient, the gradients of the root's parameters used after the
+                        unsharded gradient and k+1's (its reduce-scatter is waited on only when
+                        k's gradient buffer is made, at the end of k's backward), the gradients of the root's parameters used after the
                         blocks (the head), the sharded gradients of the blocks after k, and
                         replicate's gradients of the blocks k.. (copied into the buckets only at
                         the end of backward)
       end of backward   all gradients, the root's unsharded parameters and gradient
       optimizer step    all gradients, two temporaries of the largest parameter piece (AdamW
                         without foreach; SGD none)
-    A forward-time peak (a block's own temporaries) stays below the start of backward, which holds
-    the same activations plus the loss's gradients. Calibrated against benchmarks/memory.py's
+    A block's forward-time peak (its own temporaries) stays below its backward's, which holds the
+    same saved tensors and more. Calibrated against benchmarks/memory.py's
     counting allocator (see the verification table in benchmarks/NOTES.md)."""
     t = _step_terms(s, assignment)
     prof = s.profile
@@ -688,9 +541,15 @@ def _simulate(s: _Search, assignment: Optional[Sequence[_Option]], scale: float 
     before, after = int(scale * (prof.before_bytes + prof.batch_bytes)), int(scale * prof.after_bytes)
     base = {"parameters": t.params, "optimizer": t.optimizer}
     prefetched = t.costs[-1].unsharded if t.options and t.options[-1].strategy is _FULL else 0
-    moments = [_Moment("start of backward", dict(
-        base, gradients=t.buckets, activations=before + sum(kept) + after + int(2 * scale * prof.after_largest),
-        unsharded_in_flight=t.root_unsharded + sum(zero2) + prefetched, communication=0))]
+    in_flight = t.root_unsharded + sum(zero2)
+    moments = [
+        _Moment("forward after the blocks", dict(
+            base, gradients=t.buckets, activations=before + sum(kept) + int(scale * prof.head_forward_extra),
+            unsharded_in_flight=in_flight, communication=0)),
+        _Moment("start of backward", dict(
+            base, gradients=t.buckets + (0 if t.head_grad_is_comm else t.head_grad),
+            activations=before + sum(kept) + after + int(scale * prof.head_backward_extra),
+            unsharded_in_flight=in_flight + prefetched, communication=t.head_grad if t.head_grad_is_comm else 0))]
     moments.extend(_backward_moment(s, t, k, kept, zero2, before, scale) for k in reversed(range(len(kept))))
     all_grads = t.buckets + sum(c.row.grad_bytes for c, o in zip(t.costs, t.options) if o.api == "fully_shard") \
         + t.root_shard_grad
@@ -717,7 +576,12 @@ def _backward_moment(s: _Search, t: _Step, k: int, kept: List[int], zero2: List[
         in_flight += costs[k - 1].unsharded
     head = 0 if t.head_grad_is_comm else t.head_grad
     comm = costs[k].unsharded_grad + (t.head_grad if t.head_grad_is_comm else 0)
-    acts = before + sum(kept[:k]) + int(scale * (block.saved_bytes + 2 * block.largest_saved))
+    if k + 1 < len(costs) and options[k + 1].api == "fully_shard":  # its reduce-scatter is waited on only when
+        comm += costs[k + 1].unsharded_grad                          # k's own gradient is made, at k's end
+    own = block.saved_bytes + block.output_bytes + block.backward_extra
+    if options[k].checkpoint:  # its recomputation: the kept input, the arriving gradient and the forward's most
+        own = max(own, block.input_bytes + block.output_bytes + block.forward_extra)
+    acts = before + sum(kept[:k]) + int(scale * own)
     return _Moment(f"backward of {block.fqn}", {
         "parameters": t.params, "optimizer": t.optimizer, "gradients": t.buckets + shard_grads + rep_grads + head,
         "activations": acts, "unsharded_in_flight": in_flight, "communication": comm})
@@ -776,12 +640,17 @@ def _representatives(s: _Search, assignment: List[_Option]) -> List[int]:
 
 
 def _relax(s: _Search, assignment: List[_Option], budget: int) -> List[_Option]:
-    for k in range(len(assignment)):
-        for option in sorted(s.options, key=lambda o: s.seconds(assignment[:k] + [o] + assignment[k + 1:])):
-            trial = assignment[:k] + [option] + assignment[k + 1:]
-            if s.seconds(trial) < s.seconds(assignment) and _simulate(s, trial).total <= budget:
-                assignment = trial
-                break
+    """Each block to the cheapest option that still fits, over every block again until none
+    moves: the plan returned is minimal (no one block can move to a cheaper option and fit)."""
+    moved = True
+    while moved:
+        moved = False
+        for k in range(len(assignment)):
+            for option in sorted(s.options, key=lambda o: s.seconds(assignment[:k] + [o] + assignment[k + 1:])):
+                trial = assignment[:k] + [option] + assignment[k + 1:]
+                if s.seconds(trial) < s.seconds(assignment) and _simulate(s, trial).total <= budget:
+                    assignment, moved = trial, True
+                    break
     return assignment
 
 
@@ -824,7 +693,7 @@ def _render(p: MemoryPlan) -> str:
         body.append(((c.fqn or "<root>") + (" (root)" if not c.fqn else ""), c.api, c.strategy,
                      "yes" if c.checkpoint else "no", "yes" if c.prefetch else "no",
                      f"{b.saved_bytes:,}" if b else "-", f"{b.input_bytes:,}" if b else "-",
-                     f"{b.forward_seconds * 1e3:.2f}" if b else "-"))
+                     f"{b.forward_seconds * 1e3:.3f}" if b else "-"))
     widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
     numeric = {5, 6, 7}
 
@@ -836,7 +705,8 @@ def _render(p: MemoryPlan) -> str:
     out.append(f"predicted peak per rank {_mb(p.predicted_peak)} at the {p.peak_moment}: " +
                ", ".join(f"{k} {_mb(p.components[k])}" for k in COMPONENTS))
     out.append(f"per step: {_mb(p.bytes_sent)} sent by this rank; cost {p.cost_seconds * 1e3:.2f} ms at "
-               f"{p.bandwidth / 1e9:g} GB/s plus recomputation")
+               f"{p.bandwidth / 1e9:g} GB/s plus recomputation (fwd ms: " +
+               ("timed on the device)" if p.profile_source == "measured" else "counted FLOPs at the device model)"))
     return "\n".join(out)
 
 

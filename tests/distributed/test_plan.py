@@ -71,7 +71,29 @@ def _applied_matches_describe(kind: str, where: str) -> None:
         plan(model, batch, memory_budget=10 ** 12)
 
 
+def _ranks_with_batches_of_other_lengths() -> None:
+    """Rank 1's batch is twice as long: every rank plans for the longer one (the largest bytes
+    any rank measured) and all choose the same plan; they chose apart before, and then hung in
+    the first collective of handles they did not share."""
+    model, _ = _llama()
+    seq = 8 * (1 + dist.get_rank())
+    ids = torch.randint(0, 64, (2, seq), generator=torch.Generator().manual_seed(0))
+    longest = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    alone = plan(model, {"input_ids": longest, "labels": longest}, memory_budget=10 ** 12, world_size=1)
+    everyone = []
+    for budget in (10 ** 12, alone.predicted_peak * 7 // 10):
+        p = plan(model, {"input_ids": ids, "labels": ids}, memory_budget=budget)
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, ([(c.fqn, c.api, c.strategy, c.checkpoint) for c in p.choices],
+                                          [b.saved_bytes for b in p.profiles]))
+        assert all(g == gathered[0] for g in gathered), gathered
+        assert gathered[0][1] == [b.saved_bytes for b in alone.profiles], (gathered[0][1], alone.profiles)
+        everyone.append(gathered[0][0])
+    assert everyone[0] != everyone[1], everyone  # the second budget needs sharding: the ranks agree on a real choice
+
+
 def _all() -> None:
+    _ranks_with_batches_of_other_lengths()
     run_subtests(_applied_matches_describe, {"kind": ["toy", "llama"], "where": ["all_replicate", "smallest", "between"]})
     model, batch = _toy()
     fully_shard(model)

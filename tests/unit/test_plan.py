@@ -1,6 +1,6 @@
 """``plan()`` without a process group (``world_size=2``): the chosen annotation at the edges of
-the budget, the infeasible error, bad input, and a model left exactly as it was by the measured
-forward/backward.
+the budget, the infeasible error, bad input, and a model left exactly as it was by the fake
+forward/backward and the timed forward.
 
 Without these, a planner that checkpoints when nothing needs it, that silently returns a plan
 over budget, or that leaves the measurement's gradients, buffers or RNG draws in the model
@@ -123,16 +123,19 @@ def test_frozen_parameters_under_replicate_are_counted() -> None:
     assert p.components["parameters"] == total == p.param_bytes, (p.components, total, p.param_bytes)
 
 
-def test_meta_device_model_or_batch_is_refused() -> None:
-    """Meta tensors have no storage: every activation would be measured as 0 bytes (a Llama-8B
-    shaped plan then predicted 32 KB of activations and fit anywhere). Refused, naming why."""
+def test_meta_device_model_or_batch_is_measured_not_counted_as_zero() -> None:
+    """Meta tensors have no storage: measured on them, every activation was 0 bytes (a Llama-8B
+    shaped plan predicted 32 KB of activations and fit anywhere), then they were refused. Now
+    the fake pass measures a meta model or batch as the materialized one."""
+    real, batch = _toy()
     with torch.device("meta"):
-        model = Toy()
-    with pytest.raises(ValueError, match=r"plan: parameters and buffers such as \['emb.weight'.*meta device.*0 bytes"):
-        plan(model, torch.randint(0, VOCAB, (BATCH, SEQ)), memory_budget=10 ** 9, world_size=2)
-    real, _ = _toy()
-    with pytest.raises(ValueError, match=r"plan: the example batch of Toy are on the meta device"):
-        plan(real, torch.empty(BATCH, SEQ, dtype=torch.long, device="meta"), memory_budget=10 ** 9, world_size=2)
+        meta = Toy()
+    expected = plan(real, batch, memory_budget=10 ** 12, world_size=2).profiles
+    assert all(b.saved_bytes > BATCH * SEQ * WIDTH * 4 for b in expected), expected
+    for model, example in ((meta, batch), (real, batch.to("meta")), (meta, batch.to("meta"))):
+        p = plan(model, example, memory_budget=10 ** 12, world_size=2)
+        assert [(b.saved_bytes, b.input_bytes) for b in p.profiles] == [(b.saved_bytes, b.input_bytes) for b in expected]
+        assert p.profile_source == "fake"
 
 
 def test_planning_leaves_parameters_grads_buffers_and_rng_untouched() -> None:
