@@ -42,14 +42,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _collectives, _watch
+from . import _collectives
 from ._common_utils import _FSDPState
+from ._divergence import taking_part as _taking_part
 from ._traversal_utils import _NON_COMPOSABLE_APIS
 from ._validation import check_bool
 from .contract import _get_module_state, _get_registry
 
 __all__ = ["check_composition", "normalize_device", "check_set_requires_gradient_sync", "broadcast_from_rank0",
-           "agree_used_and_steps", "agreement_groups", "agreed"]
+           "agreement_groups", "agreed"]
 
 BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024  # the init broadcast's chunk bound, as DDP's
 _T = TypeVar("_T")
@@ -140,10 +141,6 @@ def check_set_requires_gradient_sync(module: Any, requires_gradient_sync: Any, r
     check_bool(api, "recurse", recurse)
 
 
-def _taking_part(groups: Sequence[Optional[dist.ProcessGroup]]) -> List[dist.ProcessGroup]:
-    return [g for g in groups if g is not None and dist.get_world_size(g) > 1]
-
-
 @torch.no_grad()
 def broadcast_from_rank0(tensors: Sequence[torch.Tensor], groups: Sequence[Optional[dist.ProcessGroup]],
                          device: Optional[torch.device], *, tag: str) -> None:
@@ -171,28 +168,6 @@ def broadcast_from_rank0(tensors: Sequence[torch.Tensor], groups: Sequence[Optio
             for t in members:
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
-
-
-def agree_used_and_steps(local_used: Sequence[int], steps: Sequence[int],
-                         groups: Sequence[Optional[dist.ProcessGroup]], device: torch.device, *,
-                         api: str, consequence: str, tag: str) -> Tuple[List[int], Optional[str]]:
-    """One int32 all-reduce per group in ``groups`` (None and single-rank groups skipped, in order) of
-    ``local_used + steps``; returns (the used flags summed over every rank of the groups, the
-    StepCounter.disagreement message when ``steps`` is non-empty and more than one rank took part, else
-    None)."""
-    taking_part = _taking_part(groups)
-    values = [int(v) for v in local_used] + [int(s) for s in steps]
-    if not taking_part or not values:
-        return values[:len(local_used)], None
-    summed = torch.tensor(values, dtype=torch.int32, device=device)
-    num_ranks = 1
-    for group in taking_part:
-        _collectives.all_reduce(summed, group, tag=tag).wait()
-        num_ranks *= dist.get_world_size(group)
-    out: List[int] = summed.tolist()
-    disagreement = _watch.StepCounter.disagreement(steps, out[len(local_used):], num_ranks, api, consequence) \
-        if steps else None
-    return out[:len(local_used)], disagreement
 
 
 # ---------------------------------------------------------------------------- agreed refusals

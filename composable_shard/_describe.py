@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
+from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Protocol, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -60,8 +60,25 @@ from ._mixed_precision import full_precision_classes
 from ._torch_compat import unwrap_compiled
 from ._watch import STEP_AGREEMENT_INTS
 from .api import BackwardPrefetch, MixedPrecision, ShardingStrategy
-from .contract import _get_module_state
-from .replicate import _ReplicateState
+from .contract import _get_api_state, _get_module_state
+
+REPLICATE_API = "replicate"  # replicate's name in the contract registry (its state is read by that name)
+
+
+class _ReplicateBucket(Protocol):
+    @property
+    def nbytes(self) -> int: ...
+
+
+class _ReplicateState(Protocol):
+    """What ``describe`` reads of ``replicate``'s state (``replicate._ReplicateState``), which it
+    may not import: ``replicate`` sits above ``describe`` in the import layers."""
+
+    params: List[nn.Parameter]
+    buckets: Sequence[_ReplicateBucket]
+    world_size: int
+    reduce_dtype: Optional[torch.dtype]
+
 
 __all__ = ["describe", "ShardingDescription", "ModuleRow"]
 
@@ -243,7 +260,7 @@ def describe(model: nn.Module, *, world_size: Optional[int] = None, policy: Any 
 
 # ---------------------------------------------------------------------------- runtime
 def _is_managed(model: nn.Module) -> bool:
-    return any(_get_module_state(m, _FSDPState) is not None or _get_module_state(m, _ReplicateState) is not None
+    return any(_get_module_state(m, _FSDPState) is not None or _get_api_state(m, REPLICATE_API) is not None
                for m in model.modules())
 
 
@@ -290,7 +307,7 @@ def _runtime_replicas(model: nn.Module) -> Dict[int, _ReplicateState]:
     out: Dict[int, _ReplicateState] = {}
     seen: Set[int] = set()
     for m in model.modules():
-        state = _get_module_state(m, _ReplicateState)
+        state = _get_api_state(m, REPLICATE_API)
         if state is not None and id(state) not in seen:
             seen.add(id(state))
             out[id(m)] = state

@@ -29,18 +29,19 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import TYPE_CHECKING, Any, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 
+import torch
 import torch.distributed as dist
 
-from . import _collectives
+from . import _collectives, _watch
 
 if TYPE_CHECKING:
     from ._common_utils import _FSDPState
     from ._flat_param import FlatParamHandle
 
 __all__ = ["debug_mode", "agree_before_gather", "agree_before_reduction", "agree_on_failed_backward",
-           "check_layout_across_ranks"]
+           "check_layout_across_ranks", "taking_part", "agree_used_and_steps"]
 
 GATHER, REDUCE, FAILED_BACKWARD = 1, 2, 3
 
@@ -140,3 +141,31 @@ def _describe_mismatch(root: "_FSDPState", mine: List[Any], theirs: List[Any], o
             if ga != gb:
                 return head + f"in handle {fqn_a or '<root>'!r}: {ga} here vs {gb} there."
     return head + "parameter layouts differ."
+
+
+# ---------------------------------------------------------------------------- the end-of-backward agreement
+def taking_part(groups: Sequence[Optional[dist.ProcessGroup]]) -> List[dist.ProcessGroup]:
+    """The groups of ``groups`` with more than one rank (None: skipped)."""
+    return [g for g in groups if g is not None and dist.get_world_size(g) > 1]
+
+
+def agree_used_and_steps(local_used: Sequence[int], steps: Sequence[int],
+                         groups: Sequence[Optional[dist.ProcessGroup]], device: torch.device, *,
+                         api: str, consequence: str, tag: str) -> Tuple[List[int], Optional[str]]:
+    """One int32 all-reduce per group in ``groups`` (None and single-rank groups skipped, in order) of
+    ``local_used + steps``; returns (the used flags summed over every rank of the groups, the
+    StepCounter.disagreement message when ``steps`` is non-empty and more than one rank took part, else
+    None)."""
+    taking = taking_part(groups)
+    values = [int(v) for v in local_used] + [int(s) for s in steps]
+    if not taking or not values:
+        return values[:len(local_used)], None
+    summed = torch.tensor(values, dtype=torch.int32, device=device)
+    num_ranks = 1
+    for group in taking:
+        _collectives.all_reduce(summed, group, tag=tag).wait()
+        num_ranks *= dist.get_world_size(group)
+    out: List[int] = summed.tolist()
+    disagreement = _watch.StepCounter.disagreement(steps, out[len(local_used):], num_ranks, api, consequence) \
+        if steps else None
+    return out[:len(local_used)], disagreement

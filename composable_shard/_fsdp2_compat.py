@@ -31,28 +31,27 @@
   gradient sync off for every micro-batch: the step would end with gradients never reduced; and
   its zero-bubble schedules' weight pass asks the original parameters for gradients, which a
   sharded forward never used. A fully sharded module's first forward under a pipelining
-  schedule raises (:func:`refuse_pipelining`), as does ``set_is_last_backward`` from there, unless
+  schedule raises (``_interop.refuse_pipelining``), as does ``set_is_last_backward`` from there, unless
   the stage is ``composable_shard.integrations.pipelining.PipelineStage``, which drives them
   itself ([Note: Pipelined stages] there).
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Dict, List, Optional
 
 import torch.nn as nn
 
 from ._common_utils import _FSDPState
+from ._interop import refuse_pipelining
 from ._torch_compat import TORCH_FSDP_PACKAGE
 from ._validation import check_bool, check_real
 from .api import CPUOffload, MixedPrecision, ShardingStrategy
 
-__all__ = ["FSDP2Methods", "UnshardHandle", "fsdp2_arguments", "FSDP2_ARGUMENTS", "refuse_pipelining"]
+__all__ = ["FSDP2Methods", "UnshardHandle", "fsdp2_arguments", "FSDP2_ARGUMENTS"]
 
 FSDP2_ARGUMENTS = ("reshard_after_forward", "mp_policy", "offload_policy", "ignored_params", "shard_placement_fn",
                    "dp_mesh_dims")
-_PIPELINING = "torch.distributed.pipelining"
 
 
 # ---------------------------------------------------------------------------- arguments
@@ -297,32 +296,3 @@ class FSDP2Methods:
         raise RuntimeError(f"{type(self).__name__} is managed by composable_shard's fully_shard, not torch's FSDP2, "
                            "and has no FSDP2 state: code that reaches for FSDP2's internals (_get_fsdp_state, "
                            "fully_shard.state(...)) cannot drive it. Use the public FSDPModule methods.")
-
-
-def refuse_pipelining(module: Any) -> None:
-    """See [Note: FSDP2 drop-in]: a root's first forward (lazy init) and ``set_is_last_backward``
-    (what torch's pipelining calls first, before each micro-batch's backward and at the end of
-    the step) raise when torch's pipelining called them. At the first forward also a stage whose
-    own module is plain: its zero-bubble weight pass would ask the original parameters for
-    gradients, which the forward never used (they are views of the shards)."""
-    frame = inspect.currentframe()
-    pipelining = False
-    try:
-        while frame is not None:
-            # Only torch's pipelining frames' locals are read: reading a frame's f_locals makes CPython keep a
-            # snapshot of them on the frame, which would keep a caller's deleted model alive.
-            if str(frame.f_globals.get("__name__", "")).startswith(_PIPELINING):
-                pipelining = True
-                if getattr(frame.f_locals.get("self"), "_composable_shard_stage", False):
-                    return  # composable_shard.integrations.pipelining's stage drives it ([Note: Pipelined stages])
-            frame = frame.f_back
-    finally:
-        del frame
-    if pipelining:
-        raise RuntimeError(
-            f"torch.distributed.pipelining on a stage whose modules fully_shard manages ({type(module).__name__}): "
-            "torch's schedules finish each step through torch FSDP2's internal state (gradient sync is off for "
-            "every micro-batch until then), which composable_shard modules do not have, and their zero-bubble "
-            "weight pass asks the original parameters for gradients, which the sharded forward never used: "
-            "gradients would go unreduced or missing. Build the stage with "
-            "composable_shard.integrations.pipelining.PipelineStage (same arguments) instead of torch's.")

@@ -79,7 +79,7 @@ from ._torch_compat import FOREACH_NORM as _FOREACH_NORM, as_plain, plain_torch_
 from ._tree_utils import convert
 
 __all__ = ["ShardedGrad", "PartialNorm", "as_sharded_grad", "shard_source", "total_grad_norm", "ForeignWrapperGuard",
-           "refuse_lightning_model_parallel"]
+           "refuse_lightning_model_parallel", "refuse_pipelining"]
 
 _CLIP_MODULE = "torch.nn.utils.clip_grad"
 _VECTOR_NORM = torch.linalg.vector_norm
@@ -305,7 +305,7 @@ _FOREIGN = {("distributed", "__init__"): "DistributedDataParallel",
             ("replicate", "init"): "torch's composable replicate",
             ("replicate_with_fsdp", "replicate"): "torch's composable replicate (replicate_with_fsdp)"}
 _CONTRACT = ("contract", "wrapper")  # torch's @contract decorator: torch.distributed._composable.contract
-_OWN_PACKAGE = __name__.rsplit(".", 1)[0]
+_OWN_PACKAGE = __name__.split(".", 1)[0]  # the top-level package, wherever this module sits in it
 
 
 def _foreign_wrapper(frame: Optional[FrameType]) -> Optional[Tuple[str, Optional[FrameType]]]:
@@ -427,3 +427,36 @@ def refuse_lightning_model_parallel(frame: Optional[FrameType]) -> None:
                 "ShardedFabricStrategy() with Fabric): it trains the same way and saves checkpoints that resume at "
                 "any world size. Nothing was saved or loaded.")
         frame = frame.f_back
+
+
+# ---------------------------------------------------------------------------- torch's pipelining
+_PIPELINING = "torch.distributed.pipelining"
+
+
+def refuse_pipelining(module: Any) -> None:
+    """See [Note: FSDP2 drop-in] in ``_fsdp2_compat.py``: a root's first forward (lazy init) and ``set_is_last_backward``
+    (what torch's pipelining calls first, before each micro-batch's backward and at the end of
+    the step) raise when torch's pipelining called them. At the first forward also a stage whose
+    own module is plain: its zero-bubble weight pass would ask the original parameters for
+    gradients, which the forward never used (they are views of the shards)."""
+    frame = inspect.currentframe()
+    pipelining = False
+    try:
+        while frame is not None:
+            # Only torch's pipelining frames' locals are read: reading a frame's f_locals makes CPython keep a
+            # snapshot of them on the frame, which would keep a caller's deleted model alive.
+            if str(frame.f_globals.get("__name__", "")).startswith(_PIPELINING):
+                pipelining = True
+                if getattr(frame.f_locals.get("self"), "_composable_shard_stage", False):
+                    return  # composable_shard.integrations.pipelining's stage drives it ([Note: Pipelined stages])
+            frame = frame.f_back
+    finally:
+        del frame
+    if pipelining:
+        raise RuntimeError(
+            f"torch.distributed.pipelining on a stage whose modules fully_shard manages ({type(module).__name__}): "
+            "torch's schedules finish each step through torch FSDP2's internal state (gradient sync is off for "
+            "every micro-batch until then), which composable_shard modules do not have, and their zero-bubble "
+            "weight pass asks the original parameters for gradients, which the sharded forward never used: "
+            "gradients would go unreduced or missing. Build the stage with "
+            "composable_shard.integrations.pipelining.PipelineStage (same arguments) instead of torch's.")

@@ -32,7 +32,6 @@ import torch
 import torch.nn as nn
 
 from ._common_utils import _FSDPState
-from ._state_dict import register_buffer_dtypes
 from ._traversal_utils import owned_modules
 from ._tree_utils import convert
 
@@ -50,11 +49,14 @@ def full_precision_classes(state_or_mp: Any) -> Tuple[type, ...]:
     return tuple(mp._module_classes_to_ignore)
 
 
-def apply_mixed_precision(state: _FSDPState, module: nn.Module) -> None:
-    """Called by ``fully_shard`` once per fully sharded module, after its handle is built."""
+def apply_mixed_precision(state: _FSDPState, module: nn.Module) -> List[Tuple[nn.Module, Dict[str, torch.dtype]]]:
+    """Called by ``fully_shard`` once per fully sharded module, after its handle is built.
+    Returns the modules whose buffers it cast, each with its buffers' original dtypes (what the
+    state dict restores: ``_state_dict.register_buffer_dtypes``, called by ``fully_shard``)."""
+    cast: List[Tuple[nn.Module, Dict[str, torch.dtype]]] = []
     mp = state.mixed_precision
     if mp is None:
-        return
+        return cast
     if state.handle is not None:
         state.handle.keep_low_precision_grads = bool(mp.keep_low_precision_grads)
     classes = full_precision_classes(mp)
@@ -65,7 +67,10 @@ def apply_mixed_precision(state: _FSDPState, module: nn.Module) -> None:
     if mp.buffer_dtype is not None:
         for _, m in owned_modules(state, module):
             if not isinstance(m, classes):
-                _cast_buffers(m, mp.buffer_dtype)
+                original = _cast_buffers(m, mp.buffer_dtype)
+                if original:
+                    cast.append((m, original))
+    return cast
 
 
 def _module_dtype(module: nn.Module) -> Optional[torch.dtype]:
@@ -107,11 +112,11 @@ def _keep_full_precision(module: nn.Module) -> None:
     module.register_forward_hook(post_hook, with_kwargs=True)
 
 
-def _cast_buffers(module: nn.Module, dtype: torch.dtype) -> None:
+def _cast_buffers(module: nn.Module, dtype: torch.dtype) -> Dict[str, torch.dtype]:
+    """Cast ``module``'s own floating buffers to ``dtype``; returns their original dtypes."""
     original: Dict[str, torch.dtype] = {}
     for name, buf in list(module.named_buffers(recurse=False, remove_duplicate=False)):
         if buf.is_floating_point() and buf.dtype != dtype:
             original[name] = buf.dtype
             setattr(module, name, buf.to(dtype))  # an existing buffer slot: keeps its persistence
-    if original:
-        register_buffer_dtypes(module, original)
+    return original

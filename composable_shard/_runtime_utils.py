@@ -74,10 +74,10 @@ import torch
 import torch.nn as nn
 
 from . import _collectives, _divergence, _watch
-from ._data_parallel import agree_used_and_steps
+from ._divergence import agree_used_and_steps
 from ._common_utils import HandleTrainingState, RootContext, TrainingState, WeakHook, _FSDPState
 from ._flat_param import FlatGroup, FlatParamHandle, take_pending_init_values
-from ._fsdp2_compat import refuse_pipelining
+from ._interop import refuse_pipelining
 from ._streams import Streams
 from ._torch_compat import is_in_backward, queue_backward_callback
 from ._traversal_utils import _get_fsdp_states, owned_modules

@@ -56,6 +56,13 @@ def _get_module_state(module: nn.Module, state_cls: Optional[Type[_S]] = None) -
     return None
 
 
+def _get_api_state(module: nn.Module, api_name: str) -> Optional[Any]:
+    """The state ``api_name`` attached to ``module`` (None: none), for code that may not import
+    the API's module (``describe`` reads ``replicate``'s state below it in the import layers)."""
+    states: Dict[str, _State] = module.__dict__.get(_STATE_KEY, {})
+    return states.get(api_name)
+
+
 def _register_api(module: nn.Module, api_name: str, state: Optional[_State] = None) -> None:
     """Record ``api_name`` in ``module``'s registry and attach ``state`` if given (one per API).
 

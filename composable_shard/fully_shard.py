@@ -28,7 +28,7 @@ from ._mixed_precision import apply_mixed_precision
 from ._validation import check_bool, check_real
 from ._runtime_utils import issue_unshard, reduce_accumulated, register_runtime_hooks
 from ._optim_state_dict import register_optimizer_state_dict_hooks
-from ._state_dict import check_model_state_dict, register_state_dict_hooks
+from ._state_dict import check_model_state_dict, register_buffer_dtypes, register_state_dict_hooks
 from ._fsdp2_compat import FSDP2_ARGUMENTS, FSDP2Methods, UnshardHandle, fsdp2_arguments
 from ._interop import ForeignWrapperGuard, shard_source, total_grad_norm
 from ._torch_compat import FSDP2_MODULE_MARKER, set_module_tensor
@@ -342,7 +342,8 @@ def _finish_target(module: nn.Module, state: _FSDPState) -> None:
     register_runtime_hooks(state, module)
     register_state_dict_hooks(state)
     register_optimizer_state_dict_hooks(state)
-    apply_mixed_precision(state, module)
+    for cast, original in apply_mixed_precision(state, module):
+        register_buffer_dtypes(cast, original)
 
 
 def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

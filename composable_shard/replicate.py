@@ -59,9 +59,10 @@ from torch.utils.hooks import RemovableHandle
 
 from . import _apply_guard, _collectives, _watch
 from ._common_utils import WeakGroup, WeakHook
-from ._data_parallel import (_expand_ignored_modules, _ignored_params, _join, _managed_modules, agree_used_and_steps,
+from ._data_parallel import (_expand_ignored_modules, _ignored_params, _join, _managed_modules,
                              agreed, agreement_groups, broadcast_from_rank0, check_composition,
                              check_set_requires_gradient_sync, normalize_device)
+from ._divergence import agree_used_and_steps
 from ._validation import (check_dense_gradients, check_device_id, check_mixed_precision, check_modules,
                           check_process_group, check_real)
 from ._interop import ForeignWrapperGuard
