@@ -1,7 +1,8 @@
 """What ``fully_shard`` and ``replicate`` both do, written once: the modules and parameters a
 call manages, the agreement on every refusal before the first collective, ``device_id``'s device,
-the rank-0 broadcast at init, ``set_requires_gradient_sync``'s checks, and the end-of-backward
-agreement on the parameters used on some rank (with [Note: Step agreement] of ``_watch.py``).
+the rank-0 broadcast at init and ``set_requires_gradient_sync``'s checks. The end-of-backward
+agreement on the parameters used on some rank, which both also share, is part of the step and lives
+with the other agreements in ``_divergence.py`` (with [Note: Step agreement] of ``_watch.py``).
 
 [Note: One behaviour for both APIs]  Where the two had drifted, both do what a DDP/FSDP user expects:
 * ``set_requires_gradient_sync`` takes a bool, else ``TypeError`` naming the module, flag unchanged

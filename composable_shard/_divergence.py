@@ -1,4 +1,6 @@
-"""Ranks that disagree raise on every rank instead of hanging, aborting or computing garbage.
+"""Ranks that disagree raise on every rank instead of hanging, aborting or computing garbage;
+and the end-of-backward agreement of ``fully_shard`` and ``replicate`` on the parameters used on
+some rank and the optimizer steps taken (:func:`agree_used_and_steps`).
 
 Collectives are matched across ranks by the order they are issued in, not by what they carry.
 Ranks that all-gather different handles (data-dependent control flow), or where one rank skips a
