@@ -179,7 +179,7 @@ def test_measured_and_fake_sources_choose_alike() -> None:
         with pytest.raises(ValueError) as info:
             plan(model, batch, memory_budget=1, world_size=2, loss_fn=loss_fn)
         smallest = int(str(info.value).split("the smallest peak is ")[1].split(" B")[0].replace(",", ""))
-        for f in (0.0, 0.25, 0.5, 0.75, 1.0):
+        for f in (0.0, 0.5, 1.0):
             budget = smallest + int(f * (measured.predicted_peak - smallest))
             m = plan(model, batch, memory_budget=budget, world_size=2, loss_fn=loss_fn, profile="measured")
             k = plan(model, batch, memory_budget=budget, world_size=2, loss_fn=loss_fn, profile="fake",
@@ -284,7 +284,7 @@ def _small_scale_saved(shape: Dict[str, int], width: int, seq: int) -> float:
     return saved[1] * (4096 / seq) / ratio
 
 
-@pytest.mark.parametrize("name, worlds", [("8b", [8, 64, 512]), ("70b", [64])])
+@pytest.mark.parametrize("name, worlds", [("8b", [8, 512]), ("70b", [64])])
 def test_large_config_plans_on_fake_tensors_in_seconds(name: str, worlds: List[int]) -> None:
     """Llama-3-8B/70B-shaped configs on the meta device, 4096 tokens per rank, bf16 compute, an
     80 GB budget: under 2 minutes per plan and 4 GiB of process memory on this machine; the
