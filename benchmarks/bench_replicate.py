@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from benchmarks.model import GPT, SEQ, VOCAB, make_batch
-from composable_shard import _collectives
+from composable_shard._runtime import collectives as _collectives
 from composable_shard.replicate import replicate
 
 BATCH = 4

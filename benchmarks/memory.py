@@ -232,7 +232,7 @@ def held_storages(name: str, module: torch.nn.Module, model: torch.nn.Module, op
         add("params", p)
     if name == "fully_shard":
         try:
-            from composable_shard._traversal_utils import _get_fsdp_handles
+            from composable_shard._runtime.traversal import _get_fsdp_handles
             for h in _get_fsdp_handles(model):
                 for g in getattr(h, "groups", []):
                     add("params", getattr(g, "flat_param", None))

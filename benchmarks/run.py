@@ -401,7 +401,7 @@ def _worker(rank: int, args: argparse.Namespace, cfg: Dict[str, Any], names: Lis
     def measure_grads(c: Contender) -> None:
         c.info["grad_bytes"] = grad_bytes(c)
 
-    from composable_shard._collectives import record_collectives
+    from composable_shard._runtime.collectives import record_collectives
     t_warm = time.perf_counter()
     for i in range(args.warmup):
         last = i == args.warmup - 1

@@ -4,6 +4,13 @@
 (activation recomputation) apply to modules in place and mix freely on different submodules.
 ``describe(model)`` shows what they do (or would do) to a model, per rank; so does
 ``python -m composable_shard describe MODULE:FACTORY --world W``.
+
+Layout (private by folder: a folder named with a leading ``_`` is private, its files carry no
+prefix of their own), lowest first; each folder imports only from the ones before it:
+``_base/`` (torch seams, containers) < ``api``, ``contract``, ``wrap`` (the vocabulary) <
+``_runtime/`` (the step) < ``_setup/`` (apply time) < ``_state/`` (state dicts, checkpoints) <
+``_planning/`` (``describe``, ``plan``'s measurements) < the public modules here <
+``integrations/``. Each folder's ``__init__`` docstring says what lives there.
 """
 
 from importlib import metadata as _metadata
@@ -21,12 +28,12 @@ from .contract import contract
 from .checkpoint import checkpoint
 from .fully_shard import FSDPModule, clip_grad_norm_, fully_shard
 from .replicate import ReplicateModule, replicate
-from ._unshard_params import unshard_params
-from ._state_dict import get_model_state_dict, set_model_state_dict, state_dict_type
-from ._optim_state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-from ._sharded_tensor import ShardedSlice
-from ._checkpoint_io import export_safetensors, latest_checkpoint, load_checkpoint, save_checkpoint
-from ._describe import describe
+from ._state.unshard_params import unshard_params
+from ._state.model_state_dict import get_model_state_dict, set_model_state_dict, state_dict_type
+from ._state.optim_state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from ._state.sharded_slice import ShardedSlice
+from ._state.checkpoint_files import export_safetensors, latest_checkpoint, load_checkpoint, save_checkpoint
+from ._planning.describe import describe
 from .plan import MemoryPlan, plan
 from . import optim  # noqa: F401  (composable_shard.optim.Muon: optimizers that need whole matrices)
 from .wrap import (

@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Type
 import torch
 import torch.nn as nn
 
-from ._describe import describe
+from ._planning.describe import describe
 from .api import MixedPrecision, ShardingStrategy
 from .plan import DEFAULT_BANDWIDTH, DEFAULT_DEVICE_FLOPS, plan
 from .wrap import ModuleWrapPolicy

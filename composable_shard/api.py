@@ -10,7 +10,7 @@ from typing import Optional, Sequence, Type
 import torch
 import torch.nn as nn
 
-from ._torch_compat import BATCH_NORM
+from ._base.torch_compat import BATCH_NORM
 
 __all__ = [
     "ShardingStrategy",

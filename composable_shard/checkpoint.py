@@ -42,7 +42,7 @@ are not eager ``forward``'s (fewer or more, other shapes). The recomputation mus
 graph, so it calls ``module(...)`` (the compiled call) with this module's checkpoint hooks
 paused; the module's other hooks run again, as with torch's composable ``checkpoint``.
 ``fully_shard``'s treat that forward as a recomputation (see [Note: Recomputation in backward]
-in ``_runtime_utils.py``) and cast inputs idempotently; a user pre-hook that changes the inputs
+in ``_runtime/hooks.py``) and cast inputs idempotently; a user pre-hook that changes the inputs
 would change them twice. The hooks are excluded from compilation (``torch.compiler.disable``).
 
 Known limits (as in ``torch.utils.checkpoint``): modules that update buffers in forward
@@ -60,8 +60,8 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from composable_shard._torch_compat import is_compiled_module
-from composable_shard._tree_utils import convert
+from composable_shard._base.torch_compat import is_compiled_module
+from composable_shard._base.tree import convert
 from composable_shard.contract import _State, contract
 
 __all__ = ["checkpoint"]

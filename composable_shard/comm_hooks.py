@@ -6,7 +6,7 @@ bucket, during backward, as soon as the bucket is full and every earlier bucket 
 the tensor the future resolves to is written back as the bucket's *averaged* gradient. A hook
 therefore divides by the world size itself (the default path does it for hooks-less modules).
 
-Every hook here issues its collective through ``_collectives`` (so tests see it) and returns
+Every hook here issues its collective through ``_runtime/collectives`` (so tests see it) and returns
 the work's own future, so the reduction overlaps the rest of backward: nothing here blocks.
 
 Example::
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _collectives
+from ._runtime import collectives as _collectives
 
 __all__ = ["GradBucket", "CommHook", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook"]
 

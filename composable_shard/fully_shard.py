@@ -1,7 +1,7 @@
 """``fully_shard``: ZeRO-3 data parallelism applied in place, with flat parameters.
 
-Thin public layer: validate, plan, materialize, agreed by every rank (``_init_utils.plan_agreed``) -> build handles
-(``_init_utils.apply_plan``) -> register hooks (``_runtime_utils``) -> return the module.
+Thin public layer: validate, plan, materialize, agreed by every rank (``fully_shard_init.plan_agreed``) -> build handles
+(``_setup/fully_shard_init.apply_plan``) -> register hooks (``_runtime/hooks``) -> return the module.
 
 [Note: Groups]  Every strategy is a (shard group, replicate group) pair: FULL_SHARD and
 SHARD_GRAD_OP shard over the whole group and replicate over none; NO_SHARD shards over one
@@ -19,22 +19,22 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Union
 import torch
 import torch.nn as nn
 
-from . import _apply_guard
-from ._common_utils import FSDP_API_NAME, _FSDPState
-from ._flat_param import take_pending_init_values
-from ._data_parallel import check_set_requires_gradient_sync
-from ._init_utils import apply_plan, plan_agreed, resolve_groups
-from ._mixed_precision import apply_mixed_precision
-from ._validation import check_bool, check_real
-from ._runtime_utils import issue_unshard, reduce_accumulated, register_runtime_hooks
-from ._optim_state_dict import register_optimizer_state_dict_hooks
-from ._state_dict import check_model_state_dict, register_buffer_dtypes, register_state_dict_hooks
-from ._fsdp2_compat import FSDP2_ARGUMENTS, FSDP2Methods, UnshardHandle, fsdp2_arguments
-from ._interop import ForeignWrapperGuard, shard_source, total_grad_norm
-from ._torch_compat import FSDP2_MODULE_MARKER, set_module_tensor
-from ._subclass import _NoCopyMixin, make_subclass
-from ._traversal_utils import _get_fsdp_states
-from ._unshard_params import check_between_steps, unshard_params
+from ._setup import apply_guard as _apply_guard
+from ._runtime.module_state import FSDP_API_NAME, _FSDPState
+from ._runtime.flat_param import take_pending_init_values
+from ._setup.data_parallel import check_set_requires_gradient_sync
+from ._setup.fully_shard_init import apply_plan, plan_agreed, resolve_groups
+from ._runtime.mixed_precision import apply_mixed_precision
+from ._setup.validation import check_bool, check_real
+from ._runtime.hooks import issue_unshard, reduce_accumulated, register_runtime_hooks
+from ._state.optim_state_dict import register_optimizer_state_dict_hooks
+from ._state.model_state_dict import check_model_state_dict, register_buffer_dtypes, register_state_dict_hooks
+from ._setup.fsdp2_compat import FSDP2_ARGUMENTS, FSDP2Methods, UnshardHandle, fsdp2_arguments
+from ._runtime.interop import ForeignWrapperGuard, shard_source, total_grad_norm
+from ._base.torch_compat import FSDP2_MODULE_MARKER, set_module_tensor
+from ._setup.subclass import _NoCopyMixin, make_subclass
+from ._runtime.traversal import _get_fsdp_states
+from ._state.unshard_params import check_between_steps, unshard_params
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from .contract import _get_module_state, _register_api, _unregister_api, contract
 
@@ -46,7 +46,7 @@ class FSDPModule(ForeignWrapperGuard, _NoCopyMixin, _apply_guard.GuardedApply, F
     ``(FSDPModule, Orig)``). ``copy.deepcopy``/pickle raise: use the state-dict APIs.
 
     Also a subclass of torch FSDP2's ``FSDPModule``, so that code written for FSDP2 calls its
-    methods here (see [Note: FSDP2 drop-in] in ``_fsdp2_compat.py``): the FSDP2 methods are
+    methods here (see [Note: FSDP2 drop-in] in ``_setup/fsdp2_compat.py``): the FSDP2 methods are
     implemented, accepted where the step here already does what they ask, or refused."""
 
     _api_name = "fully_shard"
@@ -65,7 +65,7 @@ class FSDPModule(ForeignWrapperGuard, _NoCopyMixin, _apply_guard.GuardedApply, F
                      "the model's own init; or let fully_shard initialize it (param_init_fn=, or reset_parameters()).")
 
     def _guarded_params(self) -> List[torch.Tensor]:
-        """The original parameters of this module's own handle (for ``_apply_guard``)."""
+        """The original parameters of this module's own handle (for ``_setup/apply_guard``)."""
         handle = self._fsdp_state().handle
         return [p for g in handle.groups for p in g.orig_params] if handle is not None else []
 
@@ -108,7 +108,7 @@ class FSDPModule(ForeignWrapperGuard, _NoCopyMixin, _apply_guard.GuardedApply, F
         tensors no handle owns get new, uninitialized storage on ``device``, as ``nn.Module.to_empty``
         gives; each sharded parameter becomes whole until the model is next used, so that the init
         writes whole parameters (the values an unsharded model gets with the same seed). See
-        [Note: Initialization after to_empty] in ``_flat_param.py``."""
+        [Note: Initialization after to_empty] in ``_runtime/flat_param.py``."""
         every = self._states(True)
         trained = any(s._ctx is not None and s._ctx.exec_order_recorded for s in every)  # a backward finished
         if _apply_guard.in_init() or not recurse or trained:
@@ -244,12 +244,12 @@ def fully_shard(
         forward_prefetch: all-gather the next handle before the current forward computes.
         backward_prefetch: when to all-gather the next handle in backward (None: never).
         limit_all_gathers: at most two handles' all-gathers in flight, always (prefetch runs one
-            ahead); False raises ``ValueError`` ([Note: limit_all_gathers] in ``_validation.py``).
+            ahead); False raises ``ValueError`` ([Note: limit_all_gathers] in ``_setup/validation.py``).
         reshard_after_forward: FSDP2's name for the choice of strategy: True is FULL_SHARD
             (HYBRID_SHARD on a 2-D mesh), False SHARD_GRAD_OP (_HYBRID_SHARD_ZERO2); not with
             ``strategy``.
         mp_policy: FSDP2's ``MixedPrecisionPolicy``, mapped onto ``mixed_precision`` with
-            FSDP2's casts (see [Note: FSDP2 drop-in] in ``_fsdp2_compat.py``).
+            FSDP2's casts (see [Note: FSDP2 drop-in] in ``_setup/fsdp2_compat.py``).
         offload_policy: FSDP2's ``OffloadPolicy``/``CPUOffloadPolicy``, mapped onto ``cpu_offload``.
         ignored_params: FSDP2's name for ``ignored_states`` given as parameters.
         shard_placement_fn: FSDP2's per-parameter placements; anything but None raises.
@@ -298,7 +298,7 @@ class ModuleGroup(nn.Module):
 
 def _fully_shard_group(modules: Any, kwargs: Dict[str, Any]) -> Any:
     """``fully_shard([a, b, ...])``: one handle over the listed modules' parameters (FSDP2's
-    grouping; see [Note: Groups of modules] in ``_runtime_utils.py``). Planned and applied on a
+    grouping; see [Note: Groups of modules] in ``_runtime/hooks.py``). Planned and applied on a
     :class:`ModuleGroup` of them; each member then gets the state, the class and the hooks."""
     members = list({id(m): m for m in modules}.values())
     api = f"fully_shard([{', '.join(type(m).__name__ for m in members)}])"
@@ -395,11 +395,11 @@ def _check_clip_arguments(max_norm: Any, norm_type: Any) -> float:
 
 def _shard_sources(states: List[_FSDPState]) -> Dict[int, Any]:
     """``id(parameter)`` -> the shard group its gradient's norm is combined over (see
-    :func:`_interop.shard_source`), for the original parameters of handles sharded over more
+    :func:`interop.shard_source`), for the original parameters of handles sharded over more
     than one rank (FULL_SHARD, SHARD_GRAD_OP, the hybrids: their shard group only, never the
     replicate group). NO_SHARD, ``replicate`` and unmanaged gradients are whole and equal on
     every rank: absent, counted once (so is a parameter of a handle above ``module``, whose
-    sharded ``.grad`` carries its group: see :func:`_interop.total_grad_norm`)."""
+    sharded ``.grad`` carries its group: see :func:`interop.total_grad_norm`)."""
     sources: Dict[int, Any] = {}
     for s in states:
         group = s.process_group if s.world_size > 1 else None

@@ -38,12 +38,12 @@ hyper-parameters, torch's own) runs before one 48-byte exchange in which the ran
 outcome and on the plan (each param group's settings, each matrix's FQN, shape and group: what
 the owners and the step's collectives follow from). A refusal on one rank raises on every rank,
 naming it, and adds nothing; different plans raise on every rank ([Note: Agreed refusals] in
-``_data_parallel.py``).
+``_setup/data_parallel.py``).
 
 Compared with gathering each matrix to its owner and scattering the result back: that moves
 about ``2N/W`` bytes per rank per group instead of about ``4N(W-1)/W`` (half as many at W = 2,
 fewer still beyond) and buffers only the owned matrices, but needs an all-to-all with uneven
-splits (or ``W`` point-to-point pairs), which ``_collectives.py`` does not have; the scheme
+splits (or ``W`` point-to-point pairs), which ``_runtime/collectives.py`` does not have; the scheme
 above uses the two collectives every step already runs (with gloo's point-to-point path and
 the instrumentation), and costs what one bf16 forward all-gather and one gradient reduction of
 the group cost. TODO(#37): an all-to-all gather-to-owner path for large W.
@@ -59,12 +59,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _collectives
-from ._data_parallel import agreed
-from ._load_transaction import model_group
-from ._shard_math import param_offsets
-from ._state_dict import Managed, managed_params
-from ._torch_compat import unwrap_compiled
+from ._runtime import collectives as _collectives
+from ._setup.data_parallel import agreed
+from ._state.load_transaction import model_group
+from ._runtime.shard_math import param_offsets
+from ._state.model_state_dict import Managed, managed_params
+from ._base.torch_compat import unwrap_compiled
 
 __all__ = ["Muon", "assign_matrices", "orthogonalize"]
 
@@ -228,7 +228,7 @@ class Muon(torch.optim.Optimizer):
 
     def _agreed(self, api: str, applied: str, tag: str, prepare: Callable[[], _Plan]) -> _Plan:
         """``prepare()`` (every check that can refuse, no collective), then one agreement over the
-        model's ranks (see [Note: Agreed refusals] in ``_data_parallel.py``): a refusal on any rank
+        model's ranks (see [Note: Agreed refusals] in ``_setup/data_parallel.py``): a refusal on any rank
         raises on every rank, naming it, and so do plans or hyper-parameters that differ (the
         step's collectives would pair other matrices). A plain model has no ranks to agree with."""
         collective, group = model_group(self._model)

@@ -4,16 +4,16 @@ communication plus recomputation.
 
 Three steps:
 
-1. **Measure** (``_plan_profile.profile_model``): one forward and backward of the model on fake
+1. **Measure** (``plan_profile.profile_model``): one forward and backward of the model on fake
    tensors (shapes and storage sizes, no memory: [Note: Planning on fake tensors] in
-   ``_plan_profile.py``) attributes every storage autograd saves for backward to the block whose
+   ``_planning/plan_profile.py``) attributes every storage autograd saves for backward to the block whose
    forward saved it, records each block's inputs (what a checkpointed block keeps), outputs, the
    most its backward holds at once and its forward FLOPs; on a materialized model each block's
    forward is also timed on the real device (the recomputation cost). Parameters, gradients,
    buffers and RNG state are left as they were.
 2. **Count** (:func:`_static_description`): parameter, gradient, optimizer bytes and bytes sent
    per step come from ``describe``'s own planning code (``_describe._plan_handles``, which is
-   ``fully_shard``'s planning, and ``_describe``'s row arithmetic), so ``describe(model)`` after
+   ``fully_shard``'s planning, and ``_planning/describe``'s row arithmetic), so ``describe(model)`` after
    :meth:`MemoryPlan.apply` reports the same figures.
 3. **Choose** (:func:`_choose`): the peak of a step is simulated moment by moment
    (:func:`_simulate`) for a candidate assignment; a greedy search lowers it at the least cost.
@@ -44,10 +44,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _data_parallel, _describe, _shard_math
-from ._describe import ModuleRow, ShardingDescription
-from ._plan_profile import DEFAULT_DEVICE_FLOPS, PROFILES, BlockProfile, Profile, agreed, profile_model
-from ._tree_utils import tensors_in
+from ._setup import data_parallel as _data_parallel
+from ._planning import describe as _describe
+from ._runtime import shard_math as _shard_math
+from ._planning.describe import ModuleRow, ShardingDescription
+from ._planning.plan_profile import DEFAULT_DEVICE_FLOPS, PROFILES, BlockProfile, Profile, agreed, profile_model
+from ._base.tree import tensors_in
 from .api import MixedPrecision, ShardingStrategy
 from .checkpoint import checkpoint
 from .fully_shard import fully_shard
@@ -275,7 +277,7 @@ def _check_arguments(model: nn.Module, memory_budget: int, world_size: Optional[
 
 
 def _profile_source(model: nn.Module, example_batch: Any, profile: str, device_flops: float) -> str:
-    """``"fake"`` or ``"measured"`` for ``profile`` ([Note: Measured times] in ``_plan_profile.py``)."""
+    """``"fake"`` or ``"measured"`` for ``profile`` ([Note: Measured times] in ``_planning/plan_profile.py``)."""
     if profile not in PROFILES:
         raise ValueError(f"plan: profile must be one of {list(PROFILES)}, got {profile!r}")
     if not (isinstance(device_flops, (int, float)) and not isinstance(device_flops, bool) and 0 < device_flops < math.inf):
@@ -507,7 +509,7 @@ def _simulate(s: _Search, assignment: Optional[Sequence[_Option]], scale: float 
     is ``replicate(model)``; ``scale`` multiplies the activations (a smaller batch).
 
     [Note: Peak moments] The runtime's buffers are released at known points (the life of a
-    parameter, ``_runtime_utils.py``), so the step's memory is a sum of known terms at a few
+    parameter, ``_runtime/hooks.py``), so the step's memory is a sum of known terms at a few
     candidate moments; the peak is the largest:
       always            parameters (shards, replicas), optimizer state, replicate's buckets
       forward after     + every kept activation (a checkpointed block keeps its inputs only),

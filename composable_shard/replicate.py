@@ -57,17 +57,19 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from . import _apply_guard, _collectives, _watch
-from ._common_utils import WeakGroup, WeakHook
-from ._data_parallel import (_expand_ignored_modules, _ignored_params, _join, _managed_modules,
+from ._setup import apply_guard as _apply_guard
+from ._runtime import collectives as _collectives
+from ._runtime import watch as _watch
+from ._runtime.module_state import WeakGroup, WeakHook
+from ._setup.data_parallel import (_expand_ignored_modules, _ignored_params, _join, _managed_modules,
                              agreed, agreement_groups, broadcast_from_rank0, check_composition,
                              check_set_requires_gradient_sync, normalize_device)
-from ._divergence import agree_used_and_steps
-from ._validation import (check_dense_gradients, check_device_id, check_mixed_precision, check_modules,
+from ._runtime.agreement import agree_used_and_steps
+from ._setup.validation import (check_dense_gradients, check_device_id, check_mixed_precision, check_modules,
                           check_process_group, check_real)
-from ._interop import ForeignWrapperGuard
-from ._subclass import _NoCopyMixin, make_subclass
-from ._torch_compat import queue_backward_callback
+from ._runtime.interop import ForeignWrapperGuard
+from ._setup.subclass import _NoCopyMixin, make_subclass
+from ._base.torch_compat import queue_backward_callback
 from .api import MixedPrecision
 from .comm_hooks import CommHook, GradBucket
 from .contract import _State, _get_module_state, contract
@@ -163,7 +165,7 @@ class ReplicateModule(ForeignWrapperGuard, _NoCopyMixin, _apply_guard.GuardedApp
                      "Cast or move the model before replicate (device_id= moves it there).")
 
     def _guarded_params(self) -> List[torch.Tensor]:
-        """The parameters this module's replicate manages (for ``_apply_guard``)."""
+        """The parameters this module's replicate manages (for ``_setup/apply_guard``)."""
         return list(_state_of(self).params)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:

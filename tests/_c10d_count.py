@@ -1,6 +1,6 @@
 """Counting torch's own collectives (torch FSDP2's, the reference of collective-count tests) by
 kind: a dispatch mode sees every ``c10d::`` operator issued while it is active. The library's own
-collectives are counted by ``composable_shard._collectives.record_collectives``."""
+collectives are counted by ``composable_shard._runtime.collectives.record_collectives``."""
 
 from __future__ import annotations
 

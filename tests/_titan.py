@@ -45,7 +45,7 @@ library's ``fully_shard`` in its ``apply_fsdp_to_decoder`` (``tests/distributed/
   Point-to-point operations (``c10d::send``/``c10d::recv_``) are counted with their tag. This
   library runs its all-gathers and (at W = 2) reduce-scatters on gloo as point-to-point
   exchanges, tagged by kind: ``0x63730001 + 4 * handle`` for an all-gather, ``0x63730002 + 4 *
-  handle`` for a reduce-scatter ([Note: Collectives on gloo] in ``_collectives.py``, a published
+  handle`` for a reduce-scatter ([Note: Collectives on gloo] in ``_runtime/collectives.py``, a published
   wire protocol: gloo pairs messages by these tags). ``classify`` folds a send and a receive of
   the same kind and peer into one logical collective of that kind, and refuses any other
   point-to-point traffic, so an untagged or unknown exchange fails the count instead of going

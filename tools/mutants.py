@@ -50,21 +50,21 @@ COPIED = (PACKAGE, "tests", "examples", "benchmarks")  # directories the selecte
 COPIED_FILES = ("pyproject.toml",)  # pytest's configuration (rootdir, addopts)
 TIMEOUT_S = 900  # per mutant; the harness's own per-test timeouts normally fire first
 
-_RUNTIME = f"{PACKAGE}/_runtime_utils.py"
-_REDUCTION = f"{PACKAGE}/_flat_param.py"  # the Reduction class moved there
-_FLAT = f"{PACKAGE}/_flat_param.py"
-_SHARD_MATH = f"{PACKAGE}/_shard_math.py"
-_UNSHARD = f"{PACKAGE}/_unshard_params.py"
-_STATE_DICT = f"{PACKAGE}/_state_dict.py"
+_RUNTIME = f"{PACKAGE}/_runtime/hooks.py"
+_REDUCTION = f"{PACKAGE}/_runtime/flat_param.py"  # the Reduction class moved there
+_FLAT = f"{PACKAGE}/_runtime/flat_param.py"
+_SHARD_MATH = f"{PACKAGE}/_runtime/shard_math.py"
+_UNSHARD = f"{PACKAGE}/_state/unshard_params.py"
+_STATE_DICT = f"{PACKAGE}/_state/model_state_dict.py"
 _CHECKPOINT = f"{PACKAGE}/checkpoint.py"
-_DIVERGENCE = f"{PACKAGE}/_divergence.py"
+_DIVERGENCE = f"{PACKAGE}/_runtime/agreement.py"
 _REPLICATE = f"{PACKAGE}/replicate.py"
-_MIXED = f"{PACKAGE}/_mixed_precision.py"
+_MIXED = f"{PACKAGE}/_runtime/mixed_precision.py"
 _API = f"{PACKAGE}/api.py"
-_INIT = f"{PACKAGE}/_init_utils.py"
+_INIT = f"{PACKAGE}/_setup/fully_shard_init.py"
 _FULLY_SHARD = f"{PACKAGE}/fully_shard.py"
-_COLLECTIVES = f"{PACKAGE}/_collectives.py"
-_INTEROP = f"{PACKAGE}/_interop.py"
+_COLLECTIVES = f"{PACKAGE}/_runtime/collectives.py"
+_INTEROP = f"{PACKAGE}/_runtime/interop.py"
 
 _STORAGE = "tests/distributed/test_fully_shard_runtime.py::test_storage_per_rank_and_freeing"
 _PREFETCH = "tests/distributed/test_fully_shard_runtime.py::test_prefetch_is_issued_before_compute"
@@ -85,11 +85,11 @@ _OPTIM = f"{PACKAGE}/optim.py"
 _MUON_SQUARE = "tests/distributed/test_muon.py::test_square_matrices_several_per_rank_match_torch_muon"
 _MUON_REFUSALS = ("tests/distributed/test_muon_agreement.py::"
                   "test_refusal_on_one_rank_raises_on_every_rank_within_seconds")
-_OPTIM_SD = f"{PACKAGE}/_optim_state_dict.py"
+_OPTIM_SD = f"{PACKAGE}/_state/optim_state_dict.py"
 _LIGHTNING = f"{PACKAGE}/integrations/lightning.py"
 _TORCH_SD_API = "tests/distributed/test_torch_state_dict_api.py"
 _LIGHTNING_TESTS = "tests/distributed/test_lightning.py"
-_FSDP2 = f"{PACKAGE}/_fsdp2_compat.py"
+_FSDP2 = f"{PACKAGE}/_setup/fsdp2_compat.py"
 _DROPIN = "tests/distributed/test_fsdp2_dropin.py::test_fsdp2_dropin"
 
 
@@ -113,15 +113,15 @@ MUTANTS: List[Mutant] = [
     # ---------------------------------------------------------------- reshard timing per strategy
     _m("hybrid_shard_keeps_after_forward",
        "HYBRID_SHARD keeps unsharded parameters from forward to backward (silently ZeRO-2)",
-       _RUNTIME, "_FREES_AFTER_FORWARD = {ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD}",
+       _INIT, "_FREES_AFTER_FORWARD = {ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD}",
        "_FREES_AFTER_FORWARD = {ShardingStrategy.FULL_SHARD}", f"{_STORAGE}[2]"),
     _m("shard_grad_op_frees_after_forward", "SHARD_GRAD_OP frees after forward (silently ZeRO-3)",
-       _RUNTIME, "_FREES_AFTER_FORWARD = {ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD}",
+       _INIT, "_FREES_AFTER_FORWARD = {ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD}",
        "_FREES_AFTER_FORWARD = {ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD, ShardingStrategy.SHARD_GRAD_OP}",
        f"{_STORAGE}[2]"),
     _m("root_frees_after_forward", "the root reshards after its forward (an extra all-gather per step)",
-       _RUNTIME, "return state.strategy in _FREES_AFTER_FORWARD and not state.is_root",
-       "return state.strategy in _FREES_AFTER_FORWARD", f"{_STORAGE}[2]"),
+       _RUNTIME, "return state.reshard_after_forward and not state.is_root",
+       "return state.reshard_after_forward", f"{_STORAGE}[2]"),
     _m("never_reshards_after_backward", "no handle frees its unsharded parameters after backward",
        _RUNTIME, "    return state.reshard_after_backward\n", "    return False\n", f"{_STORAGE}[2]"),
     _m("set_reshard_after_backward_ignored", "set_reshard_after_backward(False) has no effect",
@@ -130,12 +130,13 @@ MUTANTS: List[Mutant] = [
        _RUNTIME, "    if handle.is_stale():", "    if False:", f"{_METHODS}[2]"),
     # ---------------------------------------------------------------- prefetch
     _m("backward_post_prefetches_nothing", "BackwardPrefetch.BACKWARD_POST prefetches nothing",
-       _RUNTIME, "if state.backward_prefetch is BackwardPrefetch.BACKWARD_POST:", "if False:", _PREFETCH),
+       _RUNTIME, "if state.backward_prefetch_states is None and state.backward_prefetch is BackwardPrefetch.BACKWARD_POST:",
+       "if False:", _PREFETCH),
     _m("backward_prefetch_wrong_target", "backward prefetch gathers the handle after, not before, in forward order",
        _RUNTIME, "_prefetch(root, root.ctx.post_forward_order, handle.post_forward_index - 1)",
        "_prefetch(root, root.ctx.post_forward_order, handle.post_forward_index + 1)", _PREFETCH),
     _m("prefetch_on_a_second_call", "a module's second call in one forward prefetches again (a handle already run)",
-       _RUNTIME, "    if first_use and state.forward_prefetch and", "    if state.forward_prefetch and",
+       _RUNTIME, "    elif first_use and state.forward_prefetch and", "    elif state.forward_prefetch and",
        "tests/distributed/test_fully_shard_runtime.py::test_module_called_twice_in_one_forward"),
     _m("order_checked_on_every_call", "every call of a module, not only its first, is checked against exec order",
        _RUNTIME, "    if id(handle) in root.ctx.forward_seen:\n        return False\n", "",
@@ -152,17 +153,17 @@ MUTANTS: List[Mutant] = [
        _RUNTIME, "        _release_unused_prefetches(state)\n", "",
        "tests/distributed/test_fully_shard_runtime.py::test_prefetched_block_skipped_by_the_forward_is_released"),
     _m("illegal_transition_allowed", "a handle may go from FORWARD straight to BACKWARD_PRE",
-       f"{PACKAGE}/_flat_param.py", "    _S.FORWARD: frozenset({_S.IDLE}),",
+       f"{PACKAGE}/_runtime/flat_param.py", "    _S.FORWARD: frozenset({_S.IDLE}),",
        "    _S.FORWARD: frozenset({_S.IDLE, _S.BACKWARD_PRE}),",
        "tests/unit/test_handle_transitions.py"),
     _m("limit_all_gathers_false_ignored", "limit_all_gathers=False is accepted and does nothing",
-       f"{PACKAGE}/_validation.py", '    if config["limit_all_gathers"] is False:', "    if False:",
+       f"{PACKAGE}/_setup/validation.py", '    if config["limit_all_gathers"] is False:', "    if False:",
        "tests/distributed/test_fully_shard_errors.py::test_errors_are_clear_and_leave_the_model_unchanged"),
     # ---------------------------------------------------------------- gradient averaging per strategy
     _m("average_over_shard_group_only", "fp32 gradients divided by the shard group size, not the data-parallel world",
-       _REDUCTION, "output.div_(self.state.dp_world_size)", "output.div_(self.state.world_size)", f"{_TRAINING}[2]"),
+       _REDUCTION, "output.div_(self.state.gradient_divisor)", "output.div_(self.state.world_size)", f"{_TRAINING}[2]"),
     _m("low_precision_not_averaged", "low-precision gradients summed, not averaged",
-       _REDUCTION, "grad.div_(state.dp_world_size)  # pre-divide", "grad.div_(1)  # pre-divide", _MP),
+       _REDUCTION, "grad.div_(state.gradient_divisor)  # pre-divide", "grad.div_(1)  # pre-divide", _MP),
     _m("replicas_not_reduced", "no all-reduce across replicas (NO_SHARD, hybrid): ranks drift apart",
        _REDUCTION, "if group is not None and dist.get_world_size(group) > 1:", "if False:", f"{_STORAGE}[2]", f"{_TRAINING}[2]"),
     _m("dp_world_size_is_shard_size", "the data-parallel world (gradient divisor) counts the shard group only",
@@ -275,20 +276,20 @@ MUTANTS: List[Mutant] = [
        f"{PACKAGE}/plan.py", "        comm += costs[k + 1].unsharded_grad", "        comm += 0",
        "tests/distributed/test_plan_peak.py::test_the_next_blocks_gradient_waits_during_a_blocks_backward"),
     _m("plan_conv_scratch_uncounted", "a convolution's backward scratch copies are not counted",
-       f"{PACKAGE}/_plan_profile.py", "            self.live.workspace(_conv_backward_workspace(args))",
+       f"{PACKAGE}/_planning/plan_profile.py", "            self.live.workspace(_conv_backward_workspace(args))",
        "            pass", "tests/distributed/test_plan_peak.py::test_uneven_blocks_and_a_convolution_net"),
     _m("plan_ranks_plan_their_own_bytes", "ranks plan with their own bytes: different batches choose apart",
-       f"{PACKAGE}/_plan_profile.py", "    dist.all_reduce(most, op=dist.ReduceOp.MAX)\n",
+       f"{PACKAGE}/_planning/plan_profile.py", "    dist.all_reduce(most, op=dist.ReduceOp.MAX)\n",
        "    most = torch.tensor(numbers, dtype=torch.int64, device=device)\n",
        "tests/distributed/test_plan.py"),
     _m("plan_fake_cache_left", "a fake tensor the model cached during planning stays in it",
-       f"{PACKAGE}/_plan_profile.py", "        _drop_fake_attributes(model, attributes)\n", "        pass\n",
+       f"{PACKAGE}/_planning/plan_profile.py", "        _drop_fake_attributes(model, attributes)\n", "        pass\n",
        "tests/unit/test_plan_fake.py::test_a_model_caching_what_its_forward_builds_keeps_no_fake_tensor"),
     _m("plan_grads_counted_twice", "parameters' gradients counted in a block's backward besides the plan's own terms",
-       f"{PACKAGE}/_plan_profile.py", "            elif key not in self.gradients:", "            elif True:",
+       f"{PACKAGE}/_planning/plan_profile.py", "            elif key not in self.gradients:", "            elif True:",
        "tests/unit/test_plan_fake.py::test_a_blocks_backward_leaves_parameter_gradients_to_the_plan"),
     _m("plan_parameter_views_counted", "a view of a parameter (a weight's transpose) counted as new memory",
-       f"{PACKAGE}/_plan_profile.py", "        if sid in self.existing:  # a view", "        if False:  # a view",
+       f"{PACKAGE}/_planning/plan_profile.py", "        if sid in self.existing:  # a view", "        if False:  # a view",
        "tests/unit/test_plan_fake.py::test_a_blocks_backward_leaves_parameter_gradients_to_the_plan"),
     # ---------------------------------------------------------------- divergence checks
     _m("disagreement_ignored", "ranks about to run different collectives are not stopped",
@@ -309,7 +310,8 @@ MUTANTS: List[Mutant] = [
        "tests/distributed/test_hf_models.py::test_hf_decoders[activation_checkpointing]"),
     # ---------------------------------------------------------------- misuse between steps
     _m("called_while_sharded_unchecked", "a module called while its owner is sharded computes on 1-D slices",
-       _RUNTIME, "            if holder is not module:", "            if holder is not module and False:",
+       _RUNTIME, "            if all(holder is not m for m in members):",
+       "            if all(holder is not m for m in members) and False:",
        "tests/distributed/test_called_while_sharded.py"),
     _m("detached_params_unchecked", "a parameter whose .data was replaced after fully_shard trains on silently",
        _RUNTIME, "        if detached:\n", "        if False:\n",
@@ -318,23 +320,23 @@ MUTANTS: List[Mutant] = [
        _REPLICATE, "    if not unfrozen or state.backward is not None:", "    if True:",
        f"{_REPLICATE_TESTS}::test_parameters_unfrozen_after_replicate_are_averaged"),
     _m("casts_not_guarded", "model.half()/.to(dtype) after fully_shard or replicate goes through",
-       f"{PACKAGE}/_apply_guard.py", '    if _depth["init"] or _depth["apply"]:', "    if True:",
+       f"{PACKAGE}/_setup/apply_guard.py", '    if _depth["init"] or _depth["apply"]:', "    if True:",
        "tests/distributed/test_fully_shard_lifecycle.py::test_casts_and_moves_after_fully_shard_are_refused_and_change_nothing",
        f"{_REPLICATE_TESTS}::test_errors_identity_and_skipped_parameters"),
     _m("collective_call_hint_dropped", "a state dict taken on one rank only times out blaming the training step",
        _UNSHARD, "state.process_group, tag=tag, hint=hint).wait()", "state.process_group, tag=tag).wait()",
        "tests/distributed/test_fully_shard_divergence.py::test_collective_call_made_on_one_rank_says_so"),
     _m("compile_wrapper_not_unwrapped", "a checkpoint taken through torch.compile's wrapper keeps its _orig_mod. names",
-       f"{PACKAGE}/_torch_compat.py", "        module = module._orig_mod  #", "        break  #",
+       f"{PACKAGE}/_base/torch_compat.py", "        module = module._orig_mod  #", "        break  #",
        "tests/distributed/test_compile.py::test_checkpoint_through_torch_compile_wrapper"),
     _m("param_hooks_not_refused", "a gradient hook on an original parameter is accepted and never runs",
-       f"{PACKAGE}/_flat_param.py", "                if has_grad_hooks(p):", "                if False:",
+       f"{PACKAGE}/_runtime/flat_param.py", "                if has_grad_hooks(p):", "                if False:",
        "tests/distributed/test_fully_shard_lifecycle.py::test_hooks_on_original_parameters_are_refused"),
     _m("step_disagreement_ignored", "an optimizer step skipped on one rank (GradScaler) goes unreported",
-       f"{PACKAGE}/_watch.py", "if num_ranks * squares == total * total:", "if True:",
+       f"{PACKAGE}/_runtime/watch.py", "if num_ranks * squares == total * total:", "if True:",
        f"{_DIVERGENCE_TESTS}::test_optimizer_stepped_on_some_ranks_raises"),
     _m("step_counter_counts_every_optimizer", "an optimizer of a rank's own model counts as one of the model's",
-       f"{PACKAGE}/_watch.py", "any(id(p) in self.param_ids for g in groups for p in g[\"params\"])", "True",
+       f"{PACKAGE}/_runtime/watch.py", "any(id(p) in self.param_ids for g in groups for p in g[\"params\"])", "True",
        f"{_DIVERGENCE_TESTS}::test_optimizer_stepped_on_some_ranks_raises",
        "tests/distributed/test_two_models.py::test_optimizer_step_of_one_model_makes_the_other_gather_nothing"),
     # ---------------------------------------------------------------- replicate
@@ -364,7 +366,7 @@ MUTANTS: List[Mutant] = [
        _INIT, "group: Optional[dist.ProcessGroup] = process_group if process_group is not None else dist.group.WORLD",
        "group: Optional[dist.ProcessGroup] = dist.group.WORLD", f"{_STORAGE}[4]"),
     _m("ignored_states_ignored", "fully_shard(ignored_states=[...]) flattens those parameters anyway",
-       f"{PACKAGE}/_data_parallel.py", "params.update(s for s in ignored_states or [] if isinstance(s, nn.Parameter))",
+       f"{PACKAGE}/_setup/data_parallel.py", "params.update(s for s in ignored_states or [] if isinstance(s, nn.Parameter))",
        "params.update([])",
        _INIT_TESTS),
     _m("hybrid_groups_made_per_call", "HYBRID_SHARD without groups makes a new (shard, replicate) pair per fully_shard call",
@@ -392,7 +394,7 @@ MUTANTS: List[Mutant] = [
        _INTEROP, "return below is None or _passes_on(below, func)", "return True",
        "tests/distributed/test_clip_grad_norm.py::test_norms_outside_torch_clipping_stay_local_under_modes"),
     _m("torch_clip_sums_norms_not_powers", "partial norms are summed instead of their p-th powers",
-       f"{PACKAGE}/_interop.py", "    return norms if math.isinf(order) or order == 0 else norms.pow(order)",
+       f"{PACKAGE}/_runtime/interop.py", "    return norms if math.isinf(order) or order == 0 else norms.pow(order)",
        "    return norms", "tests/distributed/test_interop.py::test_torch_clip_grad_norm_uses_the_global_norm[2]"),
     _m("foreign_wrappers_allowed", "DistributedDataParallel around a sharded model broadcasts rank 0's slices",
        _INTEROP, "    if found is None:\n        return", "    if True:\n        return",
@@ -408,21 +410,21 @@ MUTANTS: List[Mutant] = [
        "tests/distributed/test_interop.py::test_torch_replicate_applied_before_fully_shard_is_refused_at_its_first_forward"),
     # ---------------------------------------------------------------- state dicts and loads
     _m("rank0_only_keeps_entries", "state_dict() under FullStateDictConfig(rank0_only=True) gives rank 1 buffers",
-       f"{PACKAGE}/_state_dict.py", "            if config.rank0_only and rank_of() != 0:\n                del state_dict[key]",
+       f"{PACKAGE}/_state/model_state_dict.py", "            if config.rank0_only and rank_of() != 0:\n                del state_dict[key]",
        "            if False:\n                del state_dict[key]",
        "tests/distributed/test_state_dict_ownership.py::test_rank0_only_gives_other_ranks_nothing"),
     _m("state_dict_aliases_live_state", "a full state dict's tensors alias live parameters and buffers",
-       f"{PACKAGE}/_state_dict.py", "            elif not call.keep_vars:", "            elif False:",
+       f"{PACKAGE}/_state/model_state_dict.py", "            elif not call.keep_vars:", "            elif False:",
        "tests/distributed/test_state_dict_ownership.py::test_returned_state_dicts_share_no_storage_with_live_state"),
     _m("storage_paths_unchecked", "a .metadata entry whose symlink leads outside the checkpoint folder is read",
-       f"{PACKAGE}/_checkpoint_io.py", "    if not real.startswith(real_root.rstrip(os.sep) + os.sep):", "    if False:",
+       f"{PACKAGE}/_state/checkpoint_files.py", "    if not real.startswith(real_root.rstrip(os.sep) + os.sep):", "    if False:",
        "tests/distributed/test_checkpoint_faults.py::test_storage_path_outside_the_folder_is_refused_unread"),
     _m("failed_load_not_restored", "a load that failed on one rank leaves the others half-loaded",
-       f"{PACKAGE}/_load_transaction.py", "def _restore(snapshot: _Snapshot) -> None:\n",
+       f"{PACKAGE}/_state/load_transaction.py", "def _restore(snapshot: _Snapshot) -> None:\n",
        "def _restore(snapshot: _Snapshot) -> None:\n    return\n",
        "tests/distributed/test_checkpoint_faults.py::test_failed_load_leaves_every_rank_bit_identical"),
     _m("same_device_copy_refused", ".to('cpu:0') on the CPU raises instead of being a no-op",
-       f"{PACKAGE}/_apply_guard.py", "    if copies_only:\n", "    if False:\n",
+       f"{PACKAGE}/_setup/apply_guard.py", "    if copies_only:\n", "    if False:\n",
        "tests/distributed/test_interop.py::test_moves_to_the_shards_own_device_are_no_ops"),
     # ---------------------------------------------------------------- Muon (composable_shard.optim)
     _m("muon_zeroes_other_owned_matrices", "Muon zeroes a gathered group from its start to each owned matrix, "
@@ -445,7 +447,7 @@ MUTANTS: List[Mutant] = [
        _OPTIM_SD, "    if request is not None and request.full_state_dict and members:",
        "    if False and members:", f"{_TORCH_SD_API}::test_full_state_dicts_equal_fsdp2s"),
     _m("torch_sharded_model_request_full", "torch's sharded request gathers the full model on every rank",
-       f"{PACKAGE}/_state_dict.py", "    return StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(request.cpu_offload)",
+       f"{PACKAGE}/_state/model_state_dict.py", "    return StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(request.cpu_offload)",
        "    return StateDictType.FULL_STATE_DICT, FullStateDictConfig()",
        f"{_TORCH_SD_API}::test_full_state_dicts_equal_fsdp2s"),
     _m("optim_load_full_kept_whole", "optimizer.load_state_dict keeps a full-shaped state for a sharded parameter",
@@ -453,7 +455,7 @@ MUTANTS: List[Mutant] = [
        "    if isinstance(value, DTensor):",
        f"{_TORCH_SD_API}::test_resume_through_torch_api_at_another_world_size[torch:full-1-FULL_SHARD]"),
     _m("extra_written_after_publishing", "save_checkpoint's extra lands outside the checksummed, published folder",
-       f"{PACKAGE}/_checkpoint_io.py", "(_write_extra(tmp, extra) or _publish(tmp, path))",
+       f"{PACKAGE}/_state/checkpoint_files.py", "(_write_extra(tmp, extra) or _publish(tmp, path))",
        "(_publish(tmp, path) or _write_extra(path, extra))",
        f"{_STATE_DICT_TESTS}::test_several_optimizers_and_extra_state"),
     _m("lightning_accumulation_syncs", "ShardedStrategy reduces every accumulated micro-batch",
@@ -481,7 +483,7 @@ MUTANTS: List[Mutant] = [
        "    return _Cost(row, 0, 0, sum(p.numel() * p.dtype.itemsize for p in trained), largest, 0, 0)",
        "tests/unit/test_plan.py::test_frozen_parameters_under_replicate_are_counted"),
     _m("divide_factor_ignored", "set_gradient_divide_factor(1.0) is stored but reductions still average",
-       f"{PACKAGE}/_common_utils.py",
+       f"{PACKAGE}/_runtime/module_state.py",
        "        return float(self.dp_world_size) if self.gradient_divide_factor is None else self.gradient_divide_factor",
        "        return float(self.dp_world_size)", _DROPIN),
     _m("group_frees_before_last_member", "a group of modules reshards after its first member's forward",

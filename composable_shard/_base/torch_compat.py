@@ -33,19 +33,19 @@ versions checked (2.6, 2.11, 2.13, unless an entry says otherwise).
   until one is registered, an empty dict once all are removed; the second since torch 2.1; read
   in the 2.13 sources).
 * ``make_wrapper_tensor``: the sharded state dict's values report a parameter's global shape
-  while holding only this rank's elements (``_sharded_tensor.ShardedSlice``). A tensor whose
+  while holding only this rank's elements (``sharded_slice.ShardedSlice``). A tensor whose
   metadata differs from its storage can only be made with ``torch.Tensor._make_wrapper_subclass``
   (what ``DTensor`` is built on; same signature in 2.6 through 2.13).
 * ``plain_torch_function``, ``as_plain``: a sharded ``.grad`` is a tensor subclass whose
   ``__torch_function__`` hands every operation but clipping's norms on to torch unchanged
-  (``_interop.ShardedGrad``, [Note: torch's clip_grad_norm_ on sharded gradients]). Running
+  (``interop.ShardedGrad``, [Note: torch's clip_grad_norm_ on sharded gradients]). Running
   an operation without re-entering the subclass and getting plain results is what
   ``torch._C.DisableTorchFunctionSubclass`` does (the context torch's own
   ``Tensor.__torch_function__`` and its "extending torch" documentation use; unchanged in 2.6
   through 2.13); there is no public name for it.
 * ``FOREACH_NORM``: torch's ``clip_grad_norm_``/``get_total_norm`` take the norms of a
   device's gradients with ``torch._foreach_norm`` when asked for ``foreach`` (and per tensor with
-  ``torch.linalg.vector_norm`` otherwise); ``_interop.ShardedGrad`` must recognise that call to
+  ``torch.linalg.vector_norm`` otherwise); ``interop.ShardedGrad`` must recognise that call to
   combine the norms over ranks. It has no public name (unchanged in 2.6 through 2.13).
 * ``BATCH_NORM``: ``MixedPrecision``'s default keeps batch norms in full precision, as torch's
   own ``MixedPrecision`` does. Their common base (``BatchNorm1d/2d/3d``, the lazy ones,
@@ -67,7 +67,7 @@ versions checked (2.6, 2.11, 2.13, unless an entry says otherwise).
   with ``hasattr`` (``planner_helpers._create_write_items``/``_create_chunk_list``,
   ``utils._get_tensor_shard``); the protocol is not documented as public. Read in 2.13.
 * ``DCP_METADATA_GLOBALS``: the globals DCP pickles into a checkpoint's ``.metadata`` (what the
-  allow-list unpickler of ``_checkpoint_io`` may resolve), private ones among them
+  allow-list unpickler of ``_state/checkpoint_files`` may resolve), private ones among them
   (``_MEM_FORMAT_ENCODING``, ``filesystem._StorageInfo``, ``torch.serialization._get_layout``).
   Listed from the 2.13 sources and checked by saving and loading there; a torch that pickles
   another one makes ``load_checkpoint`` refuse it, naming the global.
@@ -79,7 +79,7 @@ versions checked (2.6, 2.11, 2.13, unless an entry says otherwise).
   sharded. Our sharded values are ``ShardedSlice`` s, which DCP saves and loads but torch's
   full-state-dict path would pass through ungathered, so the library's state-dict hooks must
   know whether such a call asked for full or sharded tensors (see [Note: torch's state-dict
-  API] in ``_optim_state_dict.py``). torch passes that nowhere but in the options of the call:
+  API] in ``_state/optim_state_dict.py``). torch passes that nowhere but in the options of the call:
   its private workers (``_get_model_state_dict``, ``_get_optim_state_dict``,
   ``_load_model_state_dict``, ``_load_optim_state_dict``) hold them in a local named ``info``
   (a ``_StateDictInfo``, subclass of the public ``StateDictOptions``), the public functions in
@@ -94,7 +94,7 @@ versions checked (2.6, 2.11, 2.13, unless an entry says otherwise).
   receives for it is ``aten._to_copy`` (``Tensor.to`` decomposes into it), which has no public
   name. Read in 2.13.
 * Frames of torch's code read elsewhere (names and locals, not attributes of torch):
-  ``_interop`` matches torch's clipping module (``torch.nn.utils.clip_grad``) on the stack, and
+  ``_runtime/interop`` matches torch's clipping module (``torch.nn.utils.clip_grad``) on the stack, and
   refuses torch's data-parallel wrappers by their frames, including torch's ``@contract`` wrapper
   (``wrapper`` of the ``contract`` module in torch's ``_composable`` package: its locals ``func``,
   ``modules``, ``module``, ``state``, ``registry_item``, ``default_all_state``, ``default_registry`` and its module's
@@ -103,7 +103,7 @@ versions checked (2.6, 2.11, 2.13, unless an entry says otherwise).
   code moves (``test_clip_grad_norm.py``, ``test_interop.py``).
 * ``GuardedApplyHook``: ``nn.Module._apply(fn, recurse=True)`` is the one method behind
   ``.to()``, ``.half()``, ``.cuda()``, ``.float()``, ``.to_empty()``, ...; overriding it is the
-  only way to see every cast and move of a sharded or replicated module (``_apply_guard``).
+  only way to see every cast and move of a sharded or replicated module (``_setup/apply_guard``).
   Signature read in 2.13.
 * ``FSDP2_MODULE_MARKER``: torch's FSDP2 ``FSDPModule`` class (public, exported by torch's FSDP package),
   as an extra base of our ``FSDPModule`` and for nothing else. torch's and its ecosystem's code
@@ -123,12 +123,12 @@ versions checked (2.6, 2.11, 2.13, unless an entry says otherwise).
   older versions have only the old names.
 * ``fake_tensor_mode``, ``is_fake``, ``without_fake_mode``, ``TorchDispatchMode``, ``storage_id``: ``plan`` runs a model's forward and
   backward on fake tensors (shapes and storage sizes, no memory) to measure its activations
-  without holding them ([Note: Planning on fake tensors] in ``_plan_profile.py``). torch's fake
+  without holding them ([Note: Planning on fake tensors] in ``_planning/plan_profile.py``). torch's fake
   tensors are ``torch._subclasses.fake_tensor.FakeTensorMode`` and a mode that sees every
   operator's outputs subclasses ``torch.utils._python_dispatch.TorchDispatchMode``; neither has a
   public name (``torch.utils.flop_counter`` is built on the second); nor do ``FakeTensor`` (the
   class) and ``unset_fake_temporarily`` (run operators for real inside the mode, for positions
-  computed from ``arange``: see ``_plan_profile._Tracker``). Views share a storage, and a
+  computed from ``arange``: see ``plan_profile._Tracker``). Views share a storage, and a
   fake or meta storage's ``data_ptr`` is 0 for all of them, so a storage is told apart by its
   ``UntypedStorage._cdata`` (the address of its storage object). Read in 2.13.
 """
@@ -209,7 +209,7 @@ FOREACH_NORM = torch._foreach_norm  # private, see module docstring
 
 def plain_torch_function(func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
     """Run ``func`` as on plain tensors: no tensor subclass's ``__torch_function__`` runs inside,
-    and new results are plain tensors (what ``_interop.ShardedGrad`` hands every operation on
+    and new results are plain tensors (what ``interop.ShardedGrad`` hands every operation on
     a gradient to)."""
     with torch._C.DisableTorchFunctionSubclass():  # private, see module docstring
         return func(*args, **kwargs)
@@ -335,7 +335,7 @@ FSDP2_MODULE_MARKER: Tuple[type, ...] = _fsdp2_module_marker()
 
 
 # ---------------------------------------------------------------------------- planning on fake tensors
-# plan() measures activations on fake tensors ([Note: Planning on fake tensors] in _plan_profile.py):
+# plan() measures activations on fake tensors ([Note: Planning on fake tensors] in _planning/plan_profile.py):
 # FakeTensorMode, the dispatch-mode base class and a storage's identity have no public names.
 
 

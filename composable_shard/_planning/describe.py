@@ -7,13 +7,13 @@ Two sources, one arithmetic:
   every ``replicate`` state's parameters and buckets.
 * **Plan** (a plain model, possibly on the meta device, no process group needed): the fully
   sharded modules and the parameters each handle would own come from ``fully_shard``'s own
-  planning (``_init_utils._select_targets`` and ``_assign_params``, the code ``fully_shard``
+  planning (``_fully_shard_init._select_targets`` and ``_assign_params``, the code ``fully_shard``
   runs before it mutates anything); the handle's ``(dtype, requires_grad, kept in full
-  precision)`` grouping is ``_flat_param.plan_groups``, the function ``FlatParamHandle`` builds from.
+  precision)`` grouping is ``flat_param.plan_groups``, the function ``FlatParamHandle`` builds from.
 
 Both become :class:`_HandleInfo` / :class:`_GroupInfo` records, from which :func:`_rows`
-computes the figures with ``_shard_math``. The figures are exact for a steady-state training
-step (forward, backward, ``optim.step()``), counted the way ``_collectives.record_collectives``
+computes the figures with ``_runtime/shard_math``. The figures are exact for a steady-state training
+step (forward, backward, ``optim.step()``), counted the way ``collectives.record_collectives``
 counts (bytes this rank sends into each collective):
 
 [Note: Collectives per step]
@@ -27,7 +27,7 @@ counts (bytes this rank sends into each collective):
   all_reduce      the reduced shard across replicas, once, if R > 1 (NO_SHARD: the whole gradient)
   used flags      per root and (shard group, replicate group) pair, one all_reduce of 4 bytes per
                   original parameter of the groups that require grad, plus 8 (the optimizer-step
-                  agreement, [Note: Step agreement] in ``_watch.py``), in each of the two groups
+                  agreement, [Note: Step agreement] in ``_runtime/watch.py``), in each of the two groups
                   that has more than one rank ("which parameters got a gradient anywhere")
   replicate       one all_reduce per bucket (together the gradients' bytes in the reduce dtype,
                   recorded even at one rank), plus, over more than one rank, one of 4 bytes per
@@ -53,14 +53,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _init_utils, _shard_math
-from ._common_utils import _FSDPState
-from ._flat_param import compute_dtype_of, plan_groups, reduce_dtype_of
-from ._mixed_precision import full_precision_classes
-from ._torch_compat import unwrap_compiled
-from ._watch import STEP_AGREEMENT_INTS
-from .api import BackwardPrefetch, MixedPrecision, ShardingStrategy
-from .contract import _get_api_state, _get_module_state
+from .._setup import fully_shard_init as _fully_shard_init
+from .._runtime import shard_math as _shard_math
+from .._runtime.module_state import _FSDPState
+from .._runtime.flat_param import compute_dtype_of, plan_groups, reduce_dtype_of
+from .._runtime.mixed_precision import full_precision_classes
+from .._base.torch_compat import unwrap_compiled
+from .._runtime.watch import STEP_AGREEMENT_INTS
+from ..api import BackwardPrefetch, MixedPrecision, ShardingStrategy
+from ..contract import _get_api_state, _get_module_state
 
 REPLICATE_API = "replicate"  # replicate's name in the contract registry (its state is read by that name)
 
@@ -126,7 +127,7 @@ class ModuleRow:
     """One line of :class:`ShardingDescription`: a fully sharded or replicated module, or the
     parameters no data-parallel API manages (``api == "none"``). Byte figures are per rank
     (AdamW state: rank 0's, the largest); ``collectives`` maps a kind to ``(count, bytes)`` per
-    training step, as ``_collectives.record_collectives`` counts them."""
+    training step, as ``collectives.record_collectives`` counts them."""
 
     fqn: str
     api: str
@@ -356,14 +357,14 @@ def _plan_handles(model: nn.Module, world: int, policy: Any, strategy: ShardingS
     if strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
         raise ValueError(f"describe: planning {strategy.name} needs the shard and replicate groups; apply "
                          "fully_shard and describe the sharded model instead")
-    ignored = _init_utils._expand_ignored_modules(model, list(ignored_modules or []), None)
-    plan = _init_utils.Plan(model, [], _init_utils._ignored_params(ignored, None), ignored, torch.device("cpu"),
+    ignored = _fully_shard_init._expand_ignored_modules(model, list(ignored_modules or []), None)
+    plan = _fully_shard_init.Plan(model, [], _fully_shard_init._ignored_params(ignored, None), ignored, torch.device("cpu"),
                             None, False, None)
     config: Dict[str, Any] = {"strategy": strategy, "mixed_precision": mixed_precision, "cpu_offload": None,
                               "forward_prefetch": False, "backward_prefetch": BackwardPrefetch.BACKWARD_PRE,
                               "limit_all_gathers": True}
-    plan.targets = _init_utils._select_targets(plan, policy, config)
-    _init_utils._assign_params(plan)
+    plan.targets = _fully_shard_init._select_targets(plan, policy, config)
+    _fully_shard_init._assign_params(plan)
     out: Dict[int, _HandleInfo] = {}
     for target in plan.targets:
         target_strategy: ShardingStrategy = target.config["strategy"]

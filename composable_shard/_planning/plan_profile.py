@@ -54,9 +54,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from . import _torch_compat
-from ._tree_utils import convert, tensors_in
-from .api import MixedPrecision
+from .._base import torch_compat as _torch_compat
+from .._base.tree import convert, tensors_in
+from ..api import MixedPrecision
 
 __all__ = ["BlockProfile", "Profile", "profile_model", "agreed", "call_model", "default_loss", "PROFILES",
            "DEFAULT_DEVICE_FLOPS"]
@@ -71,7 +71,7 @@ TIMED_PASSES = 3  # recorded no_grad forwards after the warm-up ([Note: Measured
 @dataclass(frozen=True)
 class BlockProfile:
     """What one block's forward and backward showed on one rank's batch (bytes; [Note: Planning
-    on fake tensors] in ``_plan_profile.py``)."""
+    on fake tensors] in ``_planning/plan_profile.py``)."""
 
     fqn: str
     saved_bytes: int  # storages its forward saved for backward, each once, parameters excluded

@@ -9,7 +9,7 @@ rank), issue unmatched collectives: gloo aborts the process when the sizes diffe
 wrong data when they agree, and the next collective hangs.
 
 [Note: Agreement]  Before a collective that must match, every rank tells the others, in one
-small synchronous all-gather of integers (:func:`composable_shard._collectives.exchange`), what it
+small synchronous all-gather of integers (:func:`composable_shard._runtime.collectives.exchange`), what it
 is about to do: ``(kind, handle index, group index, flag)``. Every rank sees the same table,
 so on a difference every rank raises the same error naming the modules and the ranks.
   * first iteration, always: before every all-gather of parameters (forward and backward), and
@@ -24,7 +24,7 @@ so on a difference every rank raises the same error naming the modules and the r
     and when recovering from a backward that raised.
 What is not agreed on can still leave a collective unmatched; its wait then fails after the
 process group's timeout with a message naming the pending handle and collective
-(:meth:`composable_shard._collectives.Pending.wait`).
+(:meth:`composable_shard._runtime.collectives.Pending.wait`).
 """
 
 from __future__ import annotations
@@ -36,11 +36,12 @@ from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import _collectives, _watch
+from . import collectives as _collectives
+from . import watch as _watch
 
 if TYPE_CHECKING:
-    from ._common_utils import _FSDPState
-    from ._flat_param import FlatParamHandle
+    from .module_state import _FSDPState
+    from .flat_param import FlatParamHandle
 
 __all__ = ["debug_mode", "agree_before_gather", "agree_before_reduction", "agree_on_failed_backward",
            "check_layout_across_ranks", "taking_part", "agree_used_and_steps"]

@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ._torch_compat import ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE
+from .._base.torch_compat import ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE
 
 __all__ = [
     "Pending",

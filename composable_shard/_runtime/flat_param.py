@@ -67,7 +67,7 @@ On a CPU compute device the copies are CPU to CPU and the events absent, but the
 ``device_id`` moves buffers to the device but leaves offloaded parameters on the CPU, so the
 whole model never has to fit on the device.
 
-[Note: The handle owns its transitions]  The runtime's hooks (``_runtime_utils.py``) decide
+[Note: The handle owns its transitions]  The runtime's hooks (``_runtime/hooks.py``) decide
 *when*; the handle does each step of a parameter's life itself, as a method: ``unshard``
 (``issue_gathers`` + ``wait_gathers`` + views), ``reshard``, ``reduce`` (a :class:`Reduction`),
 ``release_earlier_reductions``, ``accumulate_sharded_grad``, ``attach_grads``; every change of
@@ -87,11 +87,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _collectives, _shard_math
-from ._interop import ShardedGrad, as_sharded_grad
-from . import _watch
-from ._streams import Streams
-from ._torch_compat import has_grad_hooks, is_view_of, set_module_tensor, tensor_version
+from . import collectives as _collectives
+from . import shard_math as _shard_math
+from .interop import ShardedGrad, as_sharded_grad
+from . import watch as _watch
+from .streams import Streams
+from .._base.torch_compat import has_grad_hooks, is_view_of, set_module_tensor, tensor_version
 
 __all__ = ["FlatParameter", "FlatParamHandle", "HandleTrainingState", "TRANSITIONS", "ParamInfo", "SharedParamInfo", "FlatGroup", "set_grad_of_any_shape",
            "plan_groups", "compute_dtype_of", "reduce_dtype_of", "take_pending_init_values"]
@@ -145,7 +146,7 @@ def handle_streams(owner: "_Owner", device: torch.device) -> Streams:
 
 class _Owner(Protocol):
     """What a handle reads of the runtime state of the fully sharded module that owns it
-    (``_common_utils._FSDPState``; typed here so this module imports nothing above it)."""
+    (``module_state._FSDPState``; typed here so this module imports nothing above it)."""
 
     process_group: Optional[dist.ProcessGroup]  # shard group (None: one rank)
     replicate_group: Optional[dist.ProcessGroup]  # HYBRID: across replicas
@@ -267,7 +268,7 @@ def plan_groups(module: nn.Module, params: Sequence[nn.Parameter], param_dtype: 
     with this same function): parameters in ``named_modules`` order, each once, grouped by
     ``(dtype, requires_grad, kept in full precision)`` in first-seen order; the last is True for
     parameters of a module of ``full_precision_classes`` under a ``param_dtype`` (see [Note:
-    Modules kept in full precision] in ``_mixed_precision.py``). Second registrations (tied
+    Modules kept in full precision] in ``_runtime/mixed_precision.py``). Second registrations (tied
     weights) are returned apart, per group."""
     wanted = {id(p) for p in params}
     by_group: Dict[GroupKey, List[Tuple[nn.Parameter, ParamInfo]]] = {}
@@ -409,7 +410,7 @@ class FlatParamHandle:
         self.recomputes_in_backward: bool = False  # its forward runs again in backward (activation checkpointing)
         self.states_before_recompute: List[HandleTrainingState] = []  # pushed per recomputed forward in progress
         self.state: Optional[_Owner] = None  # the owning module's runtime state (set by fully_shard)
-        self.keep_low_precision_grads: bool = False  # .grad in the compute dtype (see _mixed_precision.py)
+        self.keep_low_precision_grads: bool = False  # .grad in the compute dtype (see _runtime/mixed_precision.py)
         self.init_buffers: Optional[List[torch.Tensor]] = None  # after to_empty: full buffers being initialized
         self._build(params, module, module_fqn, param_dtype, tuple(full_precision_classes))
         # The steps of the optimizers holding its parameters (not another model's): see is_stale.
@@ -531,7 +532,7 @@ class FlatParamHandle:
         """FQNs (relative to the owning module) of original parameters the runtime cannot
         follow, in one pass: ``(detached, hooked)``. Detached ones no longer share storage with
         their group's flat shard (their ``.data`` was replaced after fully_shard); hooked ones
-        carry gradient hooks, which never run here (see :func:`_torch_compat.has_grad_hooks`)."""
+        carry gradient hooks, which never run here (see :func:`torch_compat.has_grad_hooks`)."""
         detached: List[str] = []
         hooked: List[str] = []
         for group in self.groups:
@@ -601,7 +602,7 @@ class FlatParamHandle:
         gets a view that does not require grad; each view's use in backward is recorded in
         ``group.used`` (a parameter no backward reached keeps ``.grad = None``). ``forward``:
         made by a forward with grad enabled, whose gradient the runtime waits for (see
-        [Note: Reentrant arrivals] in ``_runtime_utils.py``)."""
+        [Note: Reentrant arrivals] in ``_runtime/hooks.py``)."""
         for group in self.groups:
             fp = group.flat_param
             with torch.enable_grad():  # see [Note: Views made in backward]
@@ -631,7 +632,7 @@ class FlatParamHandle:
     # ------------------------------------------------------------------ gather transitions
     def will_gather(self) -> bool:
         """True if :meth:`issue_gathers` would issue all-gathers now (the ranks agree on exactly
-        these, see [Note: Agreement] in ``_divergence.py``)."""
+        these, see [Note: Agreement] in ``_runtime/agreement.py``)."""
         return self.needs_unshard() and all(g.pending_unshard is None for g in self.groups)
 
     def issue_gathers(self) -> None:
@@ -821,7 +822,7 @@ class FlatParamHandle:
         in this backward (``used``); otherwise ``None``, as local training leaves it. With a
         ``shard_group`` (one of several ranks) the views are ShardedGrad tensors over it, so
         torch's ``clip_grad_norm_`` sees the global norm ([Note: torch's clip_grad_norm_ on
-        sharded gradients] in ``_interop.py``)."""
+        sharded gradients] in ``_runtime/interop.py``)."""
         sharded_grad = group.reduced_grad
         for i, (p, s) in enumerate(zip(group.orig_params, group.flat_param._shard_slices)):
             keep = sharded_grad is not None and group.requires_grad_mask[i] and (group.had_grad[i] or used[i])

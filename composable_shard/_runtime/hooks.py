@@ -1,8 +1,8 @@
 """The training step of ``fully_shard``: the hooks, which decide *when*; the handle
-(``_flat_param.FlatParamHandle``) does each transition; the root's end-of-backward callback.
+(``flat_param.FlatParamHandle``) does each transition; the root's end-of-backward callback.
 
 [Note: Life of a parameter]  FULL_SHARD, one handle, one training step. Left: the hook here;
-middle: the handle method it calls (``_flat_param.py``; collectives in ``_collectives.py``);
+middle: the handle method it calls (``_runtime/flat_param.py``; collectives in ``_runtime/collectives.py``);
 right: what ``module.weight`` is.
   idle          group.flat_param holds ceil(N/W) elements                     orig param, 1-D view of my slice
   pre_forward   enter(FORWARD); unshard(): issue_gathers (all-gather into      full-shape view (plain tensor)
@@ -21,7 +21,7 @@ SHARD_GRAD_OP keeps the unsharded storage from pre_forward to post_backward; NO_
 shard group of one rank) computes on the shard itself and all-reduces gradients. The root
 keeps its parameters unsharded from its forward to its backward (its backward comes first).
 Kept buffers are gathered again if an optimizer holding their parameters stepped, or a parameter
-was edited in place, since (see ``_watch.py``); a forward with no backward to follow frees them.
+was edited in place, since (see ``_runtime/watch.py``); a forward with no backward to follow frees them.
 
 [Note: Hook order]  for fully_shard, checkpoint and replicate stacked on one module
   forward pre-hooks:  fully_shard (registered with prepend=True) -> checkpoint -> others
@@ -30,7 +30,7 @@ So parameters are unsharded before checkpoint starts hiding activations, and che
 stopped before fully_shard reshards, in either application order. The library's checkpoint
 recomputes by calling ``module.forward`` directly: fully_shard's hooks do not run again, and the
 pre-backward hook (on the forward outputs) has already unsharded the parameters and reinstalled
-views (made with grad mode on, see [Note: Views made in backward] in ``_flat_param.py``).
+views (made with grad mode on, see [Note: Views made in backward] in ``_runtime/flat_param.py``).
 
 [Note: Recomputation in backward]  ``torch.utils.checkpoint`` around a module's ``__call__``
 (what older ``transformers`` layers do), or around a parent whose children are fully sharded,
@@ -54,7 +54,7 @@ Forward prefetch unshards the next handle in ``exec_order``; backward prefetch u
 handle that finished its forward just before the current one (backward runs in reverse
 post-forward order, so the root, whose forward finishes last and whose backward starts first,
 prefetches the last block). Ranks agree on each handle before gathering it in the first
-iteration (see [Note: Agreement] in ``_divergence.py``); a later forward in another order
+iteration (see [Note: Agreement] in ``_runtime/agreement.py``); a later forward in another order
 warns once; prefetch is only a hint, every handle still unshards itself when it runs.
 Both orders hold each handle's first use in an iteration: a module called again in the same
 forward (a block applied twice, weights shared across steps of a loop) neither records a second
@@ -73,17 +73,19 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar, cast
 import torch
 import torch.nn as nn
 
-from . import _collectives, _divergence, _watch
-from ._divergence import agree_used_and_steps
-from ._common_utils import HandleTrainingState, RootContext, TrainingState, WeakHook, _FSDPState
-from ._flat_param import FlatGroup, FlatParamHandle, take_pending_init_values
-from ._interop import refuse_pipelining
-from ._streams import Streams
-from ._torch_compat import is_in_backward, queue_backward_callback
-from ._traversal_utils import _get_fsdp_states, owned_modules
-from ._tree_utils import convert, tensors_in
-from .contract import _get_registry
-from .api import BackwardPrefetch
+from . import collectives as _collectives
+from . import agreement as _agreement
+from . import watch as _watch
+from .agreement import agree_used_and_steps
+from .module_state import HandleTrainingState, RootContext, TrainingState, WeakHook, _FSDPState
+from .flat_param import FlatGroup, FlatParamHandle, take_pending_init_values
+from .interop import refuse_pipelining
+from .streams import Streams
+from .._base.torch_compat import is_in_backward, queue_backward_callback
+from .traversal import _get_fsdp_states, owned_modules
+from .._base.tree import convert, tensors_in
+from ..contract import _get_registry
+from ..api import BackwardPrefetch
 
 __all__ = ["register_runtime_hooks", "lazy_init", "wait_unshard", "issue_unshard", "reduce_accumulated",
            "recover_interrupted_backward", "assert_internal"]
@@ -161,9 +163,9 @@ def lazy_init(state: _FSDPState) -> None:
     state.streams = Streams(state.compute_device)
     for s in states:
         s.streams = state.streams
-    state.ctx.debug_checks = _divergence.debug_mode()
+    state.ctx.debug_checks = _agreement.debug_mode()
     state.ctx.step_counter = _watch.StepCounter(p for h in state._all_handles for g in h.groups for p in g.orig_params)
-    _divergence.check_layout_across_ranks(state)
+    _agreement.check_layout_across_ranks(state)
 
 
 # ---------------------------------------------------------------------------- unshard / reshard
@@ -174,10 +176,10 @@ def _state_of(handle: FlatParamHandle) -> _FSDPState:
 
 def _issue_gathers(state: _FSDPState, handle: FlatParamHandle) -> None:
     """The ranks agree on the gather first (first iteration, debug mode: see [Note: Agreement]
-    in ``_divergence.py``), then the handle issues it."""
+    in ``_runtime/agreement.py``), then the handle issues it."""
     root = state.root
     if root is not None and (root.ctx.check_order or root.ctx.debug_checks) and handle.will_gather():
-        _divergence.agree_before_gather(root, state, handle)
+        _agreement.agree_before_gather(root, state, handle)
     handle.issue_gathers()
 
 
@@ -265,7 +267,7 @@ def _prefetch(root: _FSDPState, order: List[FlatParamHandle], index: int) -> Opt
 def _pre_forward(state: _FSDPState, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
     """Pre: handle IDLE (its storage possibly kept). Post: handle FORWARD, unsharded views in
     place, next handle's all-gather issued when forward prefetch is on."""
-    take_pending_init_values()  # see [Note: Initialization after to_empty] in _flat_param.py
+    take_pending_init_values()  # see [Note: Initialization after to_empty] in _runtime/flat_param.py
     lazy_init(state)
     if _recomputing(state):
         return _pre_recompute(state, args, kwargs)
@@ -639,7 +641,7 @@ def _post_backward(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup)
     group.grad_ready = True
     if unsharded_grad is not None:
         if root.ctx.debug_checks:
-            _divergence.agree_before_reduction(root, state, handle, group.index, state.sync_gradients)
+            _agreement.agree_before_reduction(root, state, handle, group.index, state.sync_gradients)
         if state.sync_gradients:
             handle.reduce(group, unsharded_grad)
         else:
@@ -742,7 +744,7 @@ def attach_reduced_grads(root: _FSDPState) -> Optional[str]:
     all-reduce per process-group pair (a parameter unused everywhere keeps ``.grad = None``, as
     in local training; one used on another rank gets the averaged gradient). The same
     all-reduce agrees on the optimizer steps taken since the last one ([Note: Step agreement] in
-    ``_watch.py``): returns the error to raise if the ranks differ, else ``None``."""
+    ``_runtime/watch.py``): returns the error to raise if the ranks differ, else ``None``."""
     batches: Dict[Tuple[int, int], List[Tuple[_FSDPState, FlatParamHandle, FlatGroup]]] = {}
     for handle in root._all_handles:
         state = _state_of(handle)
@@ -808,7 +810,7 @@ def recover_interrupted_backward(root: _FSDPState) -> None:
     ``zero_grad()`` the next step is exactly a clean step."""
     log.debug("recovering from a backward that raised (%s)", root.describe())
     if root.ctx.debug_checks:
-        _divergence.agree_on_failed_backward(root)
+        _agreement.agree_on_failed_backward(root)
     discard_reductions(root)
     for handle in root._all_handles:
         handle.discard_backward()
@@ -820,7 +822,7 @@ def recover_interrupted_backward(root: _FSDPState) -> None:
 def register_runtime_hooks(state: _FSDPState, module: nn.Module) -> None:
     """Forward pre-hook first of all pre-hooks, forward post-hook appended (and run even if
     forward raises), one post-accumulate-grad hook per trainable group (see [Note: Hook
-    order]), and the module's parameters tracked for changes (see ``_watch.py``).
+    order]), and the module's parameters tracked for changes (see ``_runtime/watch.py``).
 
     The forward hooks are excluded from ``torch.compile`` (``torch.compiler.disable``): a
     compiled block (``block.compile()``) runs them eagerly around its compiled forward, so
@@ -899,7 +901,7 @@ def _post_backward_hook(state: _FSDPState, handle: FlatParamHandle, group: FlatG
 
 
 def _track_modules(state: _FSDPState, module: nn.Module) -> None:
-    """See [Note: Tracked modules] in ``_watch.py``."""
+    """See [Note: Tracked modules] in ``_runtime/watch.py``."""
     slots: Dict[int, Dict[str, Any]] = {}
     handle = state.handle
     if handle is not None:

@@ -74,9 +74,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _collectives
-from ._torch_compat import FOREACH_NORM as _FOREACH_NORM, as_plain, plain_torch_function
-from ._tree_utils import convert
+from . import collectives as _collectives
+from .._base.torch_compat import FOREACH_NORM as _FOREACH_NORM, as_plain, plain_torch_function
+from .._base.tree import convert
 
 __all__ = ["ShardedGrad", "PartialNorm", "as_sharded_grad", "shard_source", "total_grad_norm", "ForeignWrapperGuard",
            "refuse_lightning_model_parallel", "refuse_pipelining"]
@@ -405,7 +405,7 @@ def _refuse_foreign_wrapper(module: Any, frame: Optional[FrameType]) -> None:
 # accepts only models with DTensor parameters, and Fabric's saver (``_save_checkpoint``) refuses
 # the same way with a message that blames the caller. So its checkpoint calls raise, before
 # anything is written or loaded, naming the strategies that do work: Trainer's save through
-# torch's state-dict API (``_state_dict.torch_request``), Fabric's save and both loads at their
+# torch's state-dict API (``model_state_dict.torch_request``), Fabric's save and both loads at their
 # first look at the model's parameters (``ForeignWrapperGuard``).
 _LIGHTNING_MODEL_PARALLEL = ("lightning.pytorch.strategies.model_parallel", "lightning.fabric.strategies.model_parallel",
                              "pytorch_lightning.strategies.model_parallel", "lightning_fabric.strategies.model_parallel")
@@ -434,7 +434,7 @@ _PIPELINING = "torch.distributed.pipelining"
 
 
 def refuse_pipelining(module: Any) -> None:
-    """See [Note: FSDP2 drop-in] in ``_fsdp2_compat.py``: a root's first forward (lazy init) and ``set_is_last_backward``
+    """See [Note: FSDP2 drop-in] in ``_setup/fsdp2_compat.py``: a root's first forward (lazy init) and ``set_is_last_backward``
     (what torch's pipelining calls first, before each micro-batch's backward and at the end of
     the step) raise when torch's pipelining called them. At the first forward also a stage whose
     own module is plain: its zero-bubble weight pass would ask the original parameters for

@@ -6,7 +6,7 @@ buffers in ``buffer_dtype``, and gradients kept in ``param_dtype``.
   in their parameters' own dtype whatever the handle's ``param_dtype``: their parameters form a
   separate flat group of the handle whose compute dtype is the parameters' dtype (see
   ``FlatParamHandle``'s ``full_precision_classes``), or, under a policy, a handle of their own
-  without mixed precision (``_init_utils._select_targets``). A forward pre-hook casts their
+  without mixed precision (``fully_shard_init._select_targets``). A forward pre-hook casts their
   floating inputs up to that dtype and a forward hook casts floating outputs back to the dtype
   the first floating input had, so the surrounding low-precision computation is unchanged.
   Their buffers (running statistics) are never cast.
@@ -15,7 +15,7 @@ buffers in ``buffer_dtype``, and gradients kept in ``param_dtype``.
   ``buffer_dtype`` casts the floating buffers of the modules a handle owns (not of modules
   kept in full precision) once, when ``fully_shard`` is applied; they stay in that dtype, as
   torch's FSDP keeps them. ``state_dict()`` returns each in its original dtype (the dtype is
-  recorded per module, see ``_state_dict.register_buffer_dtypes``); loading copies into the
+  recorded per module, see ``model_state_dict.register_buffer_dtypes``); loading copies into the
   cast buffer.
 
 [Note: Low-precision gradients]
@@ -31,9 +31,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from ._common_utils import _FSDPState
-from ._traversal_utils import owned_modules
-from ._tree_utils import convert
+from .module_state import _FSDPState
+from .traversal import owned_modules
+from .._base.tree import convert
 
 __all__ = ["apply_mixed_precision", "full_precision_classes"]
 
@@ -52,7 +52,7 @@ def full_precision_classes(state_or_mp: Any) -> Tuple[type, ...]:
 def apply_mixed_precision(state: _FSDPState, module: nn.Module) -> List[Tuple[nn.Module, Dict[str, torch.dtype]]]:
     """Called by ``fully_shard`` once per fully sharded module, after its handle is built.
     Returns the modules whose buffers it cast, each with its buffers' original dtypes (what the
-    state dict restores: ``_state_dict.register_buffer_dtypes``, called by ``fully_shard``)."""
+    state dict restores: ``model_state_dict.register_buffer_dtypes``, called by ``fully_shard``)."""
     cast: List[Tuple[nn.Module, Dict[str, torch.dtype]]] = []
     mp = state.mixed_precision
     if mp is None:

@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, StateDictType
-from ._flat_param import FlatParamHandle, HandleTrainingState, Reduction, _is_fsdp_flattened, _set_fsdp_flattened  # noqa: F401  # some re-exported
-from ._streams import Streams
-from ._watch import StepCounter
-from .contract import _State
+from ..api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, StateDictType
+from .flat_param import FlatParamHandle, HandleTrainingState, Reduction, _is_fsdp_flattened, _set_fsdp_flattened  # noqa: F401  # some re-exported
+from .streams import Streams
+from .watch import StepCounter
+from ..contract import _State
 
 __all__ = [
     "TrainingState",
@@ -128,7 +128,7 @@ class RootContext:
         self.pending_reductions: List[Reduction] = []  # reductions issued, not yet finished (a few at most)
         self.check_order: bool = True  # agree across ranks before each all-gather (first iteration, debug)
         self.debug_checks: bool = False  # COMPOSABLE_SHARD_DEBUG: agree before every collective, every step
-        self.changes_to_check: bool = True  # a tracked module changed since the last check (_watch); the first forward checks
+        self.changes_to_check: bool = True  # a tracked module changed since the last check (_runtime/watch.py); the first forward checks
         self.step_counter: Optional[StepCounter] = None  # the optimizer steps on every handle's parameters
 
 

@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, List, Set, Tuple
 
 import torch.nn as nn
 
-from ._common_utils import _FSDPState
-from .contract import _get_module_state, _get_registry
+from .module_state import _FSDPState
+from ..contract import _get_module_state, _get_registry
 
 if TYPE_CHECKING:
-    from ._flat_param import FlatParamHandle
+    from .flat_param import FlatParamHandle
 
 __all__ = ["_composable", "owned_modules", "_get_fsdp_states", "_get_fsdp_handles"]
 

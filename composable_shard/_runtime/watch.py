@@ -18,8 +18,8 @@
   every parameter where it is (``model.to(<its own device>)``, ``model.float()`` on float32) is
   allowed. fully_shard's own initialization (``param_init_fn`` calling ``to_empty``) puts
   parameters back itself and is not checked (:func:`applying_during_init`). Both live in
-  ``_apply_guard.py``; a ``.data`` replaced by any other path is caught at the next forward
-  (see [Note: Detached parameters] in ``_runtime_utils.py``).
+  ``_setup/apply_guard.py``; a ``.data`` replaced by any other path is caught at the next forward
+  (see [Note: Detached parameters] in ``_runtime/hooks.py``).
 * **Optimizer steps.** Unsharded buffers kept across steps (``SHARD_GRAD_OP`` after a forward
   without backward, ``set_reshard_after_backward(False)``, a manual ``unshard()``) must not
   outlive an update of the shards they were gathered from. In-place edits bump the parameters'
@@ -78,14 +78,14 @@ from torch.nn.modules.module import (register_module_module_registration_hook,
                                      register_module_parameter_registration_hook)
 from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook
 
-from .contract import _get_registry
+from ..contract import _get_registry
 
 __all__ = ["track", "raise_on_model_change", "OptimizerSteps", "StepCounter", "STEP_AGREEMENT_INTS"]
 
 
 class _Owner(Protocol):
     """What this file reads and sets on a fully sharded module's ``_FSDPState`` (not imported:
-    ``_common_utils`` imports ``_flat_param``, which imports this file)."""
+    ``module_state`` imports ``flat_param``, which imports this file)."""
 
     fqn: str
     model_change: Optional[str]

@@ -15,7 +15,7 @@ the call is a no-op. fully_shard's own initialization (``param_init_fn`` calling
 sharded children) puts parameters back itself and runs unchecked (:func:`applying_during_init`).
 The outermost annotated module of a call checks every nested one's parameters too, so names are
 relative to the module the user called. A plain submodule cast on its own (``model.blocks[0].fc1.half()``) is not seen
-here; the next forward catches it (see [Note: Detached parameters] in ``_runtime_utils.py``).
+here; the next forward catches it (see [Note: Detached parameters] in ``_runtime/hooks.py``).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from ._flat_param import set_grad_of_any_shape, take_pending_init_values
-from ._torch_compat import GuardedApplyHook, set_module_tensor
+from .._runtime.flat_param import set_grad_of_any_shape, take_pending_init_values
+from .._base.torch_compat import GuardedApplyHook, set_module_tensor
 
 __all__ = ["guard_apply", "applying_during_init", "in_init", "GuardedApply", "same_view"]
 
@@ -71,7 +71,7 @@ def guard_apply(module: nn.Module, apply: Callable[[], nn.Module]) -> nn.Module:
     ``.data``, ``.grad``) and buffer of the subtree back and raise, with the owner's advice."""
     if _depth["init"] or _depth["apply"]:  # init, or inside an outer guarded call
         return apply()
-    take_pending_init_values()  # see [Note: Initialization after to_empty] in _flat_param.py
+    take_pending_init_values()  # see [Note: Initialization after to_empty] in _runtime/flat_param.py
     owners: Dict[int, Any] = {id(p): m for m in module.modules() if hasattr(m, "_guarded_params")
                               for p in getattr(m, "_guarded_params")()}
     if not owners:

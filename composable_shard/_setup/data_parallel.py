@@ -2,7 +2,7 @@
 call manages, the agreement on every refusal before the first collective, ``device_id``'s device,
 the rank-0 broadcast at init and ``set_requires_gradient_sync``'s checks. The end-of-backward
 agreement on the parameters used on some rank, which both also share, is part of the step and lives
-with the other agreements in ``_divergence.py`` (with [Note: Step agreement] of ``_watch.py``).
+with the other agreements in ``_runtime/agreement.py`` (with [Note: Step agreement] of ``_runtime/watch.py``).
 
 [Note: One behaviour for both APIs]  Where the two had drifted, both do what a DDP/FSDP user expects:
 * ``set_requires_gradient_sync`` takes a bool, else ``TypeError`` naming the module, flag unchanged
@@ -43,12 +43,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _collectives
-from ._common_utils import _FSDPState
-from ._divergence import taking_part as _taking_part
-from ._traversal_utils import _NON_COMPOSABLE_APIS
-from ._validation import check_bool
-from .contract import _get_module_state, _get_registry
+from .._runtime import collectives as _collectives
+from .._runtime.module_state import _FSDPState
+from .._runtime.agreement import taking_part as _taking_part
+from .._runtime.traversal import _NON_COMPOSABLE_APIS
+from .validation import check_bool
+from ..contract import _get_module_state, _get_registry
 
 __all__ = ["check_composition", "normalize_device", "check_set_requires_gradient_sync", "broadcast_from_rank0",
            "agreement_groups", "agreed"]
@@ -124,7 +124,7 @@ def _managed_modules(top: nn.Module, ignored_modules: AbstractSet[nn.Module], po
 
 
 def normalize_device(device_id: Union[int, torch.device, None]) -> Optional[torch.device]:
-    """The device ``device_id`` (checked by ``_validation.check_device_id``) names: an int is a
+    """The device ``device_id`` (checked by ``validation.check_device_id``) names: an int is a
     CUDA index, a CUDA device without an index the current one."""
     if device_id is None:
         return None

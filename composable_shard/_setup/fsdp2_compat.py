@@ -5,7 +5,7 @@
   research code) calls ``fully_shard(module, mesh=, reshard_after_forward=, mp_policy=,
   offload_policy=, ignored_params=)`` and then FSDP2's methods on the modules, found by
   ``isinstance(m, FSDPModule)`` against torch's class, of which ours is a subclass for that
-  reason alone (``_torch_compat.FSDP2_MODULE_MARKER``). Each FSDP2 argument and method is one
+  reason alone (``torch_compat.FSDP2_MODULE_MARKER``). Each FSDP2 argument and method is one
   of three kinds (docs/migration.md has the table):
     mapped       ``reshard_after_forward`` (True: FULL_SHARD or HYBRID_SHARD, False:
                  SHARD_GRAD_OP or _HYBRID_SHARD_ZERO2), ``mp_policy`` (a ``MixedPrecision`` with
@@ -31,7 +31,7 @@
   gradient sync off for every micro-batch: the step would end with gradients never reduced; and
   its zero-bubble schedules' weight pass asks the original parameters for gradients, which a
   sharded forward never used. A fully sharded module's first forward under a pipelining
-  schedule raises (``_interop.refuse_pipelining``), as does ``set_is_last_backward`` from there, unless
+  schedule raises (``interop.refuse_pipelining``), as does ``set_is_last_backward`` from there, unless
   the stage is ``composable_shard.integrations.pipelining.PipelineStage``, which drives them
   itself ([Note: Pipelined stages] there).
 """
@@ -42,11 +42,11 @@ from typing import Any, Dict, List, Optional
 
 import torch.nn as nn
 
-from ._common_utils import _FSDPState
-from ._interop import refuse_pipelining
-from ._torch_compat import TORCH_FSDP_PACKAGE
-from ._validation import check_bool, check_real
-from .api import CPUOffload, MixedPrecision, ShardingStrategy
+from .._runtime.module_state import _FSDPState
+from .._runtime.interop import refuse_pipelining
+from .._base.torch_compat import TORCH_FSDP_PACKAGE
+from .validation import check_bool, check_real
+from ..api import CPUOffload, MixedPrecision, ShardingStrategy
 
 __all__ = ["FSDP2Methods", "UnshardHandle", "fsdp2_arguments", "FSDP2_ARGUMENTS"]
 

@@ -1,12 +1,12 @@
 """Everything ``fully_shard(...)`` does before the first forward: check, plan, then mutate.
 
 :func:`plan_agreed` runs everything that can refuse before the call's first collective --
-the argument checks (``_validation.check_fully_shard_arguments``), :func:`plan_fully_shard`
+the argument checks (``validation.check_fully_shard_arguments``), :func:`plan_fully_shard`
 (the fully sharded modules, the called module plus the policy's targets, and which parameters
 each one's handle owns; raises on any bad input or annotation without touching the model),
 meta materialization (``param_init_fn`` may replace parameters, so they are collected again)
 and the move to ``device_id`` -- then agrees on the outcome with every rank ([Note: Agreed
-refusals] in ``_data_parallel.py``). :func:`apply_plan` then synchronizes, flattens and hands each fully
+refusals] in ``_setup/data_parallel.py``). :func:`apply_plan` then synchronizes, flattens and hands each fully
 sharded module to the caller to register hooks.
 
 [Note: Shared parameters]
@@ -71,17 +71,17 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _apply_guard
-from ._common_utils import _FSDPState, _is_fsdp_flattened
-from ._data_parallel import (_expand_ignored_modules, _ignored_params, _join, _managed_modules, agreed, agreement_groups,
+from . import apply_guard as _apply_guard
+from .._runtime.module_state import _FSDPState, _is_fsdp_flattened
+from .data_parallel import (_expand_ignored_modules, _ignored_params, _join, _managed_modules, agreed, agreement_groups,
                              broadcast_from_rank0, check_composition, normalize_device)
-from ._flat_param import FlatParamHandle
-from ._mixed_precision import full_precision_classes
-from ._traversal_utils import _get_fsdp_states
-from .api import CPUOffload, MixedPrecision, ShardingStrategy
-from .contract import _check_fqns_unchanged, _fqn_snapshot, _get_module_state
-from ._validation import check_config, check_dense_gradients, check_fully_shard_arguments
-from .wrap import _as_policy
+from .._runtime.flat_param import FlatParamHandle
+from .._runtime.mixed_precision import full_precision_classes
+from .._runtime.traversal import _get_fsdp_states
+from ..api import CPUOffload, MixedPrecision, ShardingStrategy
+from ..contract import _check_fqns_unchanged, _fqn_snapshot, _get_module_state
+from .validation import check_config, check_dense_gradients, check_fully_shard_arguments
+from ..wrap import _as_policy
 
 __all__ = ["Plan", "plan_fully_shard", "plan_agreed", "apply_plan", "resolve_groups"]
 
@@ -196,7 +196,7 @@ def _keep_full_precision_modules(plan: Plan, chosen: Dict[nn.Module, Dict[str, A
     """Under a policy, each module of a class its mixed precision keeps in full precision
     (``MixedPrecision._module_classes_to_ignore``) and with parameters of its own gets a handle
     without mixed precision, as torch's FSDP does (see [Note: Modules kept in full precision]
-    in ``_mixed_precision.py``). The mixed precision in force is the nearest chosen ancestor's."""
+    in ``_runtime/mixed_precision.py``). The mixed precision in force is the nearest chosen ancestor's."""
     def visit(m: nn.Module, inherited: Dict[str, Any]) -> None:
         inherited = chosen.get(m, inherited)
         classes = full_precision_classes(inherited.get("mixed_precision"))
@@ -644,7 +644,7 @@ def _local_world_size() -> int:
 def plan_agreed(module: nn.Module, kwargs: Dict[str, Any]) -> Plan:
     """Check the arguments, plan, materialize and move: everything of ``fully_shard`` before its
     first collective, each refusal agreed by every rank of the call (see [Note: Agreed
-    refusals] in ``_data_parallel.py``). Returns the plan, ready for :func:`apply_plan`."""
+    refusals] in ``_setup/data_parallel.py``). Returns the plan, ready for :func:`apply_plan`."""
     return agreed(f"fully_shard({type(module).__name__})", agreement_groups(kwargs["process_group"], kwargs["mesh"]),
                   functools.partial(_plan_and_prepare, module, kwargs), lambda plan: [
                       [name, list(t.shape), str(t.dtype)] for name, t in _sync_tensors(plan)

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from .wrap import _Policy
+from ..api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from ..wrap import _Policy
 
 __all__ = ["check_bool", "check_real", "check_process_group", "check_device_id", "check_mixed_precision",
            "check_modules", "check_config", "check_fully_shard_arguments", "check_dense_gradients"]

@@ -19,7 +19,7 @@
   Verification reads the whole checkpoint once, on rank 0. A load that fails after that (a
   file changed since, a rank that reads another copy, any error on any rank) leaves model and
   optimizer as they were on every rank and raises the same error everywhere: see [Note:
-  All-or-nothing loads] in ``_load_transaction.py``.
+  All-or-nothing loads] in ``_state/load_transaction.py``.
 
 [Note: Reading stays in the folder]
   DCP's reader opens ``<folder>/<relative_path>`` for every entry of ``.metadata``'s
@@ -68,10 +68,10 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from ._load_transaction import from_rank, rank_of, transaction
-from ._optim_state_dict import param_groups_by_fqn, set_optimizer_state_dict, sharded_optim_views
-from ._state_dict import get_model_state_dict, set_model_state_dict, sharded_model_views
-from ._torch_compat import DCP_METADATA_GLOBALS, unwrap_compiled
+from .load_transaction import from_rank, rank_of, transaction
+from .optim_state_dict import param_groups_by_fqn, set_optimizer_state_dict, sharded_optim_views
+from .model_state_dict import get_model_state_dict, set_model_state_dict, sharded_model_views
+from .._base.torch_compat import DCP_METADATA_GLOBALS, unwrap_compiled
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "export_safetensors", "SafeFileSystemReader",
            "SafeLoadPlanner", "UnsafeCheckpointError"]

@@ -26,7 +26,7 @@
   tied parameters and the optimizer's references stay valid), puts back any tensor object or
   ``.data`` a load replaced, reinstates the optimizer's original ``state`` and ``param_groups``
   objects, and bumps each restored tensor's version counter, so a kept unsharded buffer
-  gathered from the loaded values is gathered again (see [Note: Views] in ``_flat_param.py``).
+  gathered from the loaded values is gathered again (see [Note: Views] in ``_runtime/flat_param.py``).
   A transaction nested in another (``load_checkpoint`` calls ``set_*``) is part of the outer
   one: no second snapshot, no agreement of its own.
 
@@ -51,10 +51,10 @@ import torch.nn as nn
 from torch.autograd.graph import increment_version
 from torch.distributed.checkpoint import CheckpointException
 
-from . import _collectives
-from ._traversal_utils import _get_fsdp_handles, _get_fsdp_states
-from .contract import _STATE_KEY
-from ._torch_compat import tensor_slots, unwrap_compiled
+from .._runtime import collectives as _collectives
+from .._runtime.traversal import _get_fsdp_handles, _get_fsdp_states
+from ..contract import _STATE_KEY
+from .._base.torch_compat import tensor_slots, unwrap_compiled
 
 __all__ = ["is_distributed", "rank_of", "from_rank", "agree_or_raise", "transaction", "Transaction", "transactional",
            "model_group", "before_final_agreement", "state_entries"]

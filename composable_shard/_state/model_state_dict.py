@@ -56,18 +56,18 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Named
 import torch
 import torch.nn as nn
 
-from . import _collectives
-from ._common_utils import _FSDPState
-from ._flat_param import FlatGroup, take_pending_init_values
-from ._interop import refuse_lightning_model_parallel
-from ._shard_math import param_offsets
-from ._sharded_tensor import ShardedSlice
-from ._traversal_utils import _get_fsdp_handles, _get_fsdp_states
-from ._load_transaction import rank_of, state_entries, transactional
-from ._torch_compat import UNKNOWN_REQUEST, TORCH_STATE_DICT_MODULE, torch_state_dict_request, unwrap_compiled
-from ._unshard_params import check_between_steps, check_module, gather_flat
-from ._validation import check_bool
-from .api import FullStateDictConfig, ShardedStateDictConfig, StateDictType
+from .._runtime import collectives as _collectives
+from .._runtime.module_state import _FSDPState
+from .._runtime.flat_param import FlatGroup, take_pending_init_values
+from .._runtime.interop import refuse_lightning_model_parallel
+from .._runtime.shard_math import param_offsets
+from .sharded_slice import ShardedSlice
+from .._runtime.traversal import _get_fsdp_handles, _get_fsdp_states
+from .load_transaction import rank_of, state_entries, transactional
+from .._base.torch_compat import UNKNOWN_REQUEST, TORCH_STATE_DICT_MODULE, torch_state_dict_request, unwrap_compiled
+from .unshard_params import check_between_steps, check_module, gather_flat
+from .._setup.validation import check_bool
+from ..api import FullStateDictConfig, ShardedStateDictConfig, StateDictType
 
 __all__ = ["state_dict_type", "get_model_state_dict", "set_model_state_dict", "register_state_dict_hooks",
            "check_model_state_dict", "managed_params", "Managed", "local_slice", "register_buffer_dtypes",
@@ -187,7 +187,7 @@ def torch_request(what: str) -> Any:
     function this ``state_dict()``/``load_state_dict()`` call runs inside, or ``None``. Raises,
     before anything is saved or loaded, if this torch hides the options, or if the call comes
     from Lightning's ``ModelParallelStrategy`` (naming the strategy to use; [Note: Lightning's
-    ModelParallelStrategy] in ``_interop.py``)."""
+    ModelParallelStrategy] in ``_runtime/interop.py``)."""
     request = torch_state_dict_request()
     if request is UNKNOWN_REQUEST:
         raise RuntimeError(
@@ -227,7 +227,7 @@ def _install_hooks(module: nn.Module) -> None:
 
 def register_buffer_dtypes(module: nn.Module, original: Dict[str, torch.dtype]) -> None:
     """Buffers of ``module`` cast by ``MixedPrecision(buffer_dtype=...)``: ``state_dict()``
-    returns them in these original dtypes (see [Note: Buffer dtype] in ``_mixed_precision.py``)."""
+    returns them in these original dtypes (see [Note: Buffer dtype] in ``_runtime/mixed_precision.py``)."""
     module.__dict__.setdefault(_BUFFER_DTYPES_KEY, {}).update(original)
     _install_hooks(module)
 
@@ -305,7 +305,7 @@ def _close_context(modules: List[nn.Module], hooks: List[Any]) -> None:
 
 # ---------------------------------------------------------------------------- saving
 def _pre_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-    take_pending_init_values()  # see [Note: Initialization after to_empty] in _flat_param.py
+    take_pending_init_values()  # see [Note: Initialization after to_empty] in _runtime/flat_param.py
     call = _enter(module, prefix, keep_vars)
     state = module.__dict__.get(_OWNER_KEY)
     if state is None or state.handle is None:
@@ -341,7 +341,7 @@ def effective_type(state: _FSDPState, request: Any) -> Tuple[StateDictType, Any]
     """The state-dict type and config ``state`` uses in a call made by torch's state-dict
     function with options ``request`` (None: not made by one): inside :func:`state_dict_type`,
     the context's; else, for torch's functions, what their options ask for (see [Note: torch's
-    state-dict API] in ``_optim_state_dict.py``); else the default, a full state dict."""
+    state-dict API] in ``_state/optim_state_dict.py``); else the default, a full state dict."""
     if state.state_dict_config is not None or request is None:  # a context's config is never None
         return state.state_dict_type, state.state_dict_config or FullStateDictConfig()
     if request.full_state_dict:  # torch keeps a full state dict on rank 0 only when it offloads
@@ -482,7 +482,7 @@ def local_slice(m: Managed, key: str, value: Any) -> torch.Tensor:
 
 def _pre_load_state_dict(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any,
                          strict: bool, missing_keys: List[str], unexpected_keys: List[str], error_msgs: List[str]) -> None:
-    take_pending_init_values()  # see [Note: Initialization after to_empty] in _flat_param.py
+    take_pending_init_values()  # see [Note: Initialization after to_empty] in _runtime/flat_param.py
     registry = managed_params(module)
     check_between_steps(list({id(m.state): m.state for m in registry.values()}.values()), "load_state_dict()")
     for name, m in registry.items():

@@ -13,7 +13,7 @@ shaped like the parameter's 1-D slice on this rank (AdamW's ``exp_avg``, SGD's
   shape over the rank's elements: no collective. :func:`get_optimizer_state_dict` copies the
   rank's elements; :func:`sharded_optim_views` (the checkpoint functions') gives views of the
   optimizer's state tensors, which ``dcp.save`` reads and ``dcp.load`` writes in place.
-* Ownership (API.md, [Note: State dicts own their tensors] in ``_state_dict.py``): nothing
+* Ownership (API.md, [Note: State dicts own their tensors] in ``_state/model_state_dict.py``): nothing
   :func:`get_optimizer_state_dict` returns aliases the optimizer's state (``step`` tensors,
   tensor hyper-parameters included): what is gathered is new, everything else is copied.
   :func:`set_optimizer_state_dict` copies what it loads (torch's ``Optimizer.load_state_dict``
@@ -33,7 +33,7 @@ shaped like the parameter's 1-D slice on this rank (AdamW's ``exp_avg``, SGD's
   where every rank's slices have equal shapes, loaded into every rank as rank 0's (swapped).
   So every optimizer that steps a fully sharded parameter carries a ``state_dict`` post-hook and
   a ``load_state_dict`` pre-hook (torch's per-optimizer hooks; installed at its first step, seen
-  through the global step hook of ``_watch.py``, by :class:`OptimizerStateDictWatch`):
+  through the global step hook of ``_runtime/watch.py``, by :class:`OptimizerStateDictWatch`):
 
   * ``state_dict()``: each slice-shaped state of a sharded parameter (``exp_avg``, a momentum
     buffer) becomes a :class:`ShardedSlice` of the parameter's global shape, a view of the
@@ -48,7 +48,7 @@ shaped like the parameter's 1-D slice on this rank (AdamW's ``exp_avg``, SGD's
     or this rank's own slice (kept, as torch keeps what it is given); anything else raises,
     naming the parameter. The model side: under torch's functions, ``module.state_dict()`` of a
     fully sharded module gives ``ShardedSlice`` views (sharded request) or full tensors (full
-    request; on rank 0 only when they offload), see ``effective_type`` in ``_state_dict.py``.
+    request; on rank 0 only when they offload), see ``effective_type`` in ``_state/model_state_dict.py``.
 
   One hook pair per optimizer, whatever the number of fully sharded modules it steps: a
   gather must run in the same order on every rank, and it follows the optimizer's parameter
@@ -66,14 +66,15 @@ import torch
 import torch.nn as nn
 from torch.optim import Optimizer
 
-from . import _collectives, _watch
-from ._common_utils import _FSDPState
-from ._sharded_tensor import ShardedSlice
-from ._state_dict import Managed, check_get_flags, local_slice, managed_params, on_cpu, torch_request
-from ._load_transaction import is_distributed, rank_of, transactional
-from ._torch_compat import unwrap_compiled
-from ._tree_utils import convert
-from ._unshard_params import check_module, gather_flat, local_flat, param_views
+from .._runtime import collectives as _collectives
+from .._runtime import watch as _watch
+from .._runtime.module_state import _FSDPState
+from .sharded_slice import ShardedSlice
+from .model_state_dict import Managed, check_get_flags, local_slice, managed_params, on_cpu, torch_request
+from .load_transaction import is_distributed, rank_of, transactional
+from .._base.torch_compat import unwrap_compiled
+from .._base.tree import convert
+from .unshard_params import check_module, gather_flat, local_flat, param_views
 
 __all__ = ["get_optimizer_state_dict", "set_optimizer_state_dict", "param_groups_by_fqn", "sharded_optim_views",
            "OptimizerStateDictWatch", "register_optimizer_state_dict_hooks"]

@@ -5,7 +5,7 @@ A fully sharded module's rank holds, of each original parameter, the flattened e
 ``[start, end)``: a contiguous range that in general starts and ends mid-row. A ``DTensor``
 cannot describe it (``Shard(0)`` fixes the row split to ``torch.chunk`` boundaries), so the
 sharded state dict uses this type instead. It reports the parameter's global shape and dtype,
-owns no full-size storage, and implements DCP's extension hooks (``_torch_compat.DCPTensorHooks``):
+owns no full-size storage, and implements DCP's extension hooks (``torch_compat.DCPTensorHooks``):
 
 * ``dcp_write_items`` / ``dcp_chunk_list``: the boxes (global offsets and sizes)
   this rank holds. A contiguous range of a row-major tensor is a partial row, whole rows and a
@@ -48,7 +48,7 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from ._torch_compat import TO_COPY, DCPTensorHooks, make_wrapper_tensor
+from .._base.torch_compat import TO_COPY, DCPTensorHooks, make_wrapper_tensor
 
 __all__ = ["ShardedSlice", "boxes_of_range", "split_boxes", "part_numel"]
 

@@ -19,15 +19,15 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from . import _collectives
-from ._common_utils import HandleTrainingState, TrainingState, _FSDPState
-from ._flat_param import FlatGroup, FlatParamHandle, set_grad_of_any_shape, take_pending_init_values
-from ._runtime_utils import recover_interrupted_backward
-from ._shard_math import param_offsets
-from ._torch_compat import is_in_backward
-from ._validation import check_bool
-from ._traversal_utils import _get_fsdp_states
-from .contract import _get_module_state
+from .._runtime import collectives as _collectives
+from .._runtime.module_state import HandleTrainingState, TrainingState, _FSDPState
+from .._runtime.flat_param import FlatGroup, FlatParamHandle, set_grad_of_any_shape, take_pending_init_values
+from .._runtime.hooks import recover_interrupted_backward
+from .._runtime.shard_math import param_offsets
+from .._base.torch_compat import is_in_backward
+from .._setup.validation import check_bool
+from .._runtime.traversal import _get_fsdp_states
+from ..contract import _get_module_state
 
 __all__ = ["unshard_params", "check_between_steps", "check_module", "gather_flat", "local_flat", "param_views"]
 
@@ -116,7 +116,7 @@ def check_between_steps(states: List[_FSDPState], what: str = "unshard_params/su
     """Refuse to run ``what`` during a forward or backward, or nested in ``unshard_params``;
     finish off a backward that raised (its end-of-backward step never ran), so any state
     between steps is accepted."""
-    take_pending_init_values()  # see [Note: Initialization after to_empty] in _flat_param.py
+    take_pending_init_values()  # see [Note: Initialization after to_empty] in _runtime/flat_param.py
     roots = {id(s.root): s.root for s in states if s.root is not None}
     for root in roots.values():
         if root.ctx.forward_in_progress or (root.ctx.final_callback_queued and is_in_backward()):

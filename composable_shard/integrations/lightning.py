@@ -28,12 +28,12 @@ Example (``torchrun --nproc-per-node 2 train.py``; ``examples/lightning_train.py
 
 [Note: What Lightning's strategies do to a sharded model]  (Lightning 2.6 read)
   ``DDPStrategy``/``FSDPStrategy`` wrap the model in torch's DDP / FSDP: refused by the library
-  ([Note: Foreign wrappers] in ``_interop.py``). ``ModelParallelStrategy`` (FSDP2's) trains a model
+  ([Note: Foreign wrappers] in ``_runtime/interop.py``). ``ModelParallelStrategy`` (FSDP2's) trains a model
   this library sharded exactly (torch's ``clip_grad_norm_`` gives the global norm on sharded
   gradients), but synchronizes every accumulated micro-batch (Lightning turns gradient sync off
   only for DDP) and its checkpoints cannot be resumed: it saves through torch's state-dict API
   (exact for our models) but loads only into models with ``DTensor`` parameters, so it is refused
-  at save, naming these strategies (``_state_dict.torch_request``). These strategies replace:
+  at save, naming these strategies (``model_state_dict.torch_request``). These strategies replace:
   accumulate  ``block_backward_sync`` (Trainer) / ``no_backward_sync`` (Fabric):
               ``set_requires_gradient_sync(False)`` on every managed module, so gradients are
               reduced once per optimizer step, on the last micro-batch.

@@ -7,7 +7,7 @@ library manages: :class:`PipelineStage`, used in place of torch's.
   stage module that is an FSDP2 module (``isinstance`` against torch's ``FSDPModule``, which
   ours are) torch's stage turns gradient sync and resharding after backward off for every
   micro-batch and finishes the step through FSDP2's internal state, which our modules do not
-  have; so ``fully_shard`` refuses torch's own stage (``_interop.refuse_pipelining``). This
+  have; so ``fully_shard`` refuses torch's own stage (``interop.refuse_pipelining``). This
   stage keeps torch's micro-batch code and replaces the two seams:
     every backward  fully sharded modules of the stage accumulate without communicating and keep
                     their parameters unsharded (FSDP2's settings under torch's stage); replicated

@@ -31,8 +31,8 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
 from composable_shard import MixedPrecision, ShardingStrategy, checkpoint, fully_shard, replicate, unshard_params
-from composable_shard._collectives import record_collectives
-from composable_shard._traversal_utils import _get_fsdp_handles
+from composable_shard._runtime.collectives import record_collectives
+from composable_shard._runtime.traversal import _get_fsdp_handles
 from tests._harness import run_distributed, run_subtests, world_sizes
 
 WIDTH, VOCAB, SEQ, ROWS, STEPS = 8, 11, 5, 2, 3

@@ -3,7 +3,7 @@ that loads, and a damaged checkpoint fails to load, naming the file, instead of 
 values.
 
 Under test: ``save_checkpoint`` / ``load_checkpoint`` / ``latest_checkpoint`` (see
-[Note: Publishing] and [Note: Verifying] in ``composable_shard/_checkpoint_io.py``). Without
+[Note: Publishing] and [Note: Verifying] in ``composable_shard/_state/checkpoint_files.py``). Without
 these tests:
 
 * a save killed midway could leave a directory under the checkpoint's name: torch 2.13's DCP

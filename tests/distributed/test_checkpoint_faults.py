@@ -4,8 +4,8 @@ bit-identical on every rank, with the same error raised everywhere.
 
 Under test: ``load_checkpoint``, ``SafeFileSystemReader``, ``set_model_state_dict`` and
 ``set_optimizer_state_dict`` (see [Note: Reading stays in the folder] in
-``composable_shard/_checkpoint_io.py`` and [Note: All-or-nothing loads] in
-``composable_shard/_load_transaction.py``). Without these tests:
+``composable_shard/_state/checkpoint_files.py`` and [Note: All-or-nothing loads] in
+``composable_shard/_state/load_transaction.py``). Without these tests:
 
 * a ``.metadata`` whose storage entries point at ``../outside.bin``, an absolute path, or a
   symbolic link in the folder that resolves outside (``checksums.json`` rewritten to match, as
@@ -111,7 +111,7 @@ def _install_hook(api: str) -> bool:
     """From here on, ``api`` fails on rank 1 at its final agreement (the library's test hook,
     [Note: Fault hook]); False if this library has no such hook."""
     try:
-        from composable_shard import _load_transaction
+        from composable_shard._state import load_transaction as _load_transaction
     except ImportError:
         return False
 
@@ -125,7 +125,7 @@ def _install_hook(api: str) -> bool:
 
 def _remove_hook() -> None:
     try:
-        from composable_shard import _load_transaction
+        from composable_shard._state import load_transaction as _load_transaction
     except ImportError:
         return
     _load_transaction.before_final_agreement = None  # type: ignore[attr-defined]

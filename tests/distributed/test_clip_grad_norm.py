@@ -1,6 +1,6 @@
 """Gradient clipping on every mix the library allows: the library's ``clip_grad_norm_`` and
 torch's (plain and under torch function modes) against torch's clip on one process holding the
-whole model ([Note: torch's clip_grad_norm_ on sharded gradients] in ``_interop.py``).
+whole model ([Note: torch's clip_grad_norm_ on sharded gradients] in ``_runtime/interop.py``).
 
 Without these: the library's clip summed every handle's contribution and all-reduced that sum
 over every distinct process group, so a model mixing groups or strategies got a wrong global norm
@@ -41,8 +41,8 @@ from torch.overrides import TorchFunctionMode
 
 from composable_shard import (CPUOffload, MixedPrecision, ShardingStrategy, clip_grad_norm_, fully_shard,
                               replicate)
-from composable_shard._collectives import record_collectives
-from composable_shard._interop import _CLIP_MODULE
+from composable_shard._runtime.collectives import record_collectives
+from composable_shard._runtime.interop import _CLIP_MODULE
 from tests._harness import run_distributed, run_subtests
 from tests._models import (Named, assert_grads_relative, assert_params_close, batch, full_grads, local_rows,
                            loss_fn, make_model, zip_same)
@@ -327,7 +327,7 @@ def _names_used(code: types.CodeType) -> Set[str]:
 
 def test_torch_clipping_lives_where_the_frame_check_looks() -> None:
     """The frame check recognises torch's clipping by the module its code runs in
-    (``_interop._CLIP_MODULE``) and its norms by ``torch.linalg.vector_norm`` and
+    (``interop._CLIP_MODULE``) and its norms by ``torch.linalg.vector_norm`` and
     ``torch._foreach_norm``. A torch that moved ``clip_grad_norm_``/``get_total_norm`` to
     another module, or took norms another way, would make torch's clip silently per-rank again
     (the distributed tests above would fail too; this says why)."""

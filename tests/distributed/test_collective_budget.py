@@ -46,8 +46,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from composable_shard import ShardingStrategy, _collectives, fully_shard, replicate
-from composable_shard._collectives import record_collectives
+from composable_shard import ShardingStrategy, fully_shard, replicate
+from composable_shard._runtime import collectives as _collectives
+from composable_shard._runtime.collectives import record_collectives
 from tests._harness import run_distributed, run_subtests
 
 WORLD_SIZE = 2
@@ -290,7 +291,7 @@ def _check(api: str, x: torch.Tensor, local_copy_bytes: int, wire_calls: Dict[st
     assert calls == expected_calls, (
         f"{where} {calls} c10d calls on the wire ({got['wire']}), expected {expected_calls} for the recorded "
         f"collectives {dict((k, len(v)) for k, v in want['records'].items())} at {wire_calls} calls each: "
-        "a collective issued outside composable_shard._collectives?")
+        "a collective issued outside composable_shard._runtime.collectives?")
     for what in ("param_bytes", "grad_bytes", "optim_bytes"):
         assert got[what] == want[what], f"{where} {what} per rank: got {got[what]:,}, expected {want[what]:,}"
     assert got["start_bytes"] == start, (

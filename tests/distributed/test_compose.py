@@ -16,8 +16,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from composable_shard import checkpoint, fully_shard, replicate, unshard_params
-from composable_shard._collectives import record_collectives
-from composable_shard._traversal_utils import _get_fsdp_handles
+from composable_shard._runtime.collectives import record_collectives
+from composable_shard._runtime.traversal import _get_fsdp_handles
 from tests._harness import run_distributed, run_subtests
 from tests._models import (Named, assert_losses_close, assert_params_close, check_grads_each_step, distributed_training,
                            make_model, reference_training, zip_same)

@@ -3,7 +3,7 @@
 On a CPU-only machine the compute device is the CPU too, so nothing moves between devices,
 but the offload path still runs: every reduced gradient shard goes to a separate host buffer
 and is accumulated into ``.grad`` only when the end of backward has waited for it (see [Note:
-CPU offload] in ``_flat_param.py``). These tests check that path against local training,
+CPU offload] in ``_runtime/flat_param.py``). These tests check that path against local training,
 gradient by gradient; with a CUDA device the same test runs the asynchronous copies (pinned
 shards, one GPU)."""
 

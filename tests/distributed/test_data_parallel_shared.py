@@ -1,9 +1,9 @@
-"""What ``fully_shard`` and ``replicate`` share (``composable_shard/_data_parallel.py``) behaves
+"""What ``fully_shard`` and ``replicate`` share (``composable_shard/_setup/data_parallel.py``) behaves
 the same in both APIs, and ``describe`` plans the flat groups the runtime builds.
 
 One process group of 2 gloo ranks for every case ([Note: One behaviour for both APIs] in
-``_data_parallel.py``): each case runs once per API. References are single-process models
-trained on the same rows; collectives are counted by ``_collectives.record_collectives``.
+``_setup/data_parallel.py``): each case runs once per API. References are single-process models
+trained on the same rows; collectives are counted by ``collectives.record_collectives``.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch.nn as nn
 
 from composable_shard import (FSDPModule, MixedPrecision, ModuleWrapPolicy, describe, fully_shard, replicate,
                               unshard_params)
-from composable_shard._collectives import record_collectives
-from composable_shard._traversal_utils import _get_fsdp_handles
+from composable_shard._runtime.collectives import record_collectives
+from composable_shard._runtime.traversal import _get_fsdp_handles
 from tests._harness import run_distributed, run_subtests
 from tests._models import Block, batch, local_rows, loss_fn, make_model, reference_grads, zip_same
 
@@ -148,7 +148,7 @@ class _Mixed(nn.Module):
 
 
 def _describe_plans_the_built_groups(policy: bool) -> None:
-    """``describe`` of a plain model (its plan, ``_flat_param.plan_groups``) equals ``describe``
+    """``describe`` of a plain model (its plan, ``flat_param.plan_groups``) equals ``describe``
     of the same model after ``fully_shard`` (the handles as built), row by row, for a model
     with mixed dtypes, frozen parameters, tied weights and a BatchNorm kept in full precision
     under ``param_dtype=bfloat16`` (in the root's handle without a policy, in a handle of its own

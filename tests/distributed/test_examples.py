@@ -37,8 +37,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from composable_shard import MixedPrecision, ModuleWrapPolicy, ShardingStrategy, describe, fully_shard, unshard_params
-from composable_shard._collectives import record_collectives
-from composable_shard._traversal_utils import _get_fsdp_handles
+from composable_shard._runtime.collectives import record_collectives
+from composable_shard._runtime.traversal import _get_fsdp_handles
 from tests._harness import run_distributed
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"

@@ -23,8 +23,8 @@ import torch.nn as nn
 from composable_shard import (CustomPolicy, ModuleWrapPolicy, ShardingStrategy, always_wrap_policy, fully_shard,
                               lambda_auto_wrap_policy, size_based_auto_wrap_policy, transformer_auto_wrap_policy,
                               unshard_params)
-from composable_shard._common_utils import _FSDPState
-from composable_shard._traversal_utils import _get_fsdp_handles, _get_fsdp_states
+from composable_shard._runtime.module_state import _FSDPState
+from composable_shard._runtime.traversal import _get_fsdp_handles, _get_fsdp_states
 from tests._harness import assert_close_ranks, run_distributed, run_subtests
 from tests._models import (VOCAB, WIDTH, Block, ParityModel, Scale, assert_losses_close, assert_params_close,
                            batch, local_backward, local_rows, loss_fn, zip_same)

@@ -1,6 +1,6 @@
 """Ranks that disagree raise on every rank, naming the modules and the ranks, instead of
 hanging, aborting the process, or returning mixed-up data (see [Note: Agreement] in
-``composable_shard/_divergence.py``).
+``composable_shard/_runtime/agreement.py``).
 
 Without the agreement, blocks of equal shapes run in a different order on two ranks all-gather
 each other's parameters (wrong outputs, then a hang), and blocks of different sizes abort the
@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from composable_shard import ShardingStrategy, clip_grad_norm_, fully_shard, get_model_state_dict, replicate, unshard_params
-from composable_shard import _collectives
+from composable_shard._runtime import collectives as _collectives
 from tests._harness import run_distributed, run_subtests
 from tests._models import zip_same
 

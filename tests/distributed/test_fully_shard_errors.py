@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from composable_shard import (CPUOffload, CustomPolicy, MixedPrecision, ModuleWrapPolicy, ShardingStrategy, checkpoint,
                               clip_grad_norm_, fully_shard, replicate, unshard_params)
-from composable_shard._traversal_utils import _get_fsdp_states
+from composable_shard._runtime.traversal import _get_fsdp_states
 from composable_shard.contract import _get_registry
 from tests._harness import run_distributed, run_subtests
 from tests._models import zip_same

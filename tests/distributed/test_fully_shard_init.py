@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from composable_shard import FSDPModule, ModuleWrapPolicy, fully_shard, unshard_params
-from composable_shard._traversal_utils import _get_fsdp_handles
+from composable_shard._runtime.traversal import _get_fsdp_handles
 from tests._harness import run_distributed, run_subtests
 from tests._models import Block, ParityModel, make_model, zip_same
 
@@ -124,7 +124,7 @@ def _hybrid_groups_made_once() -> None:
     import os
 
     from composable_shard import ShardingStrategy
-    from composable_shard._traversal_utils import _get_fsdp_states
+    from composable_shard._runtime.traversal import _get_fsdp_states
 
     os.environ["LOCAL_WORLD_SIZE"] = "2"  # two "nodes" of two ranks
     before = dist.get_pg_count()

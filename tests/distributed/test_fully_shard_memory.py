@@ -1,7 +1,7 @@
 """ZeRO-3 memory is bounded by what backward needs now, not by the model's depth.
 
 Deterministic figures on a model of 8 fully sharded blocks, read at each handle's pre- and
-post-backward through ``_collectives``' instrumentation: the reduce-scatter inputs (unsharded
+post-backward through ``_runtime/collectives``' instrumentation: the reduce-scatter inputs (unsharded
 gradients) still alive, found through weak references to the tensors handed to each
 collective, plus the gradients autograd has accumulated and not yet handed over. Without the
 bound, every handle's unsharded gradient stayed alive until the end of backward (8 handles'
@@ -22,8 +22,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from composable_shard import MixedPrecision, ShardingStrategy, checkpoint, fully_shard
-from composable_shard._collectives import record_collectives
-from composable_shard._traversal_utils import _get_fsdp_handles
+from composable_shard._runtime.collectives import record_collectives
+from composable_shard._runtime.traversal import _get_fsdp_handles
 from tests._harness import run_distributed, run_subtests
 
 BLOCKS = 8

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from composable_shard import MixedPrecision, ModuleWrapPolicy, fully_shard, unshard_params
-from composable_shard._collectives import record_collectives
+from composable_shard._runtime.collectives import record_collectives
 from tests._harness import run_distributed, run_subtests, world_sizes
 from tests._models import (Block, Named, Scale, assert_grads_relative, assert_params_close, batch, full_grads, global_mean,
                            local_rows, loss_fn, make_model, reference_training, zip_same)
@@ -307,7 +307,7 @@ def _float16_loss_scaling() -> None:
 
     # torch.amp.GradScaler on the same overflow: the ranks whose slices stayed finite step alone.
     # That used to go on silently; the next synced backward now raises on every rank, naming the
-    # cure ([Note: Step agreement] in _watch.py).
+    # cure ([Note: Step agreement] in _runtime/watch.py).
     model = fully_shard(_Weights(), mixed_precision=MixedPrecision(param_dtype=torch.float16))
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     plain = torch.amp.GradScaler("cpu", init_scale=1024.0)

@@ -2,7 +2,7 @@
 parameters, cross-rank checks, recovery from a failed forward, and the FSDPModule methods.
 
 Each figure checked here (elements per rank, collective counts, issue order) is counted by
-``_collectives``' own instrumentation; nothing in torch.distributed is mocked.
+``_runtime/collectives``' own instrumentation; nothing in torch.distributed is mocked.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from composable_shard import BackwardPrefetch, ShardingStrategy, clip_grad_norm_, fully_shard, unshard_params
-from composable_shard._collectives import record_collectives
-from composable_shard._traversal_utils import _get_fsdp_handles
+from composable_shard._runtime.collectives import record_collectives
+from composable_shard._runtime.traversal import _get_fsdp_handles
 from tests._harness import run_distributed, run_subtests
 from tests._models import (WIDTH, Block, Named, assert_grads_relative, assert_params_close, batch, full_grads, local_backward,
                            local_rows, loss_fn, make_model, zip_same)
@@ -233,7 +233,7 @@ def _prefetch_order(strategy: ShardingStrategy, forward_prefetch: bool, backward
     for block in model.blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
-    from composable_shard._collectives import trace
+    from composable_shard._runtime.collectives import trace
 
     for i, block in enumerate(model.blocks):  # appended after fully_shard's prepended pre-hook
         block.register_forward_pre_hook(lambda m, a, i=i: trace("compute", f"blocks.{i}"))

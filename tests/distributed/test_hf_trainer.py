@@ -32,8 +32,8 @@ import torch.nn as nn
 
 from composable_shard import (fully_shard, get_model_state_dict, transformer_auto_wrap_policy,
                               unshard_params)
-from composable_shard._collectives import record_collectives
-from composable_shard._traversal_utils import _get_fsdp_handles
+from composable_shard._runtime.collectives import record_collectives
+from composable_shard._runtime.traversal import _get_fsdp_handles
 from tests._harness import run_distributed, run_subtests
 from tests._models import zip_same
 

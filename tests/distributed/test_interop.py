@@ -1,6 +1,6 @@
 """torch's own gradient clipping, torch's data-parallel wrappers and device moves on models this
 library manages (API.md "Interoperability"; [Note: torch's clip_grad_norm_ on sharded
-gradients] and [Note: Foreign wrappers] in ``_interop.py``).
+gradients] and [Note: Foreign wrappers] in ``_runtime/interop.py``).
 
 Without these: ``torch.nn.utils.clip_grad_norm_`` (what every framework loop calls) saw each
 rank's gradient slices only, so ranks clipped by different factors and their updates silently
@@ -147,7 +147,7 @@ def _even_model() -> nn.Module:
 
 def _wrappers() -> Dict[str, Tuple[Callable[[nn.Module], nn.Module], Callable[[nn.Module], Any]]]:
     """name -> (the module the wrapper is applied to, made from the managed one; the wrapper):
-    one or more per entry of ``_interop._FOREIGN`` (see :func:`_foreign_table_keys`)."""
+    one or more per entry of ``interop._FOREIGN`` (see :func:`_foreign_table_keys`)."""
     from torch.distributed._composable.replicate import replicate as torch_replicate
     from torch.distributed._composable.replicate_with_fsdp import replicate as replicate_with_fsdp
     from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard as torch_fully_shard
@@ -172,7 +172,7 @@ def _wrappers() -> Dict[str, Tuple[Callable[[nn.Module], nn.Module], Callable[[n
 
 def _foreign_table_keys() -> Dict[Tuple[str, str], str]:
     """The (module's last component, function name) of each torch wrapper entry point the
-    guard must know, read from the installed torch: exactly ``_interop._FOREIGN``'s keys, so a
+    guard must know, read from the installed torch: exactly ``interop._FOREIGN``'s keys, so a
     torch that moved one, or an entry for an API torch no longer has, fails here. Values: the
     wrapper case (or test) that exercises the entry."""
     replicate_module = importlib.import_module("torch.distributed._composable.replicate")  # the package re-exports the function
@@ -196,7 +196,7 @@ def test_every_foreign_wrapper_entry_is_torchs_and_tested() -> None:
     """Every entry of the guard's table names a function of the installed torch, each such
     function has an entry, and each has a test: a table entry that matches nothing (FSDP1's
     composable fully_shard, gone from torch) looks like protection and is none."""
-    from composable_shard._interop import _FOREIGN
+    from composable_shard._runtime.interop import _FOREIGN
     keys = _foreign_table_keys()
     assert set(keys) == set(_FOREIGN), (sorted(keys), sorted(_FOREIGN))
     for entry, case in keys.items():

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from composable_shard import FSDPModule, fully_shard, replicate
-from composable_shard._collectives import record_collectives
+from composable_shard._runtime.collectives import record_collectives
 from tests._harness import run_distributed
 from tests._models import SEQ, VOCAB, loss_fn, make_model
 

@@ -31,7 +31,7 @@ import torch.nn as nn
 import transformers  # the [hf] extra, which the README's test command installs
 
 from composable_shard import FSDPModule, ModuleWrapPolicy, ShardingStrategy, fully_shard, replicate, unshard_params
-from composable_shard._collectives import record_collectives
+from composable_shard._runtime.collectives import record_collectives
 from tests._harness import outcomes_through_files, run_distributed, run_subtests
 from tests._models import (VOCAB, WIDTH, Block, ParityModel, assert_losses_close, assert_params_close, batch,
                            distributed_training, local_rows, loss_fn, make_model, reference_training)

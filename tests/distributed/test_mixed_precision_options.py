@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from composable_shard import MixedPrecision, ModuleWrapPolicy, fully_shard, unshard_params
-from composable_shard._traversal_utils import _get_fsdp_handles
+from composable_shard._runtime.traversal import _get_fsdp_handles
 from tests._harness import run_distributed, run_subtests
 from tests._models import assert_grads_relative, global_mean, zip_same
 

@@ -1,5 +1,5 @@
 """A model the library was applied to is freed like a plain one once the user drops it (see
-[Note: Hooks on tensors hold weakly] in ``_common_utils.py``): nothing of the library keeps it,
+[Note: Hooks on tensors hold weakly] in ``_runtime/module_state.py``): nothing of the library keeps it,
 its parameters or its flat shards alive after training steps."""
 
 from __future__ import annotations

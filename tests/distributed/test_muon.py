@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from composable_shard import (MixedPrecision, describe, ShardingStrategy, fully_shard, get_optimizer_state_dict,
                               load_checkpoint, replicate, save_checkpoint, unshard_params)
-from composable_shard._collectives import record_collectives
+from composable_shard._runtime.collectives import record_collectives
 from composable_shard.optim import Muon, assign_matrices
 from tests._harness import run_distributed, run_subtests
 from tests._models import (VOCAB, assert_losses_close, assert_params_close, global_mean, loss_fn, make_model,

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from composable_shard import ShardingStrategy, fully_shard
-from composable_shard._collectives import record_collectives
+from composable_shard._runtime.collectives import record_collectives
 from composable_shard.optim import Muon
 from tests._harness import outcomes_through_files, run_distributed, run_subtests
 from tests._models import VOCAB, loss_fn, make_model, zip_same

@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from composable_shard import fully_shard, replicate, unshard_params
-from composable_shard._collectives import record_collectives
+from composable_shard._runtime.collectives import record_collectives
 from tests._c10d_count import C10dCount
 from tests._harness import run_distributed, run_subtests
 from tests._models import Block

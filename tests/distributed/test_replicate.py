@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from composable_shard import _collectives, comm_hooks
+from composable_shard import comm_hooks
+from composable_shard._runtime import collectives as _collectives
 from composable_shard.api import MixedPrecision
 from composable_shard.contract import _get_registry, _register_api
 from composable_shard.replicate import ReplicateModule, _ReplicateState, replicate

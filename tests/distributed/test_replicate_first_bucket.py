@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from composable_shard import _collectives, replicate
+from composable_shard import replicate
+from composable_shard._runtime import collectives as _collectives
 from tests._harness import run_distributed
 
 WIDTH = 384  # one Linear: 384 * 385 * 4 B = 0.56 MiB, so the first two layers in backward order fill 1 MiB

@@ -32,7 +32,7 @@ from composable_shard import (FullStateDictConfig, MixedPrecision, ModuleWrapPol
                               StateDictType, fully_shard, get_model_state_dict, get_optimizer_state_dict, load_checkpoint,
                               replicate, save_checkpoint, set_model_state_dict, set_optimizer_state_dict, state_dict_type,
                               unshard_params)
-from composable_shard._traversal_utils import _get_fsdp_handles
+from composable_shard._runtime.traversal import _get_fsdp_handles
 from tests._harness import run_distributed, run_subtests
 from tests._models import Block, Scale, distributed_training, global_mean, loss_fn, make_model, reference_training
 
@@ -201,7 +201,7 @@ def _large_tensors_cut_like_torch_chunk() -> None:
     torch.chunk(tensor, W) rows (the flat layout puts the whole embedding on rank 0 at W=2, so
     uncut, its one chunk, and each loader's read buffer, would be W times FSDP2's); model and
     optimizer state alike; smaller tensors are not cut."""
-    from composable_shard._sharded_tensor import UNCUT_NUMEL
+    from composable_shard._state.sharded_slice import UNCUT_NUMEL
 
     world_size = dist.get_world_size()
     torch.manual_seed(0)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from composable_shard import (FullStateDictConfig, ShardedSlice, StateDictType, fully_shard, get_model_state_dict,
                               get_optimizer_state_dict, replicate, set_model_state_dict, set_optimizer_state_dict,
                               state_dict_type)
-from composable_shard._traversal_utils import _get_fsdp_handles
+from composable_shard._runtime.traversal import _get_fsdp_handles
 from tests._harness import run_distributed, run_subtests
 
 WORLD_SIZE = 2

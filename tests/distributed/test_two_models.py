@@ -9,7 +9,7 @@ twice), and torch's global hooks stayed installed after every model was gone.
 
 Every expected figure is worked out here, by hand or from the same model trained alone in the
 same process (same seeds, same batches: bitwise equal on CPU); nothing is read from the code
-under test except ``_watch``'s own list of installed hooks in the last test.
+under test except ``_runtime/watch``'s own list of installed hooks in the last test.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from composable_shard import (ShardingStrategy, fully_shard, get_model_state_dict, get_optimizer_state_dict,
                               unshard_params)
-from composable_shard._collectives import record_collectives
+from composable_shard._runtime.collectives import record_collectives
 from tests._harness import run_distributed, run_subtests
 from tests._models import batch, local_rows, loss_fn, make_model, zip_same
 
@@ -270,7 +270,7 @@ def _global_hooks_follow_the_models() -> None:
     """torch's global hooks are installed while a model needs them and removed (RemovableHandle)
     once every model and optimizer is garbage: none of ours stays in the process; a new model
     installs them again, and they work (a parameter registered after fully_shard is caught)."""
-    from composable_shard import _watch
+    from composable_shard._runtime import watch as _watch
 
     assert _watch._installed == [], "hooks installed before any model"
     trainees = _trainees("after_backward")

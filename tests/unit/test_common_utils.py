@@ -1,4 +1,4 @@
-"""Unit tests for composable_shard._common_utils (FQN cleaning, the flattened-tensor mark) and
+"""Unit tests for composable_shard._runtime.module_state (FQN cleaning, the flattened-tensor mark) and
 contract._root_modules (which modules of a list an API treats as roots).
 
 Without these tests a checkpoint from a wrapper-based API could no longer be matched to our
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from composable_shard._common_utils import _is_fsdp_flattened, _set_fsdp_flattened, clean_tensor_name
+from composable_shard._runtime.module_state import _is_fsdp_flattened, _set_fsdp_flattened, clean_tensor_name
 from composable_shard.contract import _root_modules
 
 

@@ -1,5 +1,5 @@
 """A handle's training state changes only through ``FlatParamHandle.enter`` and the one table of
-allowed transitions (``_flat_param.TRANSITIONS``); an illegal change raises naming both states."""
+allowed transitions (``flat_param.TRANSITIONS``); an illegal change raises naming both states."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import composable_shard
-from composable_shard._flat_param import TRANSITIONS, FlatParamHandle, HandleTrainingState
+from composable_shard._runtime.flat_param import TRANSITIONS, FlatParamHandle, HandleTrainingState
 
 PACKAGE = pathlib.Path(composable_shard.__file__).parent
 
@@ -98,7 +98,7 @@ def test_no_handle_state_is_assigned_outside_enter() -> None:
     for path in sorted(PACKAGE.rglob("*.py")):
         text = path.read_text()
         lines = _assignments_of_training_state(text)
-        if path.name == "_flat_param.py":  # __init__ sets the first state; enter every later one
+        if path.relative_to(PACKAGE).as_posix() == "_runtime/flat_param.py":  # __init__ sets the first state; enter every later one
             lines = [n for n in lines if "self.training_state: HandleTrainingState" not in text.splitlines()[n - 1]]
         if lines:
             offenders[str(path.relative_to(PACKAGE))] = lines

@@ -39,8 +39,8 @@ _OBJECT_COLLECTIVE = re.compile(r"\w+_object(_list)?")  # all_gather_object, bro
 _EXEMPT = {
     # The allow-list ``.metadata`` reader: a ``pickle.Unpickler`` whose ``find_class`` resolves
     # only DCP's metadata classes, sizes, dtypes and paths (refusals tested in test_checkpoint_crash).
-    ("_checkpoint_io.py", "_MetadataUnpickler", "unpickler"),
-    ("_checkpoint_io.py", "SafeFileSystemReader.read_metadata", "unpickler"),
+    ("_state/checkpoint_files.py", "_MetadataUnpickler", "unpickler"),
+    ("_state/checkpoint_files.py", "SafeFileSystemReader.read_metadata", "unpickler"),
 }
 
 
@@ -239,7 +239,7 @@ def test_exemption_is_by_function() -> None:
     """An exempt function's name in another scope, or another kind there, is not exempt."""
     source = ("import pickle\nclass SafeFileSystemReader:\n    def read_metadata(self, f):\n"
               "        return pickle.loads(f.read())\n    def other(self, f):\n        return pickle.Unpickler(f).load()\n")
-    keys = {("_checkpoint_io.py", f.scope, f.kind) for f in unpickling_uses(source)}
-    assert keys == {("_checkpoint_io.py", "SafeFileSystemReader.read_metadata", "pickle.load"),
-                    ("_checkpoint_io.py", "SafeFileSystemReader.other", "unpickler")}, keys
+    keys = {("_state/checkpoint_files.py", f.scope, f.kind) for f in unpickling_uses(source)}
+    assert keys == {("_state/checkpoint_files.py", "SafeFileSystemReader.read_metadata", "pickle.load"),
+                    ("_state/checkpoint_files.py", "SafeFileSystemReader.other", "unpickler")}, keys
     assert not keys & _EXEMPT

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from composable_shard import plan
-from composable_shard._plan_profile import profile_model
+from composable_shard._planning.plan_profile import profile_model
 from composable_shard.api import ShardingStrategy
 from composable_shard.plan import DEFAULT_BANDWIDTH, DEFAULT_DEVICE_FLOPS, _find_blocks, _Option, _Search, _simulate
 from tests.unit.test_plan import BATCH, SEQ, VOCAB, WIDTH, Toy, ToyBlock

@@ -1,4 +1,4 @@
-"""Unit tests for composable_shard._shard_math: padding, chunk bounds and per-rank slices of
+"""Unit tests for composable_shard._runtime.shard_math: padding, chunk bounds and per-rank slices of
 original parameters.
 
 This is the arithmetic every rank relies on to agree on who owns which element. An off-by-one
@@ -14,7 +14,7 @@ from typing import List
 
 import pytest
 
-from composable_shard._shard_math import (
+from composable_shard._runtime.shard_math import (
     ParamSlice,
     chunk_bounds,
     chunk_numel,

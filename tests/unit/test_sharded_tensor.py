@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from composable_shard import ShardedSlice
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from composable_shard._sharded_tensor import boxes_of_range, split_boxes
+from composable_shard._state.sharded_slice import boxes_of_range, split_boxes
 
 
 @pytest.mark.parametrize("shape", [(7,), (5, 3), (4, 3, 2), (), (2, 1, 3, 4), (3, 0)])

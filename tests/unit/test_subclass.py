@@ -1,4 +1,4 @@
-"""Unit tests for composable_shard._subclass: the in-place ``FSDP<Orig>`` / ``Replicate<Orig>``
+"""Unit tests for composable_shard._setup.subclass: the in-place ``FSDP<Orig>`` / ``Replicate<Orig>``
 class swap.
 
 Without these tests a module could lose ``isinstance`` with its original class (breaking user
@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from composable_shard._subclass import _NoCopyMixin, make_subclass
+from composable_shard._setup.subclass import _NoCopyMixin, make_subclass
 
 
 class MyMixin(_NoCopyMixin):

@@ -5,12 +5,12 @@
   torch.x.y``), nor writes into one of its containers (``torch.x.table[k] = ...``), through any
   import alias. A patch changes torch for every model and library in the process, for as long
   as it stays (issue 35, item 4).
-* **Private torch names only in ``_torch_compat.py``** (its docstring says why each is needed and
+* **Private torch names only in ``_base/torch_compat.py``** (its docstring says why each is needed and
   which torch versions were read; issue 35, item 8). Elsewhere, each of these is a finding:
   an import with a private component (``torch._C``, ``from torch.utils import _pytree``);
   ``X._name`` where ``X`` resolves to a torch module or class; ``obj._name`` (or
   ``getattr(obj, "_name")``) where ``_name`` is defined nowhere in the package outside
-  ``_torch_compat.py`` (a private name that is not ours is someone else's, e.g. ``Module._buffers``
+  ``_base/torch_compat.py`` (a private name that is not ours is someone else's, e.g. ``Module._buffers``
   or ``Tensor._base``); a method or class attribute that overrides a private name of
   ``nn.Module``, ``Tensor`` or ``Optimizer``, or of the torch class a class derives from (``def
   _apply``); and a dunder that is not Python's (data model, module attributes) nor torch's
@@ -36,7 +36,7 @@ import composable_shard
 from tests._source import parse_quietly
 
 PACKAGE = pathlib.Path(composable_shard.__file__).parent
-COMPAT = "_torch_compat.py"  # the one file allowed to use torch's private names
+COMPAT = "_base/torch_compat.py"  # the one file allowed to use torch's private names
 Finding = Tuple[int, str]  # (line, what)
 
 
@@ -203,7 +203,7 @@ PYTHON_PUBLIC = {"_fields", "_field_defaults", "_make", "_asdict", "_replace"}
 # [Note: Private names of other libraries] The Hugging Face integration subclasses
 # ``accelerate.Accelerator`` and ``transformers.Trainer`` and uses two private names of theirs
 # that it does not define: (file, name) -> what it is. Listed one by one, each must still match;
-# they are not torch's, so they need no place in _torch_compat.py, but a new one must be seen.
+# they are not torch's, so they need no place in _base/torch_compat.py, but a new one must be seen.
 OTHER_LIBRARIES = {
     ("integrations/transformers.py", "_models"): "Accelerator._models, the models prepare() was given",
     ("integrations/transformers.py", "_save"): "Trainer._save, its writer of a model's files",
@@ -394,25 +394,25 @@ def test_private_checker_finds_planted_uses() -> None:
 
 
 def test_private_torch_names_only_in_torch_compat() -> None:
-    """Outside ``_torch_compat.py`` no module of the package uses a private torch name; inside it
+    """Outside ``_base/torch_compat.py`` no module of the package uses a private torch name; inside it
     there are some (else the file and this exemption have no reason to exist)."""
     files = {path: path.read_text() for path in _package_files()}
-    ours = our_private_names([text for path, text in files.items() if path.name != COMPAT])
+    ours = our_private_names([text for path, text in files.items() if path != PACKAGE / COMPAT])
     found, other = [], set()
     for path, text in files.items():
-        for line, what in private_torch_uses(text, ours) if path.name != COMPAT else []:
+        for line, what in private_torch_uses(text, ours) if path != PACKAGE / COMPAT else []:
             key = (path.relative_to(PACKAGE).as_posix(), what.rsplit(".", 1)[-1])
             if what.startswith("uses <object>.") and key in OTHER_LIBRARIES:
                 other.add(key)
             else:
                 found.append(f"{key[0]}:{line}: {what}")
-    assert not found, "private torch names outside _torch_compat.py:\n" + "\n".join(found)
+    assert not found, "private torch names outside _base/torch_compat.py:\n" + "\n".join(found)
     assert other == set(OTHER_LIBRARIES), f"gone (drop them): {sorted(set(OTHER_LIBRARIES) - other)}"
-    assert private_torch_uses(files[PACKAGE / COMPAT], ours), "_torch_compat.py uses nothing private: drop it"
+    assert private_torch_uses(files[PACKAGE / COMPAT], ours), "_base/torch_compat.py uses nothing private: drop it"
 
 
 def test_torch_compat_is_a_leaf() -> None:
-    """``_torch_compat.py`` imports nothing from the package (any module may import it)."""
+    """``_base/torch_compat.py`` imports nothing from the package (any module may import it)."""
     tree = parse_quietly((PACKAGE / COMPAT).read_text())
     imports = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.level or n.module == "composable_shard")]
     imports += [n for n in ast.walk(tree) if isinstance(n, ast.Import)

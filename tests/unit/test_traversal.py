@@ -1,4 +1,4 @@
-"""Unit tests for composable_shard._traversal_utils: which fully_shard states and handles a
+"""Unit tests for composable_shard._runtime.traversal: which fully_shard states and handles a
 root finds in its tree, and in which order.
 
 The root caches this list once at lazy init and every rank issues collectives in that order,
@@ -15,8 +15,8 @@ from typing import Dict, List, Optional
 import pytest
 import torch.nn as nn
 
-from composable_shard._common_utils import _FSDPState
-from composable_shard._traversal_utils import (
+from composable_shard._runtime.module_state import _FSDPState
+from composable_shard._runtime.traversal import (
     _composable,
     _get_fsdp_handles,
     _get_fsdp_states,

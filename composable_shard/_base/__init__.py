@@ -1,0 +1,8 @@
+"""The base: what every other folder builds on, and which imports nothing of the package.
+
+- ``torch_compat.py``: every private torch name the package touches, one place, with the torch
+  versions checked (``tests/unit/test_api_surface.py`` refuses a private torch name anywhere else).
+- ``tree.py``: tensors in nested containers (outputs, batches, state dicts).
+
+May import: torch and the standard library only.
+"""
