@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from composable_shard import MixedPrecision, plan
-from composable_shard._plan_profile import call_model, default_loss, profile_model
+from composable_shard._planning.plan_profile import call_model, default_loss, profile_model
 from composable_shard.api import ShardingStrategy
 from composable_shard.plan import DEFAULT_BANDWIDTH, _find_blocks, _Option, _Search
 from tests.unit.test_plan import BATCH, SEQ, VOCAB, Toy
@@ -284,9 +284,11 @@ def _small_scale_saved(shape: Dict[str, int], width: int, seq: int) -> float:
     return saved[1] * (4096 / seq) / ratio
 
 
-@pytest.mark.parametrize("name, worlds", [("8b", [8, 512]), ("70b", [64])])
+# The 70B shape runs the same code (24 s more of the suite): benchmarks/plan_large.py plans it at
+# W = 8, 64 and 512 (benchmarks/NOTES.md).
+@pytest.mark.parametrize("name, worlds", [("8b", [8, 512])])
 def test_large_config_plans_on_fake_tensors_in_seconds(name: str, worlds: List[int]) -> None:
-    """Llama-3-8B/70B-shaped configs on the meta device, 4096 tokens per rank, bf16 compute, an
+    """A Llama-3-8B-shaped config on the meta device, 4096 tokens per rank, bf16 compute, an
     80 GB budget: under 2 minutes per plan and 4 GiB of process memory on this machine; the
     parameter bytes per rank are the config's, sharded as planned (float32 masters, 1/W of each
     fully sharded module rounded up); each layer's saved activations are within 10% of a real
