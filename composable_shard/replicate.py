@@ -55,6 +55,7 @@ from typing import Any, Dict, Iterable, List, Optional, Protocol, Sequence, Set,
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from ._setup import apply_guard as _apply_guard
@@ -62,14 +63,15 @@ from ._runtime import collectives as _collectives
 from ._runtime import watch as _watch
 from ._runtime.module_state import WeakGroup, WeakHook
 from ._setup.data_parallel import (_expand_ignored_modules, _ignored_params, _join, _managed_modules,
-                             agreed, agreement_groups, broadcast_from_rank0, check_composition,
-                             check_set_requires_gradient_sync, normalize_device)
+                                   agreed, agreement_groups, broadcast_from_rank0, check_composition,
+                                   check_set_requires_gradient_sync, normalize_device)
 from ._runtime.agreement import agree_used_and_steps
 from ._setup.validation import (check_dense_gradients, check_device_id, check_mixed_precision, check_modules,
-                          check_process_group, check_real)
+                                check_process_group, check_real, check_tensor_parallel)
 from ._runtime.interop import ForeignWrapperGuard
 from ._setup.subclass import _NoCopyMixin, make_subclass
 from ._base.torch_compat import queue_backward_callback
+from ._base.tree import local_piece
 from .api import MixedPrecision
 from .comm_hooks import CommHook, GradBucket
 from .contract import _State, _get_module_state, contract
@@ -93,15 +95,16 @@ class _Bucket:
     """Gradients of several parameters in one flat buffer, reduced by one collective."""
 
     def __init__(self, index: int, param_indices: List[int], params: List[nn.Parameter], dtype: torch.dtype) -> None:
-        numels = [p.numel() for p in params]
+        pieces = [local_piece(p) for p in params]  # a tensor-parallel parameter: this rank's piece
+        numels = [t.numel() for t in pieces]
         offsets = [sum(numels[:k]) for k in range(len(numels))]
         device = params[0].device
         self.index: int = index  # launch position, the same on every rank ([Note: Launch order])
         self.param_indices: List[int] = param_indices  # positions in _ReplicateState.params
         self.params: List[nn.Parameter] = params  # parameters whose gradients fill the slots
         self.flat_grad: torch.Tensor = torch.zeros(sum(numels), dtype=dtype, device=device)  # one slot per parameter
-        self.slots: List[torch.Tensor] = [  # flat_grad[offset:offset+numel] in the parameter's shape
-            self.flat_grad[o : o + n].view(p.shape) for o, n, p in zip(offsets, numels, params)
+        self.slots: List[torch.Tensor] = [  # flat_grad[offset:offset+numel] in the (local piece's) shape
+            self.flat_grad[o : o + n].view(t.shape) for o, n, t in zip(offsets, numels, pieces)
         ]
         self.slots_are_grads: bool = all(p.dtype == dtype for p in params)  # slots may serve as p.grad
         self.num_ready: int = 0  # slots filled in the current backward
@@ -224,7 +227,10 @@ def replicate(
 
     Args:
         module: the module to replicate; must not be managed by ``fully_shard``.
-        process_group: the group to average over (default: the default group).
+        process_group: the group to average over (default: the default group). With
+            tensor-parallel (``DTensor``) parameters, the data-parallel dimension's group (e.g.
+            ``mesh["dp"].get_group()``): each parameter's local piece is averaged over it, and
+            its gradient stays a ``DTensor`` placed as the parameter.
         device_id: an int (CUDA index) or device to move the module to first.
         ignored_modules: subtrees whose parameters are neither broadcast nor reduced.
             Subtrees managed by ``fully_shard`` or ``replicate`` are skipped too, as are
@@ -236,7 +242,7 @@ def replicate(
     api = f"replicate({type(module).__name__})"
     check_process_group(api, process_group)  # the group the checks are agreed in ([Note: Agreed refusals])
     skipped = agreed(api, agreement_groups(process_group, None), functools.partial(
-        _check, api, module, device_id, ignored_modules, bucket_cap_mb, mixed_precision),
+        _check, api, module, process_group, device_id, ignored_modules, bucket_cap_mb, mixed_precision),
         lambda skipped: [[n, list(t.shape), str(t.dtype), t.requires_grad] for n, t in _module_states(module, skipped)],
         applied="replicate", what="ranks disagree on the parameters and buffers replicate broadcasts from rank 0 "
         "and reduces", tag="replicate::check_states", digest_first=False)
@@ -244,16 +250,17 @@ def replicate(
     if device is not None:
         module.to(device)
     states = _module_states(module, skipped)
-    broadcast_from_rank0([t for _, t in states], [_group_or_world(process_group)], None, tag="replicate::init_broadcast")
+    broadcast_from_rank0([local_piece(t) for _, t in states], [_group_or_world(process_group)], None,
+                         tag="replicate::init_broadcast")
     make_subclass(module, "Replicate", ReplicateModule)
     _init_state(_state_of(module), module, api, process_group, states, int(bucket_cap_mb * _MB), mixed_precision)
     return module
 
 
 # ---------------------------------------------------------------- init: validate, plan
-def _check(api: str, module: nn.Module, device_id: Union[int, torch.device, None],
-           ignored_modules: Optional[Iterable[nn.Module]], bucket_cap_mb: float,
-           mixed_precision: Optional[MixedPrecision]) -> Set[nn.Module]:
+def _check(api: str, module: nn.Module, process_group: Optional[dist.ProcessGroup],
+           device_id: Union[int, torch.device, None], ignored_modules: Optional[Iterable[nn.Module]],
+           bucket_cap_mb: float, mixed_precision: Optional[MixedPrecision]) -> Set[nn.Module]:
     """Every refusal before the first collective; returns the modules replicate leaves alone:
     ignored subtrees and those another data-parallel API manages (``fully_shard`` or a nested
     ``replicate``)."""
@@ -269,7 +276,9 @@ def _check(api: str, module: nn.Module, device_id: Union[int, torch.device, None
         raise NotImplementedError(f"{api}: replicate computes in the parameters' dtype and only supports "
                                   "MixedPrecision(reduce_dtype=...); use fully_shard for param_dtype/buffer_dtype.")
     skipped = _expand_ignored_modules(module, ignored, None, {"fully_shard", "replicate"})
-    trainable = [t for _, t in _module_states(module, skipped) if isinstance(t, nn.Parameter) and t.requires_grad]
+    states = _module_states(module, skipped)
+    check_tensor_parallel(api, states, process_group)
+    trainable = [t for _, t in states if isinstance(t, nn.Parameter) and t.requires_grad]
     check_dense_gradients(api, _managed_modules(module, skipped), {id(p) for p in trainable}, _SPARSE_WHY)
     if device_id is None:
         _check_one_device(module, trainable)
@@ -358,7 +367,7 @@ def _build_buckets(state: _ReplicateState, order: Sequence[int]) -> List[_Bucket
         key = (p.dtype, p.device)
         members, nbytes = open_buckets.pop(key, ([], 0))
         members.append(i)
-        nbytes += p.numel() * (state.reduce_dtype or p.dtype).itemsize
+        nbytes += local_piece(p).numel() * (state.reduce_dtype or p.dtype).itemsize
         if nbytes >= (state.bucket_cap_bytes if closed else min(state.bucket_cap_bytes, _FIRST_BUCKET_BYTES)):
             closed.append(members)
         else:
@@ -380,8 +389,8 @@ def _install_buckets(state: _ReplicateState, buckets: List[_Bucket]) -> None:
         for slot, (i, p) in enumerate(zip(bucket.param_indices, bucket.params)):
             where[i] = (bucket, slot)
             if p.grad is not None and bucket.slots_are_grads and state.buckets:
-                bucket.slots[slot].copy_(p.grad)
-                p.grad = bucket.slots[slot]
+                bucket.slots[slot].copy_(local_piece(p.grad))
+                p.grad = _as_grad(p, bucket.slots[slot])
     state.buckets, state.slot_of = buckets, [where[i] for i in range(len(state.params))]
 
 
@@ -430,6 +439,7 @@ def _fill_slot(bucket: _Bucket, slot: int, scale: Optional[float]) -> None:
     """Put the parameter's local gradient times ``scale`` (zeros if it has none) into its
     slot: one pass over the gradient whether or not it already is the slot."""
     grad, view = bucket.params[slot].grad, bucket.slots[slot]
+    grad = None if grad is None else _placed_piece(bucket.params[slot], grad)
     if grad is None:
         view.zero_()
     elif _apply_guard.same_view(grad, view):
@@ -439,6 +449,20 @@ def _fill_slot(bucket: _Bucket, slot: int, scale: Optional[float]) -> None:
         view.copy_(grad)
     else:
         torch.mul(grad, scale, out=view)
+
+
+def _placed_piece(param: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``grad``, placed as ``param`` is: a tensor-parallel gradient with
+    other placements (the ``Partial`` sums a ``SequenceParallel`` norm's weight gets) is
+    redistributed over its mesh first, so the data-parallel average adds whole values."""
+    if _placed_otherwise(param, grad):
+        grad = cast(DTensor, grad).redistribute(cast(DTensor, param).device_mesh, cast(DTensor, param).placements)
+    return local_piece(grad)
+
+
+def _placed_otherwise(param: nn.Parameter, grad: torch.Tensor) -> bool:
+    """Is ``grad`` a tensor-parallel gradient placed otherwise than its parameter?"""
+    return isinstance(param, DTensor) and isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements)
 
 
 def _launch_buckets(state: _ReplicateState, backward: _BackwardPass, remaining: bool = False) -> None:
@@ -538,12 +562,22 @@ def _write_back(state: _ReplicateState, is_used: Sequence[int]) -> None:
 
 def _set_grad(param: nn.Parameter, reduced: torch.Tensor, as_view: bool) -> None:
     if as_view:
-        if param.grad is None or not _apply_guard.same_view(param.grad, reduced):
-            param.grad = reduced
-    elif param.grad is None:
-        param.grad = reduced.to(param.dtype)
+        if param.grad is None or not _apply_guard.same_view(local_piece(param.grad), reduced):
+            param.grad = _as_grad(param, reduced)
+    elif param.grad is None or _placed_otherwise(param, param.grad):
+        param.grad = _as_grad(param, reduced.to(param.dtype))  # (a Partial gradient's piece is not the reduced one's)
     else:
-        param.grad.copy_(reduced)
+        local_piece(param.grad).copy_(reduced)
+
+
+def _as_grad(param: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (a bucket slot or its cast, in the shape of ``param``'s local piece) as a
+    gradient ``param`` takes: a tensor-parallel parameter's is a ``DTensor`` placed as it is,
+    over ``local`` (no copy)."""
+    if not isinstance(param, DTensor):
+        return local
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())
 
 
 def _rebuild_buckets(state: _ReplicateState) -> None:

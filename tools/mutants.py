@@ -89,6 +89,8 @@ _OPTIM_SD = f"{PACKAGE}/_state/optim_state_dict.py"
 _LIGHTNING = f"{PACKAGE}/integrations/lightning.py"
 _TORCH_SD_API = "tests/distributed/test_torch_state_dict_api.py"
 _LIGHTNING_TESTS = "tests/distributed/test_lightning.py"
+_TP_TESTS = "tests/distributed/test_tensor_parallel.py::test_tensor_parallel_modules_left_out_train_exactly_and_checkpoint"
+_TP_REPLICATE_TESTS = "tests/distributed/test_tensor_parallel.py::test_replicate_over_tensor_parallel_modules_is_one_process"
 _FSDP2 = f"{PACKAGE}/_setup/fsdp2_compat.py"
 _DROPIN = "tests/distributed/test_fsdp2_dropin.py::test_fsdp2_dropin"
 
@@ -408,6 +410,45 @@ MUTANTS: List[Mutant] = [
     _m("torch_replicate_lazy_init_allowed", "torch's replicate applied before fully_shard broadcasts at the first forward",
        _INTEROP, '            ("replicate", "init"): "torch\'s composable replicate",\n', "",
        "tests/distributed/test_interop.py::test_torch_replicate_applied_before_fully_shard_is_refused_at_its_first_forward"),
+    # ---------------------------------------------------------------- tensor-parallel modules beside the APIs
+    _m("tp_parameters_accepted", "DTensor parameters reach the flattening and the broadcast (torch's mixed-tensor error)",
+       f"{PACKAGE}/_setup/validation.py", "        if isinstance(tensor, DTensor):\n            mesh = tensor.device_mesh",
+       "        if False:\n            mesh = tensor.device_mesh",
+       "tests/distributed/test_tensor_parallel.py::test_tensor_parallel_modules_are_refused_naming_the_parameter"),
+    _m("tp_full_state_dict_keeps_dtensors", "a full state dict holds the tensor-parallel pieces, not full tensors",
+       f"{PACKAGE}/_state/model_state_dict.py", "(k, v.full_tensor() if isinstance(v, DTensor) else v)", "(k, v)", _TP_TESTS),
+    _m("tp_failed_load_keeps_pieces", "a failed load leaves the tensor-parallel pieces loaded",
+       f"{PACKAGE}/_state/load_transaction.py",
+       "copied whole\n            self.clones.append((tensor, tensor.detach().clone()))", "copied whole\n            pass",
+       _TP_TESTS),
+    _m("tp_full_load_not_placed", "a plain model's full tensors are not placed as the DTensors they load into",
+       f"{PACKAGE}/_state/model_state_dict.py",
+       "        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):", "        if False:", _TP_TESTS),
+    _m("tp_gradient_norm_of_the_piece", "a tensor-parallel gradient's norm is taken as its local piece's",
+       _INTEROP, "        return torch.linalg.vector_norm(grad, order, dtype=dtype).full_tensor()",
+       "        return torch.linalg.vector_norm(grad.to_local(), order, dtype=dtype)", _TP_TESTS),
+    _m("tp_torch_norms_unresolved", "torch's own DTensor norms are stacked with ours unresolved",
+       _INTEROP, "    wholes = [t.full_tensor() if isinstance(t, DTensor) else t for t in items]",
+       "    wholes = list(items)", _TP_TESTS),
+    _m("tp_replicate_broadcasts_wrappers", "replicate broadcasts DTensor wrappers, not their pieces",
+       _REPLICATE, "    broadcast_from_rank0([local_piece(t) for _, t in states]", "    broadcast_from_rank0([t for _, t in states]",
+       _TP_REPLICATE_TESTS),
+    _m("tp_buckets_of_global_shapes", "replicate's bucket slots take a tensor-parallel parameter's global shape",
+       _REPLICATE, "        pieces = [local_piece(p) for p in params]", "        pieces = list(params)", _TP_REPLICATE_TESTS),
+    _m("tp_overlapping_mesh_accepted", "replicate averages over a group holding the tensor-parallel peers",
+       f"{PACKAGE}/_setup/validation.py", "        if shared:", "        if False:",
+       "tests/distributed/test_tensor_parallel.py::test_tensor_parallel_modules_are_refused_naming_the_parameter"),
+    _m("tp_describe_global_bytes", "describe counts a tensor-parallel parameter's global bytes on every rank",
+       f"{PACKAGE}/_planning/describe.py", "    here = {id(p): local_piece(p).numel() for p in params}",
+       "    here = {id(p): p.numel() for p in params}", _TP_REPLICATE_TESTS),
+    _m("tp_partial_grads_averaged_as_pieces", "a SequenceParallel norm's Partial gradient is averaged over dp unsummed",
+       _REPLICATE, "        grad = cast(DTensor, grad).redistribute(", "        grad = grad if True else cast(DTensor, grad).redistribute(",
+       "tests/distributed/test_tensor_parallel.py::test_replicate_over_sequence_parallel_blocks_is_one_process"),
+    _m("tp_partial_grad_overwritten_in_place", "a reduced copy lands in a Partial gradient, which then claims a sum",
+       _REPLICATE, "    elif param.grad is None or _placed_otherwise(param, param.grad):", "    elif param.grad is None:",
+       "tests/distributed/test_tensor_parallel.py::test_replicate_over_sequence_parallel_blocks_is_one_process"),
+    _m("tp_optimizer_state_read_as_plain", "a DTensor's optimizer state is compared by its wrapper's storage",
+       _OPTIM_SD, "    if isinstance(a, DTensor) or isinstance(b, DTensor):", "    if False:", _TP_TESTS),
     # ---------------------------------------------------------------- state dicts and loads
     _m("rank0_only_keeps_entries", "state_dict() under FullStateDictConfig(rank0_only=True) gives rank 1 buffers",
        f"{PACKAGE}/_state/model_state_dict.py", "            if config.rank0_only and rank_of() != 0:\n                del state_dict[key]",

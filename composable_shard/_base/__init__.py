@@ -2,7 +2,8 @@
 
 - ``torch_compat.py``: every private torch name the package touches, one place, with the torch
   versions checked (``tests/unit/test_api_surface.py`` refuses a private torch name anywhere else).
-- ``tree.py``: tensors in nested containers (outputs, batches, state dicts).
+- ``tree.py``: tensors in nested containers (outputs, batches, state dicts), and the local piece
+  of a ``DTensor``.
 
 May import: torch and the standard library only.
 """

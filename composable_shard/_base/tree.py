@@ -1,4 +1,5 @@
-"""Finding and converting the tensors inside module inputs and outputs.
+"""Finding and converting the tensors inside module inputs and outputs, and the local piece
+inside a ``DTensor``.
 
 Handles every container torch itself traverses: tuples and lists (namedtuples included),
 dicts (``OrderedDict`` subclasses such as Hugging Face's ``ModelOutput`` included, rebuilt as
@@ -14,8 +15,16 @@ import dataclasses
 from typing import Any, Callable, List, Optional
 
 import torch
+from torch.distributed.tensor import DTensor
 
-__all__ = ["tensors_in", "convert"]
+__all__ = ["tensors_in", "convert", "local_piece"]
+
+
+def local_piece(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor that holds ``tensor``'s elements on this rank: a ``DTensor``'s local piece (a
+    tensor-parallel parameter, its gradient or optimizer state; the wrapper's own storage has no
+    address), else ``tensor``."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def tensors_in(obj: Any, owner: Optional[str]) -> List[torch.Tensor]:

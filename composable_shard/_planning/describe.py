@@ -59,6 +59,7 @@ from .._runtime.module_state import _FSDPState
 from .._runtime.flat_param import compute_dtype_of, plan_groups, reduce_dtype_of
 from .._runtime.mixed_precision import full_precision_classes
 from .._base.torch_compat import unwrap_compiled
+from .._base.tree import local_piece
 from .._runtime.watch import STEP_AGREEMENT_INTS
 from ..api import BackwardPrefetch, MixedPrecision, ShardingStrategy
 from ..contract import _get_api_state, _get_module_state
@@ -325,7 +326,7 @@ def _with_optimizer_state(model: nn.Module, d: ShardingDescription, handles: Dic
     state: Dict[int, int] = {}
     for opt in optimizers:
         for p, entries in opt.state.items():
-            state[id(p)] = state.get(id(p), 0) + sum(v.numel() * v.element_size() for v in entries.values()
+            state[id(p)] = state.get(id(p), 0) + sum(local_piece(v).numel() * v.element_size() for v in entries.values()
                                                      if isinstance(v, torch.Tensor))
     owners = {h.fqn: h.owned for h in handles.values()}
     owners.update({fqn: frozenset(id(p) for p in replicas[id(m)].params)
@@ -457,15 +458,17 @@ def _replicate_row(fqn: str, state: _ReplicateState) -> ModuleRow:
 
 def _full_row(fqn: str, api: str, strategy: str, params: List[nn.Parameter], reduce_dtype: Optional[torch.dtype],
               bucket_bytes: int, collectives: Dict[str, Tuple[int, int]]) -> ModuleRow:
-    """Parameters every rank holds in full (``replicate``'s, or no API's)."""
+    """Parameters every rank of the data-parallel group holds in full (``replicate``'s, or no
+    API's); a tensor-parallel parameter's bytes are its piece's on this rank."""
     trained = [p for p in params if p.requires_grad]
-    param_bytes = sum(p.numel() * _itemsize(p.dtype) for p in params)
+    here = {id(p): local_piece(p).numel() for p in params}
+    param_bytes = sum(here[id(p)] * _itemsize(p.dtype) for p in params)
     grads_are_buckets = api == "replicate" and all(reduce_dtype in (None, p.dtype) for p in trained)
-    grad_bytes = bucket_bytes + (0 if grads_are_buckets else sum(p.numel() * _itemsize(p.dtype) for p in trained))
-    adamw = sum(2 * p.numel() * _itemsize(p.dtype) + _STEP_BYTES for p in trained)
+    grad_bytes = bucket_bytes + (0 if grads_are_buckets else sum(here[id(p)] * _itemsize(p.dtype) for p in trained))
+    adamw = sum(2 * here[id(p)] * _itemsize(p.dtype) + _STEP_BYTES for p in trained)
     dtypes = tuple(dict.fromkeys(str(p.dtype).replace("torch.", "") for p in params))
-    numel = sum(p.numel() for p in params)
-    return ModuleRow(fqn, api, strategy, False, numel, numel, 0, dtypes, param_bytes, grad_bytes, adamw, collectives)
+    numel, per_rank = sum(p.numel() for p in params), sum(here.values())
+    return ModuleRow(fqn, api, strategy, False, numel, per_rank, 0, dtypes, param_bytes, grad_bytes, adamw, collectives)
 
 
 def _unmanaged_params(model: nn.Module, handles: Dict[int, _HandleInfo],

@@ -73,6 +73,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from . import collectives as _collectives
 from .._base.torch_compat import FOREACH_NORM as _FOREACH_NORM, as_plain, plain_torch_function
@@ -184,6 +185,8 @@ def _local_norm(grad: torch.Tensor, order: float, dtype: Optional[torch.dtype]) 
     """This rank's norm of its slice; an empty slice gives the norm whose contribution is the
     identity of the combination (0 for a sum or a max, inf for a min or a sum of negative
     powers, where torch's own norm of an empty tensor raises)."""
+    if isinstance(grad, DTensor):  # a tensor-parallel gradient: its norm over its mesh, each element once
+        return torch.linalg.vector_norm(grad, order, dtype=dtype).full_tensor()
     plain = as_plain(grad)
     if plain.numel() == 0:
         value = math.inf if order < 0 else 0.0
@@ -239,7 +242,9 @@ def _stack_partials(items: Sequence[torch.Tensor]) -> PartialNorm:
     """One partial norm of the stacked ``items`` (see :func:`_stackable`); a plain one has no source."""
     sources = [source for t in items for source in (t._cs_sources if isinstance(t, PartialNorm) else (None,))]
     order = next(t._cs_ord for t in items if isinstance(t, PartialNorm))
-    return _make_partial(torch.stack([as_plain(t) for t in items]), tuple(sources), order)
+    # a DTensor norm (torch's own of tensor-parallel gradients) is resolved over its mesh: whole on every rank
+    wholes = [t.full_tensor() if isinstance(t, DTensor) else t for t in items]
+    return _make_partial(torch.stack([as_plain(t) for t in wholes]), tuple(sources), order)
 
 
 def _resolve_all(value: Any) -> Any:

@@ -74,13 +74,13 @@ import torch.nn as nn
 from . import apply_guard as _apply_guard
 from .._runtime.module_state import _FSDPState, _is_fsdp_flattened
 from .data_parallel import (_expand_ignored_modules, _ignored_params, _join, _managed_modules, agreed, agreement_groups,
-                             broadcast_from_rank0, check_composition, normalize_device)
+                            broadcast_from_rank0, check_composition, normalize_device)
 from .._runtime.flat_param import FlatParamHandle
 from .._runtime.mixed_precision import full_precision_classes
 from .._runtime.traversal import _get_fsdp_states
 from ..api import CPUOffload, MixedPrecision, ShardingStrategy
 from ..contract import _check_fqns_unchanged, _fqn_snapshot, _get_module_state
-from .validation import check_config, check_dense_gradients, check_fully_shard_arguments
+from .validation import check_config, check_dense_gradients, check_fully_shard_arguments, check_no_dtensors
 from ..wrap import _as_policy
 
 __all__ = ["Plan", "plan_fully_shard", "plan_agreed", "apply_plan", "resolve_groups"]
@@ -144,9 +144,12 @@ def plan_fully_shard(root: nn.Module, kwargs: Dict[str, Any]) -> Plan:
                 kwargs["param_init_fn"], kwargs["sync_module_states"], device_id)
     plan.targets = _select_targets(plan, kwargs["policy"], {k: kwargs[k] for k in _CONFIG_KEYS})
     _assign_params(plan)
-    check_dense_gradients(f"fully_shard({type(root).__name__})", root.named_modules(),
-                          {id(p) for target in plan.targets for p in target.params},
+    managed = {id(p) for target in plan.targets for p in target.params}
+    check_dense_gradients(f"fully_shard({type(root).__name__})", root.named_modules(), managed,
                           "a flat parameter can neither hold nor reduce")
+    check_no_dtensors(f"fully_shard({type(root).__name__})",
+                      ((n, p) for n, p in root.named_parameters(remove_duplicate=False) if id(p) in managed),
+                      "fully_shard cannot flatten into its flat parameters yet")
     _check_not_inside_initialized_root(root)
     if plan.param_init_fn is None and _uninitializable(plan):
         plan.deferred = True

@@ -13,12 +13,14 @@ from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from ..api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from ..wrap import _Policy
 
 __all__ = ["check_bool", "check_real", "check_process_group", "check_device_id", "check_mixed_precision",
-           "check_modules", "check_config", "check_fully_shard_arguments", "check_dense_gradients"]
+           "check_modules", "check_config", "check_fully_shard_arguments", "check_dense_gradients",
+           "check_no_dtensors", "check_tensor_parallel"]
 
 
 def check_bool(api: str, name: str, value: Any) -> None:
@@ -218,3 +220,48 @@ def check_dense_gradients(api: str, named_modules: Iterable[Tuple[str, nn.Module
                 f"{api}: {fqn or '<root>'!r} ({type(module).__name__}) has sparse=True, so the gradient of its weight "
                 f"would be a sparse tensor, which {why}. Construct it with sparse=False (the default), or leave it "
                 "out with ignored_modules.")
+
+
+def check_no_dtensors(api: str, named_tensors: Iterable[Tuple[str, torch.Tensor]], what: str) -> None:
+    """``NotImplementedError`` for a ``DTensor`` (a tensor-parallel parameter or buffer, from
+    ``parallelize_module`` or a model's TP plan) that ``api`` would manage; ``what`` says what it
+    would do with it. Without this the first collective or flattening fails inside torch's DTensor
+    dispatch ("got mixed torch.Tensor and DTensor"), naming neither the parameter nor a way out."""
+    for fqn, tensor in named_tensors:
+        if isinstance(tensor, DTensor):
+            mesh = tensor.device_mesh
+            dims = f" {mesh.mesh_dim_names}" if mesh.mesh_dim_names else ""
+            raise NotImplementedError(
+                f"{api}: {fqn!r} is a DTensor (tensor parallelism: placements {tuple(tensor.placements)} on a "
+                f"{mesh.ndim}-D device mesh{dims}), which {what}. Leave its module out with ignored_modules=[...] "
+                "and replicate(...) it over the data-parallel group (replicate averages tensor-parallel parameters), "
+                "or all-reduce its gradients over that group yourself; or use torch's fully_shard (FSDP2).")
+
+
+def check_tensor_parallel(api: str, named_tensors: Iterable[Tuple[str, torch.Tensor]],
+                          group: Optional[dist.ProcessGroup]) -> None:
+    """The ``DTensor`` parameters and buffers (tensor-parallel pieces) ``api`` would average over
+    the data-parallel ``group`` (None: the default group): each placement ``Shard`` or
+    ``Replicate`` (a ``Partial`` one is a sum not taken yet: ``NotImplementedError``), on a mesh
+    that shares no rank but this one with ``group`` (``ValueError``: averaging over ranks that hold
+    different pieces of one tensor would mix them)."""
+    named = [(fqn, t) for fqn, t in named_tensors if isinstance(t, DTensor)]
+    if not named:
+        return
+    dp_ranks = set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    me = dist.get_rank()
+    for fqn, tensor in named:
+        mesh = tensor.device_mesh
+        if any(placement.is_partial() for placement in tensor.placements):
+            raise NotImplementedError(
+                f"{api}: {fqn!r} is a DTensor with placements {tuple(tensor.placements)}: a Partial placement holds a "
+                "sum not taken yet, which the data-parallel average cannot reduce. Redistribute it to Shard or "
+                "Replicate placements first.")
+        shared = sorted(set(mesh.mesh.flatten().tolist()) & dp_ranks - {me})
+        if shared:
+            raise ValueError(
+                f"{api}: {fqn!r} is a DTensor on a device mesh {tuple(mesh.mesh.shape)}"
+                f"{f' {mesh.mesh_dim_names}' if mesh.mesh_dim_names else ''} that shares ranks {shared} with the "
+                f"data-parallel group (ranks {sorted(dp_ranks)}): averaging over them would mix different pieces of "
+                "one tensor. Pass the data-parallel dimension's group, e.g. process_group=mesh['dp'].get_group() "
+                "for a mesh with dimensions ('dp', 'tp').")

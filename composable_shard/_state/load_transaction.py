@@ -50,6 +50,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd.graph import increment_version
 from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.tensor import DTensor
 
 from .._runtime import collectives as _collectives
 from .._runtime.traversal import _get_fsdp_handles, _get_fsdp_states
@@ -159,6 +160,9 @@ class _Snapshot:
     def keep(self, tensor: torch.Tensor) -> None:
         """Copy ``tensor``'s storage (once per storage) and remember its view."""
         if tensor.is_meta:
+            return
+        if isinstance(tensor, DTensor):  # a wrapper: its elements are its local piece's, copied whole
+            self.clones.append((tensor, tensor.detach().clone()))
             return
         try:
             storage = tensor.untyped_storage()

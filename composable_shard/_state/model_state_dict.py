@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -55,12 +56,14 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Named
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .._runtime import collectives as _collectives
 from .._runtime.module_state import _FSDPState
 from .._runtime.flat_param import FlatGroup, take_pending_init_values
 from .._runtime.interop import refuse_lightning_model_parallel
 from .._runtime.shard_math import param_offsets
+from .._base.tree import local_piece
 from .sharded_slice import ShardedSlice
 from .._runtime.traversal import _get_fsdp_handles, _get_fsdp_states
 from .load_transaction import rank_of, state_entries, transactional
@@ -444,7 +447,7 @@ def owned(value: Any, live: Set[int], memo: Dict[Tuple[Any, ...], torch.Tensor])
     of the same elements get the same copy through ``memo`` (tied weights stay tied)."""
     if not isinstance(value, torch.Tensor):
         return value
-    source = value.local if isinstance(value, ShardedSlice) else value
+    source = value.local if isinstance(value, ShardedSlice) else local_piece(value)
     ptr = source.untyped_storage().data_ptr()
     if not ptr or ptr not in live:
         return value
@@ -452,7 +455,11 @@ def owned(value: Any, live: Set[int], memo: Dict[Tuple[Any, ...], torch.Tensor])
     copy = memo.get(key)
     if copy is None:
         copy = memo[key] = source.detach().clone()
+    if isinstance(value, DTensor):  # a tensor-parallel parameter (replicated, or left out of fully_shard)
+        return DTensor.from_local(copy, value.device_mesh, value.placements, run_check=False, shape=value.shape,
+                                  stride=value.stride())
     return ShardedSlice(copy, value.start, value.shape, value.world_size) if isinstance(value, ShardedSlice) else copy
+
 
 
 # ---------------------------------------------------------------------------- loading
@@ -572,6 +579,8 @@ def get_model_state_dict(module: nn.Module, *, full: bool = True, cpu_offload: b
         kind, config = StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(cpu_offload)  # type: ignore[assignment]
     with state_dict_type(module, kind, config):
         sd = module.state_dict()  # full: owned by the context's hooks (see [Note: State dicts own their tensors])
+    if full:  # tensor-parallel pieces (replicated, or left out of fully_shard): gathered over their mesh, every rank
+        sd = type(sd)((k, v.full_tensor() if isinstance(v, DTensor) else v) for k, v in sd.items())
     if rank0_only and rank_of() != 0:
         return {}
     if not full:  # views of the shards and buffers: copied
@@ -609,7 +618,7 @@ def sharded_model_views(module: nn.Module) -> Dict[str, Any]:
 
 def live_storages(*groups: Iterable[torch.Tensor]) -> Set[int]:
     """The storage addresses of the tensors in ``groups`` (for :func:`owned`)."""
-    return {t.untyped_storage().data_ptr() for group in groups for t in group if isinstance(t, torch.Tensor)} - {0}
+    return {local_piece(t).untyped_storage().data_ptr() for group in groups for t in group if isinstance(t, torch.Tensor)} - {0}
 
 
 @transactional("set_model_state_dict", model=True, optim=False)  # see [Note: All-or-nothing loads]
@@ -629,4 +638,23 @@ def set_model_state_dict(module: nn.Module, state_dict: Mapping[str, Any], *, st
     check_module("set_model_state_dict", module)
     check_bool("set_model_state_dict", "strict", strict)
     check_model_state_dict(module, state_dict, strict, check_dtype=True, api="set_model_state_dict")
-    return nn.Module.load_state_dict(module, state_dict, strict=strict)
+    return nn.Module.load_state_dict(module, _distributed_to_dtensors(module, state_dict), strict=strict)
+
+
+def _distributed_to_dtensors(module: nn.Module, state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``state_dict`` with each full plain tensor meant for a ``DTensor`` of ``module`` (a
+    tensor-parallel parameter or buffer, replicated or left out of fully_shard) placed
+    as that ``DTensor`` is (this rank's piece), as a full state dict of a plain model is loaded
+    into a tensor-parallel one. Collective over each such tensor's mesh, in the module's order."""
+    targets = [(n, t) for n, t in itertools.chain(module.named_parameters(remove_duplicate=False),
+                                                  module.named_buffers(remove_duplicate=False))
+               if isinstance(t, DTensor)]
+    if not targets:
+        return state_dict
+    placed = dict(state_dict)
+    for name, target in targets:
+        value = placed.get(name)
+        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            placed[name] = distribute_tensor(value.detach().to(device=target.device, dtype=target.dtype),
+                                             target.device_mesh, target.placements)
+    return placed

@@ -64,6 +64,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from .._runtime import collectives as _collectives
@@ -353,6 +354,9 @@ def _kept(param: torch.Tensor, name: str, value: Any, current: Any) -> Any:
 
 
 def _same_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if isinstance(a, DTensor) or isinstance(b, DTensor):  # state of a tensor-parallel parameter: its local pieces
+        return (isinstance(a, DTensor) and isinstance(b, DTensor) and a.placements == b.placements
+                and _same_elements(a.to_local(), b.to_local()))
     return (a.dtype == b.dtype and a.device == b.device and a.numel() == b.numel() and a.is_contiguous()
             and b.is_contiguous() and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
             and a.storage_offset() == b.storage_offset())
