@@ -12,7 +12,7 @@ Three steps:
    forward is also timed on the real device (the recomputation cost). Parameters, gradients,
    buffers and RNG state are left as they were.
 2. **Count** (:func:`_static_description`): parameter, gradient, optimizer bytes and bytes sent
-   per step come from ``describe``'s own planning code (``_describe._plan_handles``, which is
+   per step come from ``describe``'s own planning code (``_planning/describe.plan_handles``, which is
    ``fully_shard``'s planning, and ``_planning/describe``'s row arithmetic), so ``describe(model)`` after
    :meth:`MemoryPlan.apply` reports the same figures.
 3. **Choose** (:func:`_choose`): the peak of a step is simulated moment by moment
@@ -270,10 +270,10 @@ def _check_arguments(model: nn.Module, memory_budget: int, world_size: Optional[
         raise ValueError(f"plan: unknown optimizer {optimizer!r}; plan() counts the state of {list(OPTIMIZERS)}")
     if not (isinstance(bandwidth, (int, float)) and 0 < bandwidth < math.inf):
         raise ValueError(f"plan: bandwidth must be a positive, finite number of bytes per second, got {bandwidth!r}")
-    if _describe._is_managed(model):
+    if _describe.is_managed(model):
         raise ValueError(f"plan: {type(model).__name__} already carries fully_shard or replicate; plan the plain "
                          "model (before any API is applied), then apply the plan to it")
-    return _describe._planned_world_size(world_size)
+    return _describe.planned_world_size(world_size)
 
 
 def _profile_source(model: nn.Module, example_batch: Any, profile: str, device_flops: float) -> str:
@@ -341,8 +341,8 @@ class _Cost:
     frozen_whole: int = 0  # replicate: frozen parameters it does not manage, held whole on every rank
 
 
-def _handle_cost(info: _describe._HandleInfo) -> _Cost:
-    row = _describe._handle_row(info)
+def _handle_cost(info: _describe.HandleInfo) -> _Cost:
+    row = _describe.handle_row(info)
     gathered = info.gathers_in_group
     unsharded = sum(_shard_math.padded_numel(g.numel, info.shard_world) * g.compute_dtype.itemsize
                     for g in info.groups) if gathered else 0
@@ -380,23 +380,23 @@ class _Search:
         reduce_dtype = mp.effective_reduce_dtype if mp is not None and self.can_replicate else None
         self.reduce_dtype = reduce_dtype
         self.options = [o for o in _OPTIONS if o.api == "fully_shard" or self.can_replicate]
-        self.handles: Dict[Tuple[int, ShardingStrategy], _describe._HandleInfo] = {}
+        self.handles: Dict[Tuple[int, ShardingStrategy], _describe.HandleInfo] = {}
         self.costs: List[Dict[_Option, _Cost]] = []
         for fqn, block in blocks:
             per: Dict[_Option, _Cost] = {}
             for option in self.options:
                 if option.api == "replicate":
-                    per[option] = _replicate_cost(_describe._planned_replicate_row(fqn, block, world, reduce_dtype),
+                    per[option] = _replicate_cost(_describe.planned_replicate_row(fqn, block, world, reduce_dtype),
                                                   block)
                 else:
                     assert option.strategy is not None
-                    info = self.handles.setdefault((id(block), option.strategy), _describe._planned_handle(
+                    info = self.handles.setdefault((id(block), option.strategy), _describe.planned_handle(
                         model, block, fqn, world, option.strategy, mp))
                     per[option] = _handle_cost(info)
             self.costs.append(per)
-        self.root_info = _describe._planned_handle(model, model, "", world, _FULL, mp, [b for _, b in blocks])
+        self.root_info = _describe.planned_handle(model, model, "", world, _FULL, mp, [b for _, b in blocks])
         self.root = _handle_cost(self.root_info)
-        self.whole = _replicate_cost(_describe._planned_replicate_row("", model, world, reduce_dtype), model) \
+        self.whole = _replicate_cost(_describe.planned_replicate_row("", model, world, reduce_dtype), model) \
             if self.can_replicate else None
         param_dtype = mp.param_dtype if mp is not None else None
         self.after_grad = sum(p.numel() * (param_dtype or p.dtype).itemsize for p in model.parameters()
@@ -409,7 +409,7 @@ class _Search:
             return _row_bytes(self.whole.row)
         costs = [self.root] + [self.costs[k][o] for k, o in enumerate(assignment)]
         flag_params = sum(c.num_flag_params for c in costs)
-        flags = _describe._STEP_BYTES * (flag_params + _describe.STEP_AGREEMENT_INTS) if flag_params and self.world > 1 else 0
+        flags = _describe.STEP_BYTES * (flag_params + _describe.STEP_AGREEMENT_INTS) if flag_params and self.world > 1 else 0
         return sum(_row_bytes(c.row) for c in costs) + flags
 
     def seconds(self, assignment: Optional[Sequence[_Option]]) -> float:
@@ -421,7 +421,7 @@ class _Search:
         if assignment is None:
             assert self.whole is not None
             whole = {id(p) for p in self.model.parameters() if p.requires_grad}
-            return _describe._planned_description(self.model, self.world, {}, {id(self.model): self.whole.row}, whole)
+            return _describe.planned_description(self.model, self.world, {}, {id(self.model): self.whole.row}, whole)
         handles = {id(self.model): self.root_info}
         replicated: Dict[int, ModuleRow] = {}
         ids: Set[int] = set()
@@ -432,7 +432,7 @@ class _Search:
             else:
                 assert option.strategy is not None
                 handles[id(block)] = self.handles[(id(block), option.strategy)]
-        return _describe._planned_description(self.model, self.world, handles, replicated, ids)
+        return _describe.planned_description(self.model, self.world, handles, replicated, ids)
 
     def result(self, assignment: Optional[Sequence[_Option]], budget: int) -> MemoryPlan:
         moment = _simulate(self, assignment)

@@ -11,7 +11,7 @@ Two sources, one arithmetic:
   runs before it mutates anything); the handle's ``(dtype, requires_grad, kept in full
   precision)`` grouping is ``flat_param.plan_groups``, the function ``FlatParamHandle`` builds from.
 
-Both become :class:`_HandleInfo` / :class:`_GroupInfo` records, from which :func:`_rows`
+Both become :class:`HandleInfo` / :class:`_GroupInfo` records, from which :func:`_rows`
 computes the figures with ``_runtime/shard_math``. The figures are exact for a steady-state training
 step (forward, backward, ``optim.step()``), counted the way ``collectives.record_collectives``
 counts (bytes this rank sends into each collective):
@@ -82,11 +82,14 @@ class _ReplicateState(Protocol):
     reduce_dtype: Optional[torch.dtype]
 
 
-__all__ = ["describe", "ShardingDescription", "ModuleRow"]
+# What plan() builds on (the same planning code as describe's, so that describe(model) after
+# MemoryPlan.apply reports the figures the plan predicted):
+__all__ = ["describe", "ShardingDescription", "ModuleRow", "HandleInfo", "handle_row", "planned_replicate_row",
+           "planned_handle", "planned_description", "is_managed", "planned_world_size", "STEP_BYTES", "plan_handles"]
 
 _KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 _KEPT_FROM_FORWARD_TO_BACKWARD = {ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2}
-_STEP_BYTES = 4  # AdamW's float32 ``step`` tensor per parameter; also one used flag (int32)
+STEP_BYTES = 4  # AdamW's float32 ``step`` tensor per parameter; also one used flag (int32)
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,7 @@ class _GroupInfo:
 
 
 @dataclass(frozen=True)
-class _HandleInfo:
+class HandleInfo:
     """A fully sharded module, as built or as planned."""
 
     fqn: str
@@ -242,7 +245,7 @@ def describe(model: nn.Module, *, world_size: Optional[int] = None, policy: Any 
     if not isinstance(model, nn.Module):
         raise TypeError(f"describe: model must be an nn.Module, got {type(model).__name__}")
     model = unwrap_compiled(model)  # torch.compile's wrapper: the names without its prefix
-    if _is_managed(model):
+    if is_managed(model):
         if world_size is not None or policy is not None or mixed_precision is not None or ignored_modules is not None \
                 or strategy is not ShardingStrategy.FULL_SHARD:
             raise ValueError("describe: the model is already sharded, so its handles are read as built; leave out "
@@ -255,18 +258,18 @@ def describe(model: nn.Module, *, world_size: Optional[int] = None, policy: Any 
     if list(optimizers):
         raise ValueError("describe: optimizers=... reads the state of a sharded model's optimizers; plan a plain "
                          "model without it (its AdamW figure is adamw_bytes)")
-    world = _planned_world_size(world_size)
-    handles = _plan_handles(model, world, policy, strategy, mixed_precision, ignored_modules)
+    world = planned_world_size(world_size)
+    handles = plan_handles(model, world, policy, strategy, mixed_precision, ignored_modules)
     return _description(model, world, True, handles, {})
 
 
 # ---------------------------------------------------------------------------- runtime
-def _is_managed(model: nn.Module) -> bool:
+def is_managed(model: nn.Module) -> bool:
     return any(_get_module_state(m, _FSDPState) is not None or _get_api_state(m, REPLICATE_API) is not None
                for m in model.modules())
 
 
-def _runtime_handles(model: nn.Module) -> Dict[int, _HandleInfo]:
+def _runtime_handles(model: nn.Module) -> Dict[int, HandleInfo]:
     """id(fully sharded module) -> its handle as built."""
     states: List[Tuple[str, nn.Module, _FSDPState]] = []
     seen: Set[int] = set()
@@ -279,7 +282,7 @@ def _runtime_handles(model: nn.Module) -> Dict[int, _HandleInfo]:
             if state.members is not None:
                 fqn = "+".join(names.get(id(member), "?") for member in state.members)
             states.append((fqn, m, state))
-    out: Dict[int, _HandleInfo] = {}
+    out: Dict[int, HandleInfo] = {}
     for fqn, m, state in states:
         root = _runtime_root(m, state, [other for _, other, _ in states])
         replicate_world = dist.get_world_size(state.replicate_group) if state.replicate_group is not None else 1
@@ -288,7 +291,7 @@ def _runtime_handles(model: nn.Module) -> Dict[int, _HandleInfo]:
                                   len(g.orig_params), g.compute_dtype, reduce_dtype_of(mp, g.compute_dtype, g.full_precision))
                        for g in (state.handle.groups if state.handle is not None else []))
         aliases = state.handle is not None and all(g.aliases_shard for g in state.handle.groups)
-        out[id(m)] = _HandleInfo(
+        out[id(m)] = HandleInfo(
             fqn, state.strategy, root is m, state.world_size, replicate_world,
             state.process_group is not None and not aliases, bool(mp is not None and mp.keep_low_precision_grads),
             groups, (id(root), id(state.process_group), id(state.replicate_group)),
@@ -316,7 +319,7 @@ def _runtime_replicas(model: nn.Module) -> Dict[int, _ReplicateState]:
     return out
 
 
-def _with_optimizer_state(model: nn.Module, d: ShardingDescription, handles: Dict[int, _HandleInfo],
+def _with_optimizer_state(model: nn.Module, d: ShardingDescription, handles: Dict[int, HandleInfo],
                           replicas: Dict[int, _ReplicateState], optimizers: List[torch.optim.Optimizer]
                           ) -> ShardingDescription:
     """``d`` with each row's ``optimizer_bytes``: the tensors ``optimizers`` keep in their state
@@ -339,7 +342,7 @@ def _with_optimizer_state(model: nn.Module, d: ShardingDescription, handles: Dic
 
 
 # ---------------------------------------------------------------------------- plan
-def _planned_world_size(world_size: Optional[int]) -> int:
+def planned_world_size(world_size: Optional[int]) -> int:
     if world_size is None:
         if not dist.is_initialized():
             raise ValueError("describe: pass world_size=... to plan a model without a process group")
@@ -349,9 +352,9 @@ def _planned_world_size(world_size: Optional[int]) -> int:
     return world_size
 
 
-def _plan_handles(model: nn.Module, world: int, policy: Any, strategy: ShardingStrategy,
+def plan_handles(model: nn.Module, world: int, policy: Any, strategy: ShardingStrategy,
                   mixed_precision: Optional[MixedPrecision], ignored_modules: Optional[Iterable[nn.Module]]
-                  ) -> Dict[int, _HandleInfo]:
+                  ) -> Dict[int, HandleInfo]:
     """``fully_shard``'s own plan (targets, parameter ownership), without a process group."""
     if not isinstance(strategy, ShardingStrategy):
         raise ValueError(f"describe: strategy must be a ShardingStrategy, got {strategy!r}")
@@ -366,7 +369,7 @@ def _plan_handles(model: nn.Module, world: int, policy: Any, strategy: ShardingS
                               "limit_all_gathers": True}
     plan.targets = _fully_shard_init._select_targets(plan, policy, config)
     _fully_shard_init._assign_params(plan)
-    out: Dict[int, _HandleInfo] = {}
+    out: Dict[int, HandleInfo] = {}
     for target in plan.targets:
         target_strategy: ShardingStrategy = target.config["strategy"]
         if target_strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
@@ -377,7 +380,7 @@ def _plan_handles(model: nn.Module, world: int, policy: Any, strategy: ShardingS
         groups = _plan_groups(target.module, target.params, mp)
         shard_world = 1 if no_shard else world
         aliases = shard_world == 1 and all(g.compute_dtype == g.dtype for g in groups)
-        out[id(target.module)] = _HandleInfo(
+        out[id(target.module)] = HandleInfo(
             target.fqn, target_strategy, target.module is model, shard_world, world if no_shard else 1,
             not no_shard and not aliases, bool(mp is not None and mp.keep_low_precision_grads), groups,
             (id(model), no_shard), frozenset(id(p) for p in target.params))
@@ -397,12 +400,12 @@ def _plan_groups(module: nn.Module, params: List[nn.Parameter], mp: Optional[Mix
 
 
 # ---------------------------------------------------------------------------- figures
-def _description(model: nn.Module, world: int, planned: bool, handles: Dict[int, _HandleInfo],
+def _description(model: nn.Module, world: int, planned: bool, handles: Dict[int, HandleInfo],
                  replicas: Dict[int, _ReplicateState]) -> ShardingDescription:
     rows: List[ModuleRow] = []
     for fqn, m in model.named_modules():
         if id(m) in handles:
-            rows.append(_handle_row(handles[id(m)]))
+            rows.append(handle_row(handles[id(m)]))
         if id(m) in replicas:
             rows.append(_replicate_row(fqn, replicas[id(m)]))
     unmanaged = _unmanaged_params(model, handles, replicas)
@@ -414,11 +417,11 @@ def _description(model: nn.Module, world: int, planned: bool, handles: Dict[int,
         flags[h.flag_key] = flags.get(h.flag_key, 0) + sum(g.num_params for g in h.groups if g.requires_grad)
         flag_groups[h.flag_key] = (h.shard_world > 1) + (h.replicate_world > 1)
     count = sum(flag_groups[k] for k, n in flags.items() if n)
-    nbytes = sum(flag_groups[k] * (n + STEP_AGREEMENT_INTS) * _STEP_BYTES for k, n in flags.items() if n)
+    nbytes = sum(flag_groups[k] * (n + STEP_AGREEMENT_INTS) * STEP_BYTES for k, n in flags.items() if n)
     return ShardingDescription(world, planned, tuple(rows), (count, nbytes))
 
 
-def _handle_row(h: _HandleInfo) -> ModuleRow:
+def handle_row(h: HandleInfo) -> ModuleRow:
     numel = padded = chunk = param_bytes = grad_bytes = adamw = 0
     collectives = {kind: (0, 0) for kind in _KINDS}
 
@@ -438,7 +441,7 @@ def _handle_row(h: _HandleInfo) -> ModuleRow:
             continue
         grad_dtype = g.compute_dtype if h.keep_low_precision_grads else g.dtype
         grad_bytes += g_chunk * _itemsize(grad_dtype)
-        adamw += 2 * (min(end, g.numel) - start) * _itemsize(g.dtype) + _STEP_BYTES * g.num_params
+        adamw += 2 * (min(end, g.numel) - start) * _itemsize(g.dtype) + STEP_BYTES * g.num_params
         if h.shard_world > 1:
             add("reduce_scatter", 1, g_padded * _itemsize(g.reduce_dtype))
         if h.replicate_world > 1:
@@ -452,7 +455,7 @@ def _replicate_row(fqn: str, state: _ReplicateState) -> ModuleRow:
     bucket_bytes = sum(b.nbytes for b in state.buckets)
     flags = 1 if state.world_size > 1 else 0  # the used flags' all_reduce (skipped over one rank)
     collectives = {"all_reduce": (len(state.buckets) + flags,
-                                  bucket_bytes + flags * _STEP_BYTES * (len(state.params) + STEP_AGREEMENT_INTS))}
+                                  bucket_bytes + flags * STEP_BYTES * (len(state.params) + STEP_AGREEMENT_INTS))}
     return _full_row(fqn, "replicate", "replicate", state.params, state.reduce_dtype, bucket_bytes, collectives)
 
 
@@ -465,13 +468,13 @@ def _full_row(fqn: str, api: str, strategy: str, params: List[nn.Parameter], red
     param_bytes = sum(here[id(p)] * _itemsize(p.dtype) for p in params)
     grads_are_buckets = api == "replicate" and all(reduce_dtype in (None, p.dtype) for p in trained)
     grad_bytes = bucket_bytes + (0 if grads_are_buckets else sum(here[id(p)] * _itemsize(p.dtype) for p in trained))
-    adamw = sum(2 * here[id(p)] * _itemsize(p.dtype) + _STEP_BYTES for p in trained)
+    adamw = sum(2 * here[id(p)] * _itemsize(p.dtype) + STEP_BYTES for p in trained)
     dtypes = tuple(dict.fromkeys(str(p.dtype).replace("torch.", "") for p in params))
     numel, per_rank = sum(p.numel() for p in params), sum(here.values())
     return ModuleRow(fqn, api, strategy, False, numel, per_rank, 0, dtypes, param_bytes, grad_bytes, adamw, collectives)
 
 
-def _unmanaged_params(model: nn.Module, handles: Dict[int, _HandleInfo],
+def _unmanaged_params(model: nn.Module, handles: Dict[int, HandleInfo],
                       replicas: Dict[int, _ReplicateState]) -> List[nn.Parameter]:
     """Parameters of ``model`` no handle and no replicate call manages (ignored ones)."""
     owned = {i for h in handles.values() for i in h.owned}
@@ -512,19 +515,19 @@ def _mb(nbytes: int) -> str:
 
 
 # ---------------------------------------------------------------------------- plan() (plan.py)
-def _planned_handle(model: nn.Module, module: nn.Module, fqn: str, world: int, strategy: ShardingStrategy,
+def planned_handle(model: nn.Module, module: nn.Module, fqn: str, world: int, strategy: ShardingStrategy,
                     mixed_precision: Optional[MixedPrecision], ignored_modules: Iterable[nn.Module] = ()
-                    ) -> _HandleInfo:
+                    ) -> HandleInfo:
     """The handle ``fully_shard(module, strategy=..., mixed_precision=...)`` builds when each
     module is annotated by its own call, children first, under ``model``'s root: ``fully_shard``'s
     planning of ``module`` alone (its annotated children passed as ``ignored_modules``, whose
     parameters it then does not own), placed in ``model``'s tree (its FQN, root or not, the
     root's used-flags key)."""
-    info = _plan_handles(module, world, None, strategy, mixed_precision, list(ignored_modules))[id(module)]
+    info = plan_handles(module, world, None, strategy, mixed_precision, list(ignored_modules))[id(module)]
     return dataclasses.replace(info, fqn=fqn, is_root=module is model, flag_key=(id(model), info.flag_key[1]))
 
 
-def _planned_replicate_row(fqn: str, module: nn.Module, world: int, reduce_dtype: Optional[torch.dtype]) -> ModuleRow:
+def planned_replicate_row(fqn: str, module: nn.Module, world: int, reduce_dtype: Optional[torch.dtype]) -> ModuleRow:
     """The row :func:`_replicate_row` reads from ``replicate(module)``'s state, computed before
     the call: its managed parameters (those requiring grad, once), one bucket per 25 MiB in
     reverse registration order (the first closing at 1 MiB, as ``replicate._build_buckets``;
@@ -538,11 +541,11 @@ def _planned_replicate_row(fqn: str, module: nn.Module, world: int, reduce_dtype
             buckets, open_bytes = buckets + 1, 0
     buckets += 1 if open_bytes else 0
     flags = 1 if world > 1 else 0
-    collectives = {"all_reduce": (buckets + flags, bucket_bytes + flags * _STEP_BYTES * (len(params) + STEP_AGREEMENT_INTS))}
+    collectives = {"all_reduce": (buckets + flags, bucket_bytes + flags * STEP_BYTES * (len(params) + STEP_AGREEMENT_INTS))}
     return _full_row(fqn, "replicate", "replicate", params, reduce_dtype, bucket_bytes, collectives)
 
 
-def _planned_description(model: nn.Module, world: int, handles: Dict[int, _HandleInfo],
+def planned_description(model: nn.Module, world: int, handles: Dict[int, HandleInfo],
                          replicated: Dict[int, ModuleRow], replicated_params: Set[int]) -> ShardingDescription:
     """What :func:`describe` reads from ``model`` once the planned handles (``fully_shard`` calls)
     and ``replicate`` calls (their rows; ``replicated_params`` the ids of the parameters they
@@ -552,7 +555,7 @@ def _planned_description(model: nn.Module, world: int, handles: Dict[int, _Handl
     rows: List[ModuleRow] = []
     for _, m in model.named_modules():
         if id(m) in handles:
-            rows.append(_handle_row(handles[id(m)]))
+            rows.append(handle_row(handles[id(m)]))
         if id(m) in replicated:
             rows.append(replicated[id(m)])
     owned = {i for h in handles.values() for i in h.owned} | replicated_params
