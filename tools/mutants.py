@@ -417,6 +417,8 @@ MUTANTS: List[Mutant] = [
        "tests/distributed/test_tensor_parallel.py::test_tensor_parallel_modules_are_refused_naming_the_parameter"),
     _m("tp_full_state_dict_keeps_dtensors", "a full state dict holds the tensor-parallel pieces, not full tensors",
        f"{PACKAGE}/_state/model_state_dict.py", "(k, v.full_tensor() if isinstance(v, DTensor) else v)", "(k, v)", _TP_TESTS),
+    _m("tp_full_state_dict_loses_versions", "a full state dict rebuilt for tensor-parallel pieces drops the module versions",
+       f"{PACKAGE}/_state/model_state_dict.py", '    if hasattr(state_dict, "_metadata"):', "    if False:", _TP_TESTS),
     _m("tp_failed_load_keeps_pieces", "a failed load leaves the tensor-parallel pieces loaded",
        f"{PACKAGE}/_state/load_transaction.py",
        "copied whole\n            self.clones.append((tensor, tensor.detach().clone()))", "copied whole\n            pass",

@@ -579,8 +579,9 @@ def get_model_state_dict(module: nn.Module, *, full: bool = True, cpu_offload: b
         kind, config = StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(cpu_offload)  # type: ignore[assignment]
     with state_dict_type(module, kind, config):
         sd = module.state_dict()  # full: owned by the context's hooks (see [Note: State dicts own their tensors])
-    if full:  # tensor-parallel pieces (replicated, or left out of fully_shard): gathered over their mesh, every rank
-        sd = type(sd)((k, v.full_tensor() if isinstance(v, DTensor) else v) for k, v in sd.items())
+    if full and any(isinstance(v, DTensor) for v in sd.values()):
+        # tensor-parallel pieces (replicated, or left out of fully_shard): gathered over their mesh, on every rank
+        sd = _with_metadata_of(sd, ((k, v.full_tensor() if isinstance(v, DTensor) else v) for k, v in sd.items()))
     if rank0_only and rank_of() != 0:
         return {}
     if not full:  # views of the shards and buffers: copied
@@ -641,6 +642,15 @@ def set_model_state_dict(module: nn.Module, state_dict: Mapping[str, Any], *, st
     return nn.Module.load_state_dict(module, _distributed_to_dtensors(module, state_dict), strict=strict)
 
 
+def _with_metadata_of(state_dict: Mapping[str, Any], entries: Iterable[Tuple[str, Any]]) -> Dict[str, Any]:
+    """``entries`` in a mapping of ``state_dict``'s type that keeps its ``_metadata`` (the module
+    versions ``load_state_dict`` reads)."""
+    out = type(state_dict)(entries) if isinstance(state_dict, dict) else dict(entries)
+    if hasattr(state_dict, "_metadata"):
+        out._metadata = state_dict._metadata  # type: ignore[attr-defined]
+    return out  # type: ignore[return-value]
+
+
 def _distributed_to_dtensors(module: nn.Module, state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
     """``state_dict`` with each full plain tensor meant for a ``DTensor`` of ``module`` (a
     tensor-parallel parameter or buffer, replicated or left out of fully_shard) placed
@@ -651,7 +661,7 @@ def _distributed_to_dtensors(module: nn.Module, state_dict: Mapping[str, Any]) -
                if isinstance(t, DTensor)]
     if not targets:
         return state_dict
-    placed = dict(state_dict)
+    placed = _with_metadata_of(state_dict, state_dict.items())
     for name, target in targets:
         value = placed.get(name)
         if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):

@@ -190,7 +190,9 @@ def _left_out_and_checkpointed(directory: str) -> None:
         ours, theirs = _step(model, optim, step, dp_rank, tp_params, dp_group), _reference_step(reference, reference_optim, step)
         assert all(abs(a - b) <= 1e-5 for a, b in zip(ours, theirs)), (step, ours, theirs)  # loss, norm before clipping
         assert theirs[1] > MAX_NORM, theirs  # the clipping changed the step
-    _assert_full_equal(get_model_state_dict(model), reference.state_dict(), "after 3 steps")
+    full = get_model_state_dict(model)
+    _assert_full_equal(full, reference.state_dict(), "after 3 steps")
+    assert full._metadata == reference.state_dict()._metadata  # type: ignore[attr-defined]  # module versions kept
 
     sharded = get_model_state_dict(model, full=False)
     assert {k for k, v in sharded.items() if isinstance(v, DTensor)} == {
