@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from ._setup import apply_guard as _apply_guard
 from ._runtime.module_state import FSDP_API_NAME, _FSDPState
-from ._runtime.flat_param import take_pending_init_values
+from ._runtime.flat_param import norm_groups, take_pending_init_values
 from ._setup.data_parallel import check_set_requires_gradient_sync
 from ._setup.fully_shard_init import apply_plan, plan_agreed, resolve_groups
 from ._runtime.mixed_precision import apply_mixed_precision
@@ -394,16 +394,18 @@ def _check_clip_arguments(max_norm: Any, norm_type: Any) -> float:
 
 
 def _shard_sources(states: List[_FSDPState]) -> Dict[int, Any]:
-    """``id(parameter)`` -> the shard group its gradient's norm is combined over (see
+    """``id(parameter)`` -> the groups its gradient's norm is combined over (see
     :func:`interop.shard_source`), for the original parameters of handles sharded over more
     than one rank (FULL_SHARD, SHARD_GRAD_OP, the hybrids: their shard group only, never the
-    replicate group). NO_SHARD, ``replicate`` and unmanaged gradients are whole and equal on
+    replicate group) and for tensor-parallel pieces (the mesh dimensions that shard them). NO_SHARD, ``replicate`` and unmanaged gradients are whole and equal on
     every rank: absent, counted once (so is a parameter of a handle above ``module``, whose
     sharded ``.grad`` carries its group: see :func:`interop.total_grad_norm`)."""
     sources: Dict[int, Any] = {}
     for s in states:
         group = s.process_group if s.world_size > 1 else None
-        if s.handle is not None and group is not None:
-            source = shard_source(group, s.compute_device)
-            sources.update((id(p), source) for g in s.handle.groups for p in g.orig_params)
+        for g in s.handle.groups if s.handle is not None else ():
+            for p, piece in zip(g.orig_params, g.flat_param._pieces):
+                over = norm_groups(group, piece)
+                if over:
+                    sources[id(p)] = shard_source(over, s.compute_device)
     return sources

@@ -43,6 +43,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set,
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from ._setup import data_parallel as _data_parallel
 from ._planning import describe as _describe
@@ -244,6 +245,8 @@ def plan(model: nn.Module, example_batch: Any, *, memory_budget: int, world_size
             (data-dependent operations), ``profile="measured"`` on a meta-device model, or no
             plan fits (the message gives the smallest peak achievable and the ranks or batch it
             would take).
+        NotImplementedError: a tensor-parallel (``DTensor``) model: plan() models data
+            parallelism only (size a 2-D run with :func:`describe` after applying the APIs).
     """
     world = _check_arguments(model, memory_budget, world_size, optimizer, bandwidth)
     source = _profile_source(model, example_batch, profile, device_flops)
@@ -273,6 +276,15 @@ def _check_arguments(model: nn.Module, memory_budget: int, world_size: Optional[
     if _describe.is_managed(model):
         raise ValueError(f"plan: {type(model).__name__} already carries fully_shard or replicate; plan the plain "
                          "model (before any API is applied), then apply the plan to it")
+    pieces = [(n, t) for n, t in (*model.named_parameters(), *model.named_buffers()) if isinstance(t, DTensor)]
+    if pieces:
+        name, t = pieces[0]
+        raise NotImplementedError(
+            f"plan: {type(model).__name__}.{name} is a DTensor (tensor parallelism: placements "
+            f"{tuple(t.placements)}), and {len(pieces)} such tensors in all; plan() models data parallelism only: its "
+            "activation and collective figures would leave out tensor parallelism's, so a plan that promises to fit "
+            "could run out of memory. Apply fully_shard/replicate to a tensor-parallel model yourself and read its "
+            "per-rank bytes with describe(model), which counts the local pieces.")
     return _describe.planned_world_size(world_size)
 
 

@@ -277,7 +277,7 @@ def _check(api: str, module: nn.Module, process_group: Optional[dist.ProcessGrou
                                   "MixedPrecision(reduce_dtype=...); use fully_shard for param_dtype/buffer_dtype.")
     skipped = _expand_ignored_modules(module, ignored, None, {"fully_shard", "replicate"})
     states = _module_states(module, skipped)
-    check_tensor_parallel(api, states, process_group)
+    check_tensor_parallel(api, states, [process_group])
     trainable = [t for _, t in states if isinstance(t, nn.Parameter) and t.requires_grad]
     check_dense_gradients(api, _managed_modules(module, skipped), {id(p) for p in trainable}, _SPARSE_WHY)
     if device_id is None:

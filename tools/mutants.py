@@ -91,6 +91,9 @@ _TORCH_SD_API = "tests/distributed/test_torch_state_dict_api.py"
 _LIGHTNING_TESTS = "tests/distributed/test_lightning.py"
 _TP_TESTS = "tests/distributed/test_tensor_parallel.py::test_tensor_parallel_modules_left_out_train_exactly_and_checkpoint"
 _TP_REPLICATE_TESTS = "tests/distributed/test_tensor_parallel.py::test_replicate_over_tensor_parallel_modules_is_one_process"
+_TP_REFUSALS = "tests/distributed/test_tensor_parallel.py::test_tensor_parallel_modules_are_refused_naming_the_parameter"
+_FS_TP = ("tests/distributed/test_fully_shard_tensor_parallel.py::"
+          "test_fully_shard_over_tensor_parallel_blocks_trains_and_checkpoints_exactly")
 _FSDP2 = f"{PACKAGE}/_setup/fsdp2_compat.py"
 _DROPIN = "tests/distributed/test_fsdp2_dropin.py::test_fsdp2_dropin"
 
@@ -411,10 +414,45 @@ MUTANTS: List[Mutant] = [
        _INTEROP, '            ("replicate", "init"): "torch\'s composable replicate",\n', "",
        "tests/distributed/test_interop.py::test_torch_replicate_applied_before_fully_shard_is_refused_at_its_first_forward"),
     # ---------------------------------------------------------------- tensor-parallel modules beside the APIs
-    _m("tp_parameters_accepted", "DTensor parameters reach the flattening and the broadcast (torch's mixed-tensor error)",
-       f"{PACKAGE}/_setup/validation.py", "        if isinstance(tensor, DTensor):\n            mesh = tensor.device_mesh",
-       "        if False:\n            mesh = tensor.device_mesh",
-       "tests/distributed/test_tensor_parallel.py::test_tensor_parallel_modules_are_refused_naming_the_parameter"),
+    _m("fs_tp_views_plain", "fully_shard shows a tensor-parallel module its plain local piece, not a DTensor",
+       f"{PACKAGE}/_runtime/flat_param.py",
+       "                views = [view if tp is None else as_dtensor(tp, view) for view, tp in zip(views, fp._pieces)]",
+       "                views = [view for view, tp in zip(views, fp._pieces)]", _FS_TP),
+    _m("fs_tp_norm_over_dp_only", "a fully sharded piece's gradient norm is completed over dp only, not over tp",
+       f"{PACKAGE}/_runtime/flat_param.py",
+       "    return ([shard_group] if shard_group is not None else []) + (shard_groups(piece) if piece is not None else [])",
+       "    return ([shard_group] if shard_group is not None else [])", _FS_TP),
+    _m("fs_tp_boxes_unmoved", "a sharded state dict describes a piece's boxes at the piece's own offsets, not global",
+       f"{PACKAGE}/_state/sharded_slice.py",
+       "        out.boxes = [(tuple(o + p for o, p in zip(box, offsets)), box_sizes, flat)",
+       "        out.boxes = [(box, box_sizes, flat)", _FS_TP),
+    _m("fs_tp_full_state_dict_pieces", "a full state dict holds each rank's piece, not the joined tensor",
+       f"{PACKAGE}/_state/model_state_dict.py", "        value = to_global(m.piece, value)", "        value = value.clone()",
+       _FS_TP),
+    _m("fs_tp_rank0_only_skips_join", "under rank0_only the other ranks do not join their pieces (rank 0 hangs)",
+       f"{PACKAGE}/_state/model_state_dict.py",
+       "        if m.piece is not None:  # its tensor-parallel peers", "        if False:  # its tensor-parallel peers", _FS_TP),
+    _m("fs_tp_optimizer_state_pieces", "a full optimizer state dict holds each rank's piece of the moments",
+       _OPTIM_SD, "                    value = to_global(piece, views[index])",
+       "                    value = views[index].clone()", _FS_TP),
+    _m("fs_tp_load_whole_not_piece", "a full tensor loads its first elements into a piece, not the piece's own",
+       f"{PACKAGE}/_state/model_state_dict.py",
+       "    return (value if piece is None else take_piece(piece, value)).reshape(-1)[start:end]",
+       "    return value.reshape(-1)[start:end]", _FS_TP),
+    _m("fs_tp_piece_shape_unchecked", "fully_shard flattens a piece that is not its placements' split",
+       f"{PACKAGE}/_base/pieces.py", "    if local != sizes:", "    if False:", _TP_REFUSALS),
+    _m("fs_tp_meta_pieces_deferred", "a meta-device DTensor is left for to_empty's init, which writes pieces as wholes",
+       _INIT, "        if pieces:  # an init written for whole parameters", "        if False:  # an init written for whole parameters",
+       _TP_REFUSALS),
+    _m("fs_tp_overlapping_group_accepted", "fully_shard shards over a group holding the tensor-parallel peers",
+       _INIT, "                          dp_groups or [None], flattened=True)", "                          [], flattened=True)",
+       _TP_REFUSALS),
+    _m("fs_tp_describe_no_pieces", "describe does not list the tensor-parallel parameters",
+       f"{PACKAGE}/_planning/describe.py", "                                        tensor_parallel=_tensor_parallel_pieces(model))",
+       "                                        tensor_parallel=())", _FS_TP),
+    _m("fs_tp_plan_accepts", "plan() plans a tensor-parallel model as data-parallel",
+       f"{PACKAGE}/plan.py", "    if pieces:\n        name, t = pieces[0]", "    if False:\n        name, t = pieces[0]",
+       _TP_REFUSALS),
     _m("tp_full_state_dict_keeps_dtensors", "a full state dict holds the tensor-parallel pieces, not full tensors",
        f"{PACKAGE}/_state/model_state_dict.py", "(k, v.full_tensor() if isinstance(v, DTensor) else v)", "(k, v)", _TP_TESTS),
     _m("tp_full_state_dict_loses_versions", "a full state dict rebuilt for tensor-parallel pieces drops the module versions",

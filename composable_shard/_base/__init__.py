@@ -4,6 +4,8 @@
   versions checked (``tests/unit/test_api_surface.py`` refuses a private torch name anywhere else).
 - ``tree.py``: tensors in nested containers (outputs, batches, state dicts), and the local piece
   of a ``DTensor``.
+- ``pieces.py``: where a tensor-parallel (``DTensor``) parameter's local piece lies in its global
+  tensor, and the ``DTensor`` views, joins and slices the runtime and state dicts make of it.
 
 May import: torch and the standard library only.
 """

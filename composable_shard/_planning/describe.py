@@ -52,6 +52,7 @@ from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Protocol, Seq
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from .._setup import fully_shard_init as _fully_shard_init
 from .._runtime import shard_math as _shard_math
@@ -59,7 +60,9 @@ from .._runtime.module_state import _FSDPState
 from .._runtime.flat_param import compute_dtype_of, plan_groups, reduce_dtype_of
 from .._runtime.mixed_precision import full_precision_classes
 from .._base.torch_compat import unwrap_compiled
+from .._base.pieces import piece_of
 from .._base.tree import local_piece
+from .._state.model_state_dict import managed_params
 from .._runtime.watch import STEP_AGREEMENT_INTS
 from ..api import BackwardPrefetch, MixedPrecision, ShardingStrategy
 from ..contract import _get_api_state, _get_module_state
@@ -158,6 +161,8 @@ class ShardingDescription:
     planned: bool
     rows: Tuple[ModuleRow, ...]
     flag_collectives: Tuple[int, int]  # (count, bytes) of fully_shard's used-flags all_reduces per step
+    # per tensor-parallel (DTensor) parameter: "fqn: global shape, placements on mesh dims -> this rank's piece"
+    tensor_parallel: Tuple[str, ...] = ()
 
     @property
     def param_bytes(self) -> int:
@@ -253,8 +258,9 @@ def describe(model: nn.Module, *, world_size: Optional[int] = None, policy: Any 
                              "model)")
         handles, replicas = _runtime_handles(model), _runtime_replicas(model)
         world = dist.get_world_size() if dist.is_initialized() else 1
-        return _with_optimizer_state(model, _description(model, world, False, handles, replicas), handles, replicas,
-                                     list(optimizers))
+        described = dataclasses.replace(_description(model, world, False, handles, replicas),
+                                        tensor_parallel=_tensor_parallel_pieces(model))
+        return _with_optimizer_state(model, described, handles, replicas, list(optimizers))
     if list(optimizers):
         raise ValueError("describe: optimizers=... reads the state of a sharded model's optimizers; plan a plain "
                          "model without it (its AdamW figure is adamw_bytes)")
@@ -507,7 +513,25 @@ def _render(d: ShardingDescription) -> str:
     comm = ", ".join(f"{kind} x{d.collective_count(kind)} {_mb(d.collective_bytes(kind))}" for kind in _KINDS
                      if d.collective_count(kind))
     out.append(f"collectives per training step (bytes this rank sends): {comm or 'none'}")
+    if d.tensor_parallel:
+        out.append(f"tensor-parallel parameters ({len(d.tensor_parallel)}; the figures above count this rank's pieces):")
+        out += [f"  {line}" for line in d.tensor_parallel]
     return "\n".join(out)
+
+
+def _tensor_parallel_pieces(model: nn.Module) -> Tuple[str, ...]:
+    """One line per tensor-parallel parameter of a sharded ``model``: a ``DTensor`` ``replicate``
+    averages, or a piece a fully sharded module flattened (its slot holds a plain parameter)."""
+    lines = []
+    for fqn, m in model.named_modules():
+        managed = managed_params(m)
+        for name, p in m.named_parameters(recurse=False):
+            where = managed.get(name)
+            piece = where.piece if where is not None else (piece_of(p) if isinstance(p, DTensor) else None)
+            if piece is not None:
+                lines.append(f"{fqn + '.' if fqn else ''}{name}: {tuple(piece.shape)}, {', '.join(map(repr, piece.placements))} "
+                             f"on {piece.dims} -> this rank's piece {piece.sizes} at {piece.offsets}")
+    return tuple(lines)
 
 
 def _mb(nbytes: int) -> str:

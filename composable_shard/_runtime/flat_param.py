@@ -67,6 +67,20 @@ On a CPU compute device the copies are CPU to CPU and the events absent, but the
 ``device_id`` moves buffers to the device but leaves offloaded parameters on the CPU, so the
 whole model never has to fit on the device.
 
+[Note: Tensor-parallel pieces]  A ``DTensor`` parameter (tensor parallelism inside each
+data-parallel rank, on a mesh that shares no rank with the shard group) is flattened as its
+local piece: ``_shapes``/``_numels`` are the piece's, so the shard group shards the pieces
+(ceil(local N / W) elements per rank) and reduces their gradients, and tensor parallelism's
+collectives are never ours. Its :class:`Piece` (``_pieces``) says where the piece lies.
+* Idle: a plain 1-D parameter (made by fully_shard, registered in the ``DTensor``'s slots) is the
+  piece's slice of the shard, as any other parameter's; the optimizer steps it.
+* Forward/backward: the slot holds ``DTensor.from_local`` of the piece's view of the unsharded
+  buffer, with the parameter's placements, so tensor parallelism's hooks and collectives run
+  unchanged; ``from_local``'s backward puts the piece's gradient (a ``Partial`` one summed first,
+  as SequenceParallel's norms give) into the flat gradient.
+* Norms (clipping) of a piece's gradient are completed over the mesh dimensions that shard it
+  (:func:`pieces.shard_groups`); state dicts describe pieces in global coordinates.
+
 [Note: The handle owns its transitions]  The runtime's hooks (``_runtime/hooks.py``) decide
 *when*; the handle does each step of a parameter's life itself, as a method: ``unshard``
 (``issue_gathers`` + ``wait_gathers`` + views), ``reshard``, ``reduce`` (a :class:`Reduction`),
@@ -86,16 +100,18 @@ from typing import Any, Callable, Dict, FrozenSet, List, NamedTuple, Optional, P
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from . import collectives as _collectives
 from . import shard_math as _shard_math
 from .interop import ShardedGrad, as_sharded_grad
 from . import watch as _watch
 from .streams import Streams
+from .._base.pieces import Piece, as_dtensor, piece_of, shard_groups
 from .._base.torch_compat import has_grad_hooks, is_view_of, set_module_tensor, tensor_version
 
 __all__ = ["FlatParameter", "FlatParamHandle", "HandleTrainingState", "TRANSITIONS", "ParamInfo", "SharedParamInfo", "FlatGroup", "set_grad_of_any_shape",
-           "plan_groups", "compute_dtype_of", "reduce_dtype_of", "take_pending_init_values"]
+           "plan_groups", "norm_groups", "compute_dtype_of", "reduce_dtype_of", "take_pending_init_values"]
 
 
 class HandleTrainingState(enum.Enum):
@@ -189,7 +205,9 @@ class FlatParameter(nn.Parameter):
     ``_fqns`` (prefixed from the fully sharded module), ``_param_infos``,
     ``_shared_param_infos``, ``_numels``, ``_shapes``, ``_unpadded_unsharded_size``,
     ``_padded_unsharded_size``, ``_shard_slices`` (this rank's :class:`ParamSlice` per
-    parameter)."""
+    parameter), ``_pieces`` (per parameter: its tensor-parallel :class:`Piece`, or ``None``;
+    ``_shapes`` and ``_numels`` are then the local piece's, see [Note: Tensor-parallel
+    pieces])."""
 
     _fqns: Tuple[str, ...]
     _param_infos: Tuple[ParamInfo, ...]
@@ -199,6 +217,7 @@ class FlatParameter(nn.Parameter):
     _unpadded_unsharded_size: torch.Size
     _padded_unsharded_size: torch.Size
     _shard_slices: Tuple[_shard_math.ParamSlice, ...]
+    _pieces: Tuple[Optional[Piece], ...]
 
 
 @dataclass(eq=False)
@@ -321,6 +340,25 @@ def set_grad_of_any_shape(p: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
     return p.grad  # type: ignore[return-value]  # set above
 
 
+def _stand_in(param: nn.Parameter, info: ParamInfo, shared: Sequence[Tuple[SharedParamInfo, nn.Parameter]],
+              index: int) -> nn.Parameter:
+    """A plain parameter that takes a tensor-parallel one's place in every slot that registers it
+    (``index``: its position in the group; see [Note: Tensor-parallel pieces])."""
+    stand_in = nn.Parameter(torch.empty(0, dtype=param.dtype, device=param.device), requires_grad=param.requires_grad)
+    set_module_tensor(info.module, info.param_name, stand_in)
+    for sinfo, _ in shared:
+        if sinfo.prim_param_index == index:
+            set_module_tensor(sinfo.module, sinfo.param_name, stand_in)
+    return stand_in
+
+
+def norm_groups(shard_group: Any, piece: Optional[Piece]) -> List[Any]:
+    """The groups a norm of a parameter's gradient slice is completed over, in order: its shard
+    group (``None``: one rank), then, for a tensor-parallel piece, the mesh dimensions that
+    shard it. Empty: the slice is the whole gradient, equal on every rank."""
+    return ([shard_group] if shard_group is not None else []) + (shard_groups(piece) if piece is not None else [])
+
+
 def _alloc_storage(tensor: torch.Tensor) -> None:
     nbytes = tensor.numel() * tensor.element_size()
     storage = tensor.untyped_storage()
@@ -431,12 +469,14 @@ class FlatParamHandle:
                      param_dtype: Optional[torch.dtype]) -> FlatGroup:
         dtype, requires_grad, full_precision = key
         prefix = ""  # _fqns are relative to the owning module (API.md); module_fqn only names the handle
-        numels = [p.numel() for p, _ in members]
+        pieces = [piece_of(p) if isinstance(p, DTensor) else None for p, _ in members]
+        locals_ = [p.to_local() if isinstance(p, DTensor) else p for p, _ in members]
+        numels = [t.numel() for t in locals_]
         total = sum(numels)
         padded = _shard_math.padded_numel(total, self.world_size)
         start, end = _shard_math.chunk_bounds(total, self.world_size, self.rank)
         with torch.no_grad():
-            flat = torch.cat([p.detach().reshape(-1).to(self.shard_device) for p, _ in members]) if members else torch.empty(0, dtype=dtype)
+            flat = torch.cat([t.detach().reshape(-1).to(self.shard_device) for t in locals_]) if members else torch.empty(0, dtype=dtype)
             shard = torch.zeros(end - start, dtype=dtype, device=self.shard_device, pin_memory=self._pins())
             valid = max(0, min(end, total) - start)
             if valid > 0:
@@ -446,7 +486,8 @@ class FlatParamHandle:
         flat_param._param_infos = tuple(info for _, info in members)
         flat_param._shared_param_infos = tuple(info for info, _ in shared)
         flat_param._numels = tuple(numels)
-        flat_param._shapes = tuple(p.shape for p, _ in members)
+        flat_param._shapes = tuple(t.shape for t in locals_)
+        flat_param._pieces = tuple(pieces)
         flat_param._unpadded_unsharded_size = torch.Size([total])
         flat_param._padded_unsharded_size = torch.Size([padded])
         flat_param._shard_slices = tuple(_shard_math.rank_param_slices(numels, self.world_size, self.rank))
@@ -459,7 +500,8 @@ class FlatParamHandle:
             unsharded = torch.empty(padded, dtype=compute_dtype, device=self.compute_device)
             _free_storage(unsharded)
         unsharded.requires_grad_(requires_grad)
-        orig_params = [p for p, _ in members]
+        orig_params = [p if piece is None else _stand_in(p, members[k][1], shared, k)
+                       for k, ((p, _), piece) in enumerate(zip(members, pieces))]
         group = FlatGroup(flat_param, orig_params, compute_dtype, unsharded, aliases,
                           numels + ([padded - total] if padded > total else []))
         group.requires_grad_mask = tuple(p.requires_grad for p in orig_params)
@@ -609,6 +651,7 @@ class FlatParamHandle:
                 pieces = torch.split(group.padded_unsharded_flat, group.split_sizes)
                 views = [piece.view(shape) if trainable else piece.detach().view(shape)
                          for piece, shape, trainable in zip(pieces, fp._shapes, group.requires_grad_mask)]
+                views = [view if tp is None else as_dtensor(tp, view) for view, tp in zip(views, fp._pieces)]
             for view, info in zip(views, fp._param_infos):
                 set_module_tensor(info.module, info.param_name, view)
             for sinfo in fp._shared_param_infos:
@@ -824,11 +867,13 @@ class FlatParamHandle:
         torch's ``clip_grad_norm_`` sees the global norm ([Note: torch's clip_grad_norm_ on
         sharded gradients] in ``_runtime/interop.py``)."""
         sharded_grad = group.reduced_grad
-        for i, (p, s) in enumerate(zip(group.orig_params, group.flat_param._shard_slices)):
+        fp = group.flat_param
+        for i, (p, s) in enumerate(zip(group.orig_params, fp._shard_slices)):
             keep = sharded_grad is not None and group.requires_grad_mask[i] and (group.had_grad[i] or used[i])
             if keep:
                 view = sharded_grad[s.shard_start:s.shard_start + s.numel]  # type: ignore[index]  # checked
-                set_grad_of_any_shape(p, view if shard_group is None else as_sharded_grad(view, shard_group, collective_device))
+                over = norm_groups(shard_group, fp._pieces[i])
+                set_grad_of_any_shape(p, as_sharded_grad(view, over, collective_device) if over else view)
             else:
                 p.grad = None
         group.sharded_grad_ref = weakref.ref(sharded_grad) if sharded_grad is not None else None

@@ -91,9 +91,9 @@ _LIBRARY_CLIP_HINT = _collectives.collective_call_hint(
     "`clip_grad_norm_`", "Every rank needs the global norm: call it on every rank after the same backward.")
 
 _METADATA = frozenset({"__get__", "dim", "size", "numel", "element_size", "is_floating_point", "is_complex"})
-# (the shard group, weakly: see [Note: Process groups held weakly]; the device its collectives run
-# on); None: the gradient is whole and equal on every rank
-_Source = Optional[Tuple["weakref.ReferenceType[Any]", torch.device]]
+# (the groups a norm is completed over, in order, weakly: see [Note: Process groups held weakly];
+# the device their collectives run on); None: the gradient is whole and equal on every rank
+_Source = Optional[Tuple[Tuple["weakref.ReferenceType[Any]", ...], torch.device]]
 
 
 class ShardedGrad(torch.Tensor):
@@ -102,7 +102,7 @@ class ShardedGrad(torch.Tensor):
     ``get_total_norm`` see the norm over every rank's slices (see [Note: torch's
     clip_grad_norm_ on sharded gradients])."""
 
-    _cs_source: Tuple["weakref.ReferenceType[Any]", torch.device]  # the shard group (weakly) and its collectives' device
+    _cs_source: Tuple[Tuple["weakref.ReferenceType[Any]", ...], torch.device]  # see shard_source
 
     @classmethod
     def __torch_function__(cls, func: Callable[..., Any], types: Any, args: Sequence[Any] = (),
@@ -135,19 +135,21 @@ class PartialNorm(torch.Tensor):
                                     {k: _resolve_all(v) for k, v in kwargs.items()})
 
 
-def as_sharded_grad(grad: torch.Tensor, group: Any, device: torch.device) -> ShardedGrad:
-    """``grad`` (a view of this rank's gradient shard) as a :class:`ShardedGrad` over ``group``,
-    sharing its storage; ``device``: where the group's collectives run (the compute device,
-    also when the gradient was offloaded to the CPU)."""
+def as_sharded_grad(grad: torch.Tensor, groups: Sequence[Any], device: torch.device) -> ShardedGrad:
+    """``grad`` (a view of this rank's gradient shard) as a :class:`ShardedGrad` over ``groups``
+    (see :func:`shard_source`), sharing its storage; ``device``: where their collectives run
+    (the compute device, also when the gradient was offloaded to the CPU)."""
     shown = grad.as_subclass(ShardedGrad)
-    shown._cs_source = shard_source(group, device)
+    shown._cs_source = shard_source(groups, device)
     return shown  # type: ignore[return-value]  # as_subclass returns the subclass
 
 
-def shard_source(group: Any, device: torch.device) -> Tuple["weakref.ReferenceType[Any]", torch.device]:
-    """What a sharded gradient's norm is combined over: its shard ``group`` (held weakly) and
-    the ``device`` that group's collectives run on."""
-    return (weakref.ref(group), device)
+def shard_source(groups: Sequence[Any], device: torch.device) -> Tuple[Tuple["weakref.ReferenceType[Any]", ...], torch.device]:
+    """What a sharded gradient's norm is combined over: ``groups`` (held weakly), in order: its
+    shard group, then, for a tensor-parallel piece, the mesh dimensions that shard the tensor
+    (each element is on exactly one rank of their product); and the ``device`` their collectives
+    run on."""
+    return (tuple(weakref.ref(g) for g in groups), device)
 
 
 def _called_from_torch_clipping(func: Callable[..., Any]) -> bool:
@@ -200,8 +202,8 @@ def total_grad_norm(grads: Sequence[torch.Tensor], sources: Sequence[_Source], o
     gradient's device, in their promoted dtype), where ``grads[i]`` is this rank's slice of a
     gradient sharded over ``sources[i]`` (None: the group a :class:`ShardedGrad` is tagged with,
     as for a parameter of a handle above the clipped module; else whole and equal on every
-    rank). One all-reduce per shard group; ``grads`` must not be empty and must be the same on
-    every rank."""
+    rank). One all-reduce per distinct source and group in it; ``grads`` must not be empty and
+    must be the same on every rank."""
     device = grads[0].device
     local = torch.stack([_local_norm(g, order, None).to(device) for g in grads])
     tagged = [source if source is not None else _source_of(g) for g, source in zip(grads, sources)]
@@ -262,24 +264,25 @@ def _resolve(partial: PartialNorm) -> torch.Tensor:
 
 def _combine_norms(local: torch.Tensor, sources: Sequence[_Source], order: float, api: str, hint: str) -> torch.Tensor:
     """``local``: this rank's norms, one per gradient (1-D); returns each one's norm over every
-    rank: a sharded gradient's contributions combined over its own shard group (one all-reduce
-    per group, in order of first appearance: the same on every rank, which holds the same
-    gradients), a whole one (source None) as it is."""
+    rank: a sharded gradient's contributions combined over its source's groups in turn (one
+    all-reduce per distinct source and group, sources in order of first appearance: the same on
+    every rank, which holds the same gradients), a whole one (source None) as it is."""
     out = local.clone()
-    groups: Dict[int, List[int]] = {}
+    by_source: Dict[Tuple[int, ...], List[int]] = {}
     for i, source in enumerate(sources):
         if source is not None:
-            groups.setdefault(id(source[0]()), []).append(i)
-    for members in groups.values():
-        group_ref, device = sources[members[0]]  # type: ignore[misc]  # members are sourced
-        group = group_ref()
-        if group is None:
-            raise RuntimeError(f"{api}: the process group these fully sharded gradients were reduced over was "
-                               "destroyed; clip before dist.destroy_process_group.")
+            by_source.setdefault(tuple(id(ref()) for ref in source[0]), []).append(i)
+    op = dist.ReduceOp.SUM if not math.isinf(order) else dist.ReduceOp.MAX if order > 0 else dist.ReduceOp.MIN
+    for members in by_source.values():
+        refs, device = sources[members[0]]  # type: ignore[misc]  # members are sourced
         index = torch.tensor(members, device=local.device)
         contribution = _to_sum_space(local.index_select(0, index).to(device=device, dtype=torch.float32), order)
-        op = dist.ReduceOp.SUM if not math.isinf(order) else dist.ReduceOp.MAX if order > 0 else dist.ReduceOp.MIN
-        _collectives.all_reduce(contribution, group, tag="clip_grad_norm", op=op, hint=hint).wait()
+        for ref in refs:
+            group = ref()
+            if group is None:
+                raise RuntimeError(f"{api}: a process group these sharded gradients were reduced over was "
+                                   "destroyed; clip before dist.destroy_process_group.")
+            _collectives.all_reduce(contribution, group, tag="clip_grad_norm", op=op, hint=hint).wait()
         out.index_copy_(0, index, _from_sum_space(contribution, order).to(device=local.device, dtype=local.dtype))
     return out
 

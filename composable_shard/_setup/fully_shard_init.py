@@ -70,6 +70,7 @@ from typing import AbstractSet, Any, Callable, Dict, Iterator, List, Optional, S
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from . import apply_guard as _apply_guard
 from .._runtime.module_state import _FSDPState, _is_fsdp_flattened
@@ -80,7 +81,8 @@ from .._runtime.mixed_precision import full_precision_classes
 from .._runtime.traversal import _get_fsdp_states
 from ..api import CPUOffload, MixedPrecision, ShardingStrategy
 from ..contract import _check_fqns_unchanged, _fqn_snapshot, _get_module_state
-from .validation import check_config, check_dense_gradients, check_fully_shard_arguments, check_no_dtensors
+from .._base.tree import local_piece
+from .validation import check_config, check_dense_gradients, check_fully_shard_arguments, check_tensor_parallel
 from ..wrap import _as_policy
 
 __all__ = ["Plan", "plan_fully_shard", "plan_agreed", "apply_plan", "resolve_groups"]
@@ -147,11 +149,16 @@ def plan_fully_shard(root: nn.Module, kwargs: Dict[str, Any]) -> Plan:
     managed = {id(p) for target in plan.targets for p in target.params}
     check_dense_gradients(f"fully_shard({type(root).__name__})", root.named_modules(), managed,
                           "a flat parameter can neither hold nor reduce")
-    check_no_dtensors(f"fully_shard({type(root).__name__})",
-                      ((n, p) for n, p in root.named_parameters(remove_duplicate=False) if id(p) in managed),
-                      "fully_shard cannot flatten into its flat parameters yet")
     _check_not_inside_initialized_root(root)
     if plan.param_init_fn is None and _uninitializable(plan):
+        pieces = [n for n, p in root.named_parameters() if id(p) in managed and isinstance(p, DTensor) and p.is_meta]
+        if pieces:  # an init written for whole parameters would write each piece as if it were one
+            raise NotImplementedError(
+                f"fully_shard({type(root).__name__}): {pieces[0]!r} is a tensor-parallel (DTensor) parameter on the "
+                "meta device, and its module has no reset_parameters(): initializing after to_empty would write "
+                "this rank's piece as a whole tensor (the same values on every tensor-parallel rank, fans of the "
+                "piece). Initialize the DTensors before fully_shard (model.to_empty(device=...) and the model's "
+                "init), or pass param_init_fn=....")
         plan.deferred = True
         if plan.sync_module_states:
             raise ValueError(f"fully_shard({type(root).__name__}): sync_module_states=True on a model left on the meta "
@@ -660,11 +667,18 @@ def plan_agreed(module: nn.Module, kwargs: Dict[str, Any]) -> Plan:
 def _plan_and_prepare(module: nn.Module, kwargs: Dict[str, Any]) -> Plan:
     kwargs = check_fully_shard_arguments(module, kwargs)
     plan = plan_fully_shard(module, kwargs)
+    dp_groups: List[Optional[dist.ProcessGroup]] = []
     for strategy in plan.strategies:  # raise what resolve_groups will, creating no group (that is collective)
         if strategy in _HYBRID and kwargs["process_group"] is None and kwargs["mesh"] is None:
             _local_world_size()
+            dp_groups.append(None)  # the node groups, not made yet: within the default group
         else:
-            resolve_groups(strategy, kwargs["process_group"], kwargs["mesh"])
+            resolved = resolve_groups(strategy, kwargs["process_group"], kwargs["mesh"])
+            dp_groups += [g for g in (resolved.shard, resolved.replicate) if g is not None]
+    managed = {id(p) for target in plan.targets for p in target.params}
+    check_tensor_parallel(f"fully_shard({type(module).__name__})",  # see [Note: Tensor-parallel pieces]
+                          [(n, p) for n, p in module.named_parameters(remove_duplicate=False) if id(p) in managed],
+                          dp_groups or [None], flattened=True)
     before = _fqn_snapshot([module])
     if _materialize(plan):
         _assign_params(plan)  # the handles flatten what is registered now
@@ -687,7 +701,7 @@ def _sync_tensors(plan: Plan) -> List[Tuple[str, torch.Tensor]]:
     """What ``sync_module_states`` broadcasts, named: the handles' parameters, target by
     target, then every buffer outside ignored modules."""
     names = {id(p): n for n, p in plan.root.named_parameters()}
-    out = [(names.get(id(p), "?"), p.data) for t in plan.targets for p in t.params]
+    out = [(names.get(id(p), "?"), local_piece(p.data)) for t in plan.targets for p in t.params]  # TP: each its piece
     for fqn, m in plan.root.named_modules():
         if m not in plan.ignored_modules:
             out += [(_join(fqn, n), b) for n, b in m.named_buffers(recurse=False)]

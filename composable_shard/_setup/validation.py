@@ -8,19 +8,20 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from .._base.pieces import piece_of
 from ..api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from ..wrap import _Policy
 
 __all__ = ["check_bool", "check_real", "check_process_group", "check_device_id", "check_mixed_precision",
            "check_modules", "check_config", "check_fully_shard_arguments", "check_dense_gradients",
-           "check_no_dtensors", "check_tensor_parallel"]
+           "check_tensor_parallel"]
 
 
 def check_bool(api: str, name: str, value: Any) -> None:
@@ -222,33 +223,19 @@ def check_dense_gradients(api: str, named_modules: Iterable[Tuple[str, nn.Module
                 "out with ignored_modules.")
 
 
-def check_no_dtensors(api: str, named_tensors: Iterable[Tuple[str, torch.Tensor]], what: str) -> None:
-    """``NotImplementedError`` for a ``DTensor`` (a tensor-parallel parameter or buffer, from
-    ``parallelize_module`` or a model's TP plan) that ``api`` would manage; ``what`` says what it
-    would do with it. Without this the first collective or flattening fails inside torch's DTensor
-    dispatch ("got mixed torch.Tensor and DTensor"), naming neither the parameter nor a way out."""
-    for fqn, tensor in named_tensors:
-        if isinstance(tensor, DTensor):
-            mesh = tensor.device_mesh
-            dims = f" {mesh.mesh_dim_names}" if mesh.mesh_dim_names else ""
-            raise NotImplementedError(
-                f"{api}: {fqn!r} is a DTensor (tensor parallelism: placements {tuple(tensor.placements)} on a "
-                f"{mesh.ndim}-D device mesh{dims}), which {what}. Leave its module out with ignored_modules=[...] "
-                "and replicate(...) it over the data-parallel group (replicate averages tensor-parallel parameters), "
-                "or all-reduce its gradients over that group yourself; or use torch's fully_shard (FSDP2).")
-
-
 def check_tensor_parallel(api: str, named_tensors: Iterable[Tuple[str, torch.Tensor]],
-                          group: Optional[dist.ProcessGroup]) -> None:
+                          groups: Sequence[Optional[dist.ProcessGroup]], flattened: bool = False) -> None:
     """The ``DTensor`` parameters and buffers (tensor-parallel pieces) ``api`` would average over
-    the data-parallel ``group`` (None: the default group): each placement ``Shard`` or
+    the data-parallel ``groups`` (None: the default group): each placement ``Shard`` or
     ``Replicate`` (a ``Partial`` one is a sum not taken yet: ``NotImplementedError``), on a mesh
-    that shares no rank but this one with ``group`` (``ValueError``: averaging over ranks that hold
-    different pieces of one tensor would mix them)."""
+    that shares no rank but this one with the groups (``ValueError``: averaging over ranks that
+    hold different pieces of one tensor would mix them). ``flattened``: the pieces go into flat
+    parameters, so each must also be the ``torch.chunk`` split its placements give
+    (:func:`pieces.piece_of`; else ``NotImplementedError``)."""
     named = [(fqn, t) for fqn, t in named_tensors if isinstance(t, DTensor)]
     if not named:
         return
-    dp_ranks = set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    dp_ranks = {r for g in groups for r in dist.get_process_group_ranks(g if g is not None else dist.group.WORLD)}
     me = dist.get_rank()
     for fqn, tensor in named:
         mesh = tensor.device_mesh
@@ -257,6 +244,11 @@ def check_tensor_parallel(api: str, named_tensors: Iterable[Tuple[str, torch.Ten
                 f"{api}: {fqn!r} is a DTensor with placements {tuple(tensor.placements)}: a Partial placement holds a "
                 "sum not taken yet, which the data-parallel average cannot reduce. Redistribute it to Shard or "
                 "Replicate placements first.")
+        if flattened:
+            try:
+                piece_of(tensor)
+            except ValueError as error:
+                raise NotImplementedError(f"{api}: {fqn!r} is a DTensor that cannot be flattened: {error}.") from None
         shared = sorted(set(mesh.mesh.flatten().tolist()) & dp_ranks - {me})
         if shared:
             raise ValueError(

@@ -63,6 +63,7 @@ from .._runtime.module_state import _FSDPState
 from .._runtime.flat_param import FlatGroup, take_pending_init_values
 from .._runtime.interop import refuse_lightning_model_parallel
 from .._runtime.shard_math import param_offsets
+from .._base.pieces import Piece, take_piece, to_global
 from .._base.tree import local_piece
 from .sharded_slice import ShardedSlice
 from .._runtime.traversal import _get_fsdp_handles, _get_fsdp_states
@@ -95,7 +96,20 @@ class Managed(NamedTuple):
     param_index: int
 
     @property
+    def piece(self) -> Optional[Piece]:
+        """Its tensor-parallel piece (``None``: a plain parameter); see [Note: Tensor-parallel
+        pieces] in ``_runtime/flat_param.py``."""
+        return self.group.flat_param._pieces[self.param_index]
+
+    @property
     def shape(self) -> torch.Size:
+        """The parameter's global shape (a plain model's)."""
+        piece = self.piece
+        return piece.shape if piece is not None else self.group.flat_param._shapes[self.param_index]
+
+    @property
+    def local_shape(self) -> torch.Size:
+        """The shape of what the flat parameter holds of it: the whole parameter, or its local piece."""
         return self.group.flat_param._shapes[self.param_index]
 
     @property
@@ -117,7 +131,9 @@ class Managed(NamedTuple):
 
     def sharded(self, local: torch.Tensor) -> ShardedSlice:
         """``local``, elements laid out like :attr:`local`, as a slice of the parameter's global shape."""
-        return ShardedSlice(local, self.param_range[0], self.shape, self.state.world_size)
+        piece = self.piece
+        return ShardedSlice(local, self.param_range[0], self.shape, self.state.world_size,
+                            None if piece is None else (piece.offsets, piece.sizes))
 
 
 @dataclass
@@ -359,7 +375,9 @@ def _save_entry(state_dict: Dict[str, Any], key: str, m: Managed, session: _Sess
         state_dict[key] = m.sharded(local.cpu() if config.offload_to_cpu else local)
         return
     if config.rank0_only and rank_of() != 0:
-        if id(m.group) not in session.gathered:  # take part in the all-gather, keep nothing
+        if m.piece is not None:  # its tensor-parallel peers (rank 0 among them) need this rank's piece
+            _full_value(m, session)
+        elif id(m.group) not in session.gathered:  # take part in the all-gather, keep nothing
             shard, numel = m.group.flat_param.data, m.group.padded_numel
             gather_flat(m.state, shard, numel, f"state_dict:{m.state.describe()}", _STATE_DICT_HINT,
                         _scratch(call, shard, numel, m.state.compute_device))
@@ -384,8 +402,10 @@ def _full_value(m: Managed, session: _Session) -> torch.Tensor:
         session.gathered[id(m.group)] = full
     fp = m.group.flat_param
     start = param_offsets(fp._numels)[m.param_index]
-    value = full[start:start + fp._numels[m.param_index]].view(m.shape)
-    if full is not fp.data:  # a plain model's state dict aliases the live parameter
+    value = full[start:start + fp._numels[m.param_index]].view(m.local_shape)
+    if m.piece is not None:  # the pieces of the tensor-parallel mesh, joined (a collective over it)
+        value = to_global(m.piece, value)
+    elif full is not fp.data:  # a plain model's state dict aliases the live parameter
         value = value.clone()
     session.values[(id(m.group), m.param_index)] = value
     if all((id(m.group), i) in session.values for i in range(len(fp._numels))):
@@ -458,7 +478,7 @@ def owned(value: Any, live: Set[int], memo: Dict[Tuple[Any, ...], torch.Tensor])
     if isinstance(value, DTensor):  # a tensor-parallel parameter (replicated, or left out of fully_shard)
         return DTensor.from_local(copy, value.device_mesh, value.placements, run_check=False, shape=value.shape,
                                   stride=value.stride())
-    return ShardedSlice(copy, value.start, value.shape, value.world_size) if isinstance(value, ShardedSlice) else copy
+    return value.with_local(copy) if isinstance(value, ShardedSlice) else copy
 
 
 
@@ -467,10 +487,16 @@ def local_slice(m: Managed, key: str, value: Any) -> torch.Tensor:
     """This rank's 1-D slice of ``value`` (a full tensor or a ``ShardedSlice`` of the
     parameter's global shape). Raises ``ValueError`` naming ``key`` if it does not fit."""
     start, end = m.param_range
+    piece = m.piece
     if isinstance(value, ShardedSlice):
         if tuple(value.shape) != tuple(m.shape):
             raise ValueError(f"size mismatch for {key}: the checkpoint's shape is {tuple(value.shape)}, "
                              f"the model's is {tuple(m.shape)}")
+        if value.piece != (None if piece is None else (piece.offsets, piece.sizes)):
+            raise ValueError(f"{key}: the ShardedSlice holds a range of the tensor-parallel piece {value.piece} "
+                             f"(offsets, sizes), this rank's parameter is {'whole' if piece is None else piece[4:]}; "
+                             "load a sharded checkpoint with torch.distributed.checkpoint into this model's own "
+                             "sharded state dict.")
         if end > start and not value.start <= start <= end <= value.end:
             raise ValueError(f"{key}: the ShardedSlice holds elements [{value.start}, {value.end}) but this rank "
                              f"needs [{start}, {end}); load a sharded checkpoint with torch.distributed.checkpoint "
@@ -480,11 +506,16 @@ def local_slice(m: Managed, key: str, value: Any) -> torch.Tensor:
         raise ValueError(f"{key}: expected a tensor, got {type(value).__name__}")
     from torch.distributed.tensor import DTensor  # deferred: importing DTensor is slow and seldom needed
 
-    value = value.full_tensor() if isinstance(value, DTensor) else value
+    if isinstance(value, DTensor):  # this rank's piece as it is, if laid out as the parameter's; else the whole
+        same = (piece is not None and value.device_mesh == piece.mesh and tuple(value.placements) == piece.placements
+                and value.shape == piece.shape)
+        value = value.to_local() if same else value.full_tensor()
+        if same:
+            return value.reshape(-1)[start:end]
     if tuple(value.shape) != tuple(m.shape):
         raise ValueError(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from checkpoint, "
                          f"the shape in current model is {tuple(m.shape)}.")
-    return value.reshape(-1)[start:end]
+    return (value if piece is None else take_piece(piece, value)).reshape(-1)[start:end]
 
 
 def _pre_load_state_dict(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any,

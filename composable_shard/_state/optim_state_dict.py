@@ -71,6 +71,7 @@ from .._runtime import collectives as _collectives
 from .._runtime import watch as _watch
 from .._runtime.module_state import _FSDPState
 from .sharded_slice import ShardedSlice
+from .._base.pieces import to_global
 from .model_state_dict import Managed, check_get_flags, local_slice, managed_params, on_cpu, torch_request
 from .load_transaction import is_distributed, rank_of, transactional
 from .._base.torch_compat import unwrap_compiled
@@ -271,12 +272,18 @@ def _gather_states(state: Dict[str, Dict[str, Any]], managed: Dict[str, Managed]
                 locals_[index] = value if isinstance(value, torch.Tensor) else None
             full = gather_flat(where.state, local_flat(group, locals_, dtype), group.padded_numel,
                                f"optim_state:{name}", _OPTIM_HINT)
-            if not keep:
-                continue
-            fulls = [v.clone() for v in param_views(group, full)]
+            views = param_views(group, full)
+            pieces = group.flat_param._pieces
             for index, f in members.items():
-                if name in kinds[f]:
-                    state.setdefault(f, {})[name] = fulls[index]
+                if name not in kinds[f]:
+                    continue
+                piece = pieces[index]
+                if piece is not None:  # joined over its tensor-parallel mesh on every rank: its peers need it
+                    value = to_global(piece, views[index])
+                elif keep:
+                    value = views[index].clone()
+                if keep:
+                    state.setdefault(f, {})[name] = value
 
 
 @transactional("set_optimizer_state_dict", model=False, optim=True)  # see [Note: All-or-nothing loads]

@@ -36,13 +36,20 @@ owns no full-size storage, and implements DCP's extension hooks (``torch_compat.
 DCP matches boxes by global offsets, so a checkpoint loads at any world size or strategy, and
 into any model whose state dict describes the same global tensors (a plain model, torch's
 FSDP2). Any other tensor operation raises: the value is not a full tensor.
+
+[Note: Slices of tensor-parallel pieces]  A fully sharded tensor-parallel parameter flattens
+its local piece, so a rank holds a contiguous range of the *piece*, which in the global tensor
+is not one range (a data-parallel slice of a row-wise piece is a set of partial rows). With
+``piece=(offsets, sizes)`` the range and its boxes are the piece's (``start``, :meth:`elements`
+and ``local`` count in the piece's flattened elements) and each box is moved by ``offsets``
+into global coordinates: the exact boxes, whatever the placements.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
@@ -139,28 +146,41 @@ class ShardedSlice(DCPTensorHooks, torch.Tensor):
     than ``UNCUT_NUMEL`` elements are cut at the boundaries of an even row split among that
     many ranks (see [Note: Boxes DCP handles without copies]); 1 cuts nothing.
 
+    ``piece``: ``(offsets, sizes)`` of a tensor-parallel local piece the range is of (see
+    [Note: Slices of tensor-parallel pieces]); ``None``: the whole tensor.
+
     Attributes: ``local`` (the 1-D slice, a view of the rank's storage), ``start``,
-    ``world_size``, ``boxes`` (see :func:`split_boxes`)."""
+    ``world_size``, ``piece``, ``boxes`` (see :func:`split_boxes`; global offsets)."""
 
     local: torch.Tensor
     start: int
     world_size: int
+    piece: Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]]
     boxes: List[Box]
 
     @staticmethod
-    def __new__(cls, local: torch.Tensor, start: int, shape: Sequence[int], world_size: int = 1) -> "ShardedSlice":
+    def __new__(cls, local: torch.Tensor, start: int, shape: Sequence[int], world_size: int = 1,
+                piece: Optional[Tuple[Sequence[int], Sequence[int]]] = None) -> "ShardedSlice":
         if local.dim() != 1:
             raise ValueError(f"ShardedSlice: local must be 1-D, got shape {tuple(local.shape)}")
         out = make_wrapper_tensor(cls, torch.Size(shape), local.dtype, local.device)
         out.local = local
         out.start = int(start)
         out.world_size = int(world_size)
-        cut = out.world_size if torch.Size(shape).numel() > UNCUT_NUMEL else 1
-        out.boxes = split_boxes(shape, out.start, out.start + local.numel(), cut)
+        out.piece = None if piece is None else (tuple(int(o) for o in piece[0]), tuple(int(n) for n in piece[1]))
+        offsets, sizes = out.piece if out.piece is not None else ((0,) * len(shape), tuple(shape))
+        cut = out.world_size if math.prod(sizes) > UNCUT_NUMEL else 1
+        out.boxes = [(tuple(o + p for o, p in zip(box, offsets)), box_sizes, flat)
+                     for box, box_sizes, flat in split_boxes(sizes, out.start, out.start + local.numel(), cut)]
         return out  # type: ignore[no-any-return]  # make_wrapper_tensor returns cls
 
-    def __init__(self, local: torch.Tensor, start: int, shape: Sequence[int], world_size: int = 1) -> None:
+    def __init__(self, local: torch.Tensor, start: int, shape: Sequence[int], world_size: int = 1,
+                 piece: Optional[Tuple[Sequence[int], Sequence[int]]] = None) -> None:
         super().__init__()
+
+    def with_local(self, local: torch.Tensor) -> "ShardedSlice":
+        """The same slice of the same tensor over ``local`` (its elements, e.g. a copy)."""
+        return ShardedSlice(local, self.start, self.shape, self.world_size, self.piece)
 
     def __repr__(self) -> str:  # type: ignore[override]  # no tensor data to print
         return (f"ShardedSlice(shape={tuple(self.shape)}, dtype={self.dtype}, elements=[{self.start}, "
@@ -179,7 +199,7 @@ class ShardedSlice(DCPTensorHooks, torch.Tensor):
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "ShardedSlice":
         """A slice over a copy of ``local`` (``copy.deepcopy`` of a state dict that holds one)."""
-        return ShardedSlice(copy.deepcopy(self.local, memo), self.start, self.shape, self.world_size)
+        return self.with_local(copy.deepcopy(self.local, memo))
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Pickled (``torch.save``) as ``local``, a plain 1-D tensor of this rank's elements: a
@@ -191,10 +211,10 @@ class ShardedSlice(DCPTensorHooks, torch.Tensor):
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]  # torch's stub is narrower
         if func is torch.ops.aten.detach.default:
             (self,) = args
-            return ShardedSlice(self.local, self.start, self.shape, self.world_size)
+            return self.with_local(self.local)
         if func is TO_COPY:  # .to(device/dtype), e.g. torch's cpu_offload of a state dict
             (self,) = args
-            return ShardedSlice(func(self.local, **(kwargs or {})), self.start, self.shape, self.world_size)
+            return self.with_local(func(self.local, **(kwargs or {})))
         raise RuntimeError(  # not TypeError: operators turn that into NotImplemented and a vaguer message
             f"{func} on a ShardedSlice: it holds only this rank's elements of a sharded tensor (from a "
             "SHARDED_STATE_DICT). Save/load it with torch.distributed.checkpoint, or use a full state dict "

@@ -262,6 +262,36 @@ def test_pipeline_example_on_four_ranks() -> None:
     run_distributed(_pipeline_example, 4, timeout=120)
 
 
+def _two_d_example(root: str) -> None:
+    from composable_shard import load_checkpoint
+
+    two_d = _example("train_2d")
+    path = os.path.join(root, "two_d")
+    result = _quiet(two_d.main, ["--steps", "6", "--width", "32", "--blocks", "2", "--heads", "2", "--seq", "32",
+                                 "--batch", "4", "--lr", "1e-2", "--out", path, *TEXT])
+    _assert_falls(result["losses"], "train_2d", 0.3)
+    model = result["model"]
+    pieces = describe(model).tensor_parallel  # fc column-wise, out row-wise: half of each matrix per tp rank
+    assert any(line.startswith("blocks.1.fc.weight: (128, 32), Shard(dim=0) on ('tp',) -> this rank's piece (64, 32)")
+               for line in pieces) and len(pieces) == 2 * 4, pieces  # fc and out, weight and bias, per block
+    plain = _example("train_gpt").GPT(len(_example("train_gpt").ALPHABET), 32, 2, 2, max_seq=32)
+    load_checkpoint(path, plain)  # the dp 2 x tp 2 checkpoint, into one process's model on every rank
+    ids = torch.randint(0, len(_example("train_gpt").ALPHABET), (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), plain(ids), atol=1e-5, rtol=0)
+
+
+def test_two_d_example_on_four_ranks() -> None:
+    """``examples/train_2d.py``: the GPT's MLPs tensor-parallel over 2 ranks inside each of 2
+    data-parallel ranks, fully sharded over dp; the loss falls, ``describe`` shows the pieces, and its checkpoint loads into a plain GPT that computes the same logits (parity with one
+    process is tests/distributed/test_fully_shard_tensor_parallel.py's)."""
+    root = tempfile.mkdtemp(prefix="cs_two_d_")
+    try:
+        run_distributed(_two_d_example, 4, root, timeout=120)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def test_train_gpt_as_a_plain_script(capsys: pytest.CaptureFixture[str]) -> None:
     """``python examples/train_gpt.py`` (no torchrun) picks its own port and runs; ``--help``
     is argparse's, with the defaults filled in."""

@@ -9,10 +9,10 @@ plan on the same blocks. Every number is compared with one process on the combin
   replicate calls and SequenceParallel norms (whose gradients are Partial sums); checkpoints
   round-trip and load at dp 4 x tp 1. Before: ``aten.cat ... got mixed torch.Tensor and DTensor``
   from the initial broadcast. A mesh overlapping the group, and a Partial placement, are refused.
-- ``fully_shard`` does not flatten ``DTensor`` parameters yet (issue 46): it refuses them, naming
-  the parameter and its placements, with the model unchanged (before: the same torch error from
-  inside the flattening). With them left out (``ignored_modules``, gradients averaged by the
-  user), training equals one process, ours and torch's ``clip_grad_norm_`` give the global norm
+- ``fully_shard`` flattens ``DTensor`` parameters (``test_fully_shard_tensor_parallel.py``); what
+  it cannot (a Partial placement, a piece that is not its placements' split, a group holding the
+  tensor-parallel peers) is refused naming the parameter, the model unchanged. With TP modules
+  left out of it (``ignored_modules``, gradients averaged by the user), training equals one process, ours and torch's ``clip_grad_norm_`` give the global norm
   over dp x tp (before: both raised), and state dicts and checkpoints hold the pieces. Before:
   ``get_model_state_dict(full=False)`` and ``load_checkpoint`` raised "Attempted to access the data
   pointer on an invalid python storage", a full state dict held ``DTensor`` s instead of a plain
@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 from composable_shard import (MixedPrecision, checkpoint, clip_grad_norm_, describe, fully_shard, get_model_state_dict,
-                              get_optimizer_state_dict, load_checkpoint, replicate, save_checkpoint, set_model_state_dict)
+                              get_optimizer_state_dict, load_checkpoint, plan, replicate, save_checkpoint, set_model_state_dict)
 from composable_shard._runtime import collectives as _collectives
 from composable_shard._state import load_transaction
 from tests._harness import run_distributed
@@ -94,42 +94,55 @@ def _local_snapshot(model: nn.Module) -> List[Tuple[str, type, int, torch.Tensor
 def _assert_same(before: List[Tuple[str, type, int, torch.Tensor]], model: nn.Module) -> None:
     after = _local_snapshot(model)
     assert [b[:3] for b in before] == [a[:3] for a in after]
-    assert all(torch.equal(b[3], a[3]) for b, a in zip(before, after))
+    assert all(b[3].is_meta and a[3].is_meta or torch.equal(b[3], a[3]) for b, a in zip(before, after))
 
 
 def _refusals() -> None:
+    """What neither ``replicate`` nor ``fully_shard`` can average or flatten is refused before
+    anything changes, naming the parameter: the default group (it holds the tensor-parallel peers),
+    a Partial placement, and (``fully_shard``) a local piece that is not its placements' split."""
     mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
     model, _ = _tp_net(mesh)
     before = _local_snapshot(model)
-    calls = {"fully_shard(_Block)": lambda: fully_shard(model.blocks[0], process_group=mesh["dp"].get_group()),
-             "fully_shard(_Net)": lambda: fully_shard(model, process_group=mesh["dp"].get_group())}
-    names = {"fully_shard(_Block)": "'up.weight'", "fully_shard(_Net)": "'blocks.0.up.weight'"}
-    for api, call in calls.items():
-        try:
+    for api, call in {"replicate(_Net)": lambda: replicate(model), "fully_shard(_Net)": lambda: fully_shard(model)}.items():
+        try:  # the default group holds the tensor-parallel peers: averaging over it would mix pieces
             call()
-        except NotImplementedError as error:
-            message = str(error)
-            for fragment in (api, names[api], "is a DTensor", "Shard(dim=0)", "('tp',)", "ignored_modules"):
-                assert fragment in message, (fragment, message)
+        except ValueError as error:
+            for fragment in (api, "'blocks.0.up.weight'", "shares ranks", "mesh['dp'].get_group()"):
+                assert fragment in str(error), (fragment, str(error))
         else:
-            raise AssertionError(f"{api} accepted DTensor parameters")
+            raise AssertionError(f"{api} averaged over the tensor-parallel peers")
         _assert_same(before, model)
-    try:  # the default group holds the tensor-parallel peers: averaging over it would mix pieces
-        replicate(model)
-    except ValueError as error:
-        for fragment in ("replicate(_Net)", "'blocks.0.up.weight'", "shares ranks", "mesh['dp'].get_group()"):
+    try:  # plan() models data parallelism only: its figures would leave tensor parallelism's out
+        plan(model, torch.randn(2, 8), memory_budget=1 << 30, world_size=DP)
+    except NotImplementedError as error:
+        for fragment in ("plan: _Net.blocks.0.up.weight is a DTensor", "Shard(dim=0)", "8 such tensors", "describe(model)"):
             assert fragment in str(error), (fragment, str(error))
     else:
-        raise AssertionError("replicate averaged over the tensor-parallel peers")
+        raise AssertionError("plan() planned a tensor-parallel model as if it were data-parallel")
     _assert_same(before, model)
+    dp_group = mesh["dp"].get_group()
     partial = nn.Linear(2, 2)  # a Partial placement: a sum not taken yet
     partial.weight = nn.Parameter(DTensor.from_local(torch.ones(2, 2), mesh["tp"], [Partial()]))
-    try:
-        replicate(partial, process_group=mesh["dp"].get_group())
-    except NotImplementedError as error:
-        assert "'weight'" in str(error) and "Partial" in str(error), str(error)
-    else:
-        raise AssertionError("replicate accepted a Partial placement")
+    uneven = nn.Linear(2, 2)  # 3 rows and 1 row of 4: not torch.chunk's 2 and 2
+    rows = 3 if mesh["tp"].get_local_rank() == 0 else 1
+    uneven.weight = nn.Parameter(DTensor.from_local(torch.ones(rows, 2), mesh["tp"], [Shard(0)], run_check=False,
+                                                    shape=torch.Size([4, 2]), stride=(2, 1)))
+    meta = nn.Module()  # a DTensor on the meta device, no reset_parameters: to_empty's init would write pieces as wholes
+    meta.w = nn.Parameter(DTensor.from_local(torch.empty(2, 2, device="meta"), mesh["tp"], [Shard(0)], run_check=False))
+    cases = [("replicate", partial, "Partial", lambda m: replicate(m, process_group=dp_group)),
+             ("fully_shard", meta, "meta device", lambda m: fully_shard(m, mesh=mesh["dp"])),
+             ("fully_shard", partial, "Partial", lambda m: fully_shard(m, process_group=dp_group)),
+             ("fully_shard", uneven, f"local piece of shape ({rows}, 2)", lambda m: fully_shard(m, mesh=mesh["dp"]))]
+    for api, module, fragment, call in cases:
+        snapshot = _local_snapshot(module)
+        try:
+            call(module)
+        except NotImplementedError as error:
+            assert ("'weight'" in str(error) or "'w'" in str(error)) and fragment in str(error) and api in str(error), (api, str(error))
+        else:
+            raise AssertionError(f"{api} accepted {fragment}")
+        _assert_same(snapshot, module)
 
 
 def _batch(step: int) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,475 @@
+"""``fully_shard`` over tensor-parallel (``DTensor``) modules at W = 4 on a 2 (data-parallel) x 2
+(tensor-parallel) mesh: each handle flattens the local pieces and shards them over the
+data-parallel group; the modules compute on ``DTensor`` views with their placements. Every number
+is compared with one process on the combined batch and with torch's FSDP2 + TP in the same script.
+Before (main until issue 46): ``fully_shard`` refused ``DTensor`` parameters (and before that
+failed inside torch with "aten.cat.default got mixed torch.Tensor and DTensor").
+
+- Column-/row-wise blocks next to plain norms and a plain head, AdamW, a step accumulated over
+  two micro-batches without sync, clipping (ours and torch's: the norm over dp x tp, each element
+  once): losses, norms, full parameters and full optimizer state equal one process and FSDP2.
+  Each rank holds ceil(local N / 2) elements per handle, and its reduce-scatters carry the
+  pieces, not the global tensors.
+- Sharded state dicts describe each rank's elements as boxes in global coordinates (a
+  data-parallel slice of a row-wise piece is not one range): each box's values are the full
+  tensor's at those coordinates. Checkpoints round-trip, load at dp 4 x tp 1, at dp 1 x tp 4 and
+  into a plain model on every rank, and back from dp 4 into dp 2 x tp 2, optimizer state included
+  (the next step is the same).
+- torchtitan's sequence-parallel plan with loss parallel, under MixedPrecision (bf16 compute,
+  fp32 reduce) and in fp32: equal to FSDP2 + TP under the same settings (and fp32 to one process);
+  HYBRID_SHARD on a 2-D dp mesh, a checkpointed block, and a Hugging Face Llama parallelized with
+  its config's ``base_model_tp_plan``: equal to one process.
+- Refusals (a Partial placement, a piece that is not its placements' split, a group sharing ranks
+  with the tp mesh) are ``test_tensor_parallel.py``'s.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+                                               loss_parallel, parallelize_module)
+
+from composable_shard import (MixedPrecision, clip_grad_norm_, describe, fully_shard, get_model_state_dict,
+                              get_optimizer_state_dict, load_checkpoint, save_checkpoint, set_model_state_dict)
+from composable_shard._runtime import collectives as _collectives
+from composable_shard._runtime.traversal import _get_fsdp_states
+from composable_shard._state.sharded_slice import ShardedSlice
+from tests._harness import run_distributed
+
+DP, TP = 2, 2
+ROWS_PER_RANK = 6  # 12 rows: whole rows for dp 1, 2 and 4
+MAX_NORM = 0.5
+
+
+class _Block(nn.Module):
+    """Registered so that the handle's flat order is up (pieces of 96 + 12), down (96 + 8), norm
+    (8 + 8): 228 elements, 114 per data-parallel rank, so the row-wise ``down.weight`` piece
+    (8 x 12 of 8 x 24) is split in the middle of its first row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 24)
+        self.down = nn.Linear(24, 8)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block() for _ in range(2)])
+        self.head = nn.Linear(8, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _plain_net() -> _Net:
+    torch.manual_seed(0)
+    return _Net()
+
+
+def _tp_net(tp_mesh: DeviceMesh) -> _Net:
+    model = _plain_net()
+    for block in model.blocks:
+        parallelize_module(block, tp_mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    return model
+
+
+def _batch(step: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 + step)
+    return torch.randn(DP * ROWS_PER_RANK, 8, generator=generator), torch.randn(DP * ROWS_PER_RANK, 6, generator=generator)
+
+
+def _train_step(model: nn.Module, optim: torch.optim.Optimizer, step: int, dp_rank: int, dp_size: int,
+                clip: Callable[[nn.Module], torch.Tensor], micro: bool = False) -> Tuple[float, float]:
+    """One step on this data-parallel rank's rows of the combined batch; ``micro``: two
+    micro-batches, the first without gradient sync. Returns (the batch's mean loss, the norm
+    before clipping)."""
+    x, y = _batch(step)
+    rows = DP * ROWS_PER_RANK // dp_size
+    x, y = x[dp_rank * rows:(dp_rank + 1) * rows], y[dp_rank * rows:(dp_rank + 1) * rows]
+    if micro:
+        model.set_requires_gradient_sync(False)
+        (nn.functional.mse_loss(model(x[:1]), y[:1]) / rows).backward()
+        model.set_requires_gradient_sync(True)
+        loss = nn.functional.mse_loss(model(x[1:]), y[1:]) * (rows - 1) / rows
+        loss.backward()
+        loss = loss.detach()  # not the batch's mean: the step is compared by its norm and parameters
+    else:
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+    norm = clip(model)
+    optim.step()
+    optim.zero_grad()
+    mean = loss.detach().clone()
+    if dp_size > 1:
+        dist.all_reduce(mean)  # every rank of a tensor-parallel group holds the same loss
+        mean /= dist.get_world_size()
+    return mean.item(), norm.item()
+
+
+def _reference_step(model: nn.Module, optim: torch.optim.Optimizer, step: int) -> Tuple[float, float]:
+    x, y = _batch(step)
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    optim.step()
+    optim.zero_grad()
+    return loss.item(), norm.item()
+
+
+def _ours_clip(model: nn.Module) -> torch.Tensor:
+    return clip_grad_norm_(model, MAX_NORM)
+
+
+def _torch_clip(model: nn.Module) -> torch.Tensor:
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def _fsdp2_clip(model: nn.Module) -> torch.Tensor:
+    """FSDP2 + TP's clipping as torchtitan does it: torch's ``clip_grad_norm_`` refuses gradients on
+    two meshes (dp for plain parameters, dp x tp for the pieces), so the norm is taken per mesh."""
+    by_mesh: Dict[Any, List[torch.Tensor]] = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh, []).append(p.grad)
+    squares = [torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).full_tensor() ** 2
+               for grads in by_mesh.values()]
+    total = torch.stack(squares).sum().sqrt()
+    coef = min(1.0, MAX_NORM / (total.item() + 1e-6))
+    for grads in by_mesh.values():
+        for g in grads:
+            g.mul_(coef)
+    return total
+
+
+def _assert_close_dicts(ours: Dict[str, Any], reference: Dict[str, Any], what: str) -> None:
+    assert list(ours) == list(reference), (what, list(ours), list(reference))
+    for key, value in ours.items():
+        assert type(value) is torch.Tensor, (what, key, type(value))  # a plain model's tensors
+        torch.testing.assert_close(value, reference[key], atol=1e-5, rtol=0, msg=lambda m: f"{what} {key}: {m}")
+
+
+def _full_optim_state(model: nn.Module, optim: torch.optim.Optimizer) -> Dict[str, torch.Tensor]:
+    state = get_optimizer_state_dict(model, optim)["state"]
+    return {f"{fqn}.{name}": v for fqn, entry in state.items() for name, v in entry.items() if name != "step"}
+
+
+def _reference_optim_state(model: nn.Module, optim: torch.optim.Optimizer) -> Dict[str, torch.Tensor]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {f"{names[id(p)]}.{name}": v for p, entry in optim.state.items() for name, v in entry.items() if name != "step"}
+
+
+def _fully_shard_tp(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, **kwargs: Any) -> _Net:
+    model = _tp_net(tp_mesh)
+    for block in model.blocks:
+        fully_shard(block, mesh=dp_mesh, **kwargs)
+    fully_shard(model, mesh=dp_mesh, **kwargs)
+    return model
+
+
+def _fsdp2_tp(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> _Net:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard  # the reference only
+
+    model = _tp_net(tp_mesh)
+    for block in model.blocks:
+        torch_fully_shard(block, mesh=dp_mesh)
+    torch_fully_shard(model, mesh=dp_mesh)
+    return model
+
+
+def _check_boxes(sharded: Dict[str, Any], full: Dict[str, torch.Tensor]) -> int:
+    """Each ShardedSlice box's values are the full tensor's at its global coordinates; returns
+    how many boxes were checked."""
+    count = 0
+    for key, value in sharded.items():
+        assert isinstance(value, ShardedSlice), (key, type(value))
+        assert value.shape == full[key].shape, (key, value.shape, full[key].shape)
+        for offsets, sizes, flat in value.boxes:
+            index = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
+            mine = value.local[flat - value.start:flat - value.start + math.prod(sizes)]
+            torch.testing.assert_close(mine, full[key][index].reshape(-1), atol=0, rtol=0,
+                                       msg=lambda m: f"{key} box {offsets} {sizes}: {m}")
+            count += 1
+    return count
+
+
+def _train_and_checkpoint(directory: str) -> None:
+    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh["dp"].get_local_rank()
+    model = _fully_shard_tp(mesh["dp"], mesh["tp"])
+    fsdp2 = _fsdp2_tp(mesh["dp"], mesh["tp"])
+    reference = _plain_net()
+
+    # bytes per rank: each handle holds ceil(local N / dp) elements of the pieces
+    tp_params = dict(_tp_net(mesh["tp"]).named_parameters())
+    tp_local = {n: (p.to_local() if isinstance(p, DTensor) else p).numel() for n, p in tp_params.items()}
+    tp_sharded = {n for n, p in tp_params.items() if isinstance(p, DTensor) and p.placements[0].is_shard()}
+    handles = {"blocks.0.": model.blocks[0], "blocks.1.": model.blocks[1], "head.": model}
+    for prefix, module in handles.items():
+        local_n = sum(v for n, v in tp_local.items() if n.startswith(prefix))
+        fp = next(s.handle for s in _get_fsdp_states(model) if s.module is module).flat_param
+        assert fp.numel() == -(-local_n // DP), (prefix, fp.numel(), local_n)
+    assert all(type(p) is nn.Parameter and p.dim() == 1 for p in model.parameters())  # idle: plain 1-D slices
+    described = describe(model)
+    assert [r.shard_numel for r in described.rows] == [-(-sum(v for n, v in tp_local.items() if n.startswith(p)) // DP)
+                                                       for p in ("head.", "blocks.0.", "blocks.1.")], described.rows
+    tp_rank = mesh["tp"].get_local_rank()
+    assert (f"blocks.1.down.weight: (8, 24), Shard(dim=1) on ('tp',) -> this rank's piece (8, 12) at (0, {12 * tp_rank})"
+            in described.tensor_parallel and len(described.tensor_parallel) == 8), described.tensor_parallel
+
+    optims = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (model, fsdp2, reference)]
+    for step in range(4):
+        clip = _ours_clip if step % 2 == 0 else _torch_clip
+        with _collectives.record_collectives() as rec:
+            ours = _train_step(model, optims[0], step, dp_rank, DP, clip, micro=step == 1)
+        theirs = _train_step(fsdp2, optims[1], step, dp_rank, DP, _fsdp2_clip, micro=step == 1)
+        single = _reference_step(reference, optims[2], step)
+        assert single[1] > MAX_NORM, single  # the clipping changed the step
+        assert abs(ours[1] - single[1]) <= 1e-5 and abs(ours[1] - theirs[1]) <= 1e-5, (step, ours, theirs, single)
+        if step != 1:
+            assert abs(ours[0] - single[0]) <= 1e-5 and abs(ours[0] - theirs[0]) <= 1e-5, (step, ours, theirs, single)
+        scattered = sum(r.nbytes for r in rec.records if r.kind == "reduce_scatter")
+        assert scattered == 4 * sum(-(-sum(v for n, v in tp_local.items() if n.startswith(p)) // DP) * DP
+                                    for p in handles), (step, scattered)  # the pieces, padded, fp32
+    full = get_model_state_dict(model)
+    _assert_close_dicts(full, reference.state_dict(), "parameters after 4 steps")
+    on_rank0 = get_model_state_dict(model, rank0_only=True)  # the other ranks still join their pieces for rank 0
+    _assert_close_dicts(on_rank0, full if dist.get_rank() == 0 else {}, "rank0_only")
+    _assert_close_dicts(full, {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in fsdp2.state_dict().items()},
+                        "parameters against FSDP2 + TP")
+    _assert_close_dicts(_full_optim_state(model, optims[0]), _reference_optim_state(reference, optims[2]),
+                        "AdamW state after 4 steps")
+
+    sharded = get_model_state_dict(model, full=False)
+    boxes = _check_boxes(sharded, full)
+    down = sharded["blocks.0.down.weight"]  # (8, 24) row-wise: this rank's piece is columns [12 tp, 12 tp + 12),
+    # its flattened elements [0, 6) on dp rank 0, [6, 96) on dp rank 1
+    expected = ([((0, 12 * tp_rank), (1, 6))] if dp_rank == 0 else
+                [((0, 12 * tp_rank + 6), (1, 6)), ((1, 12 * tp_rank), (7, 12))])
+    assert [(b[0], b[1]) for b in down.boxes] == expected, down.boxes
+    assert boxes > 0
+    covered: List[Dict[str, int]] = [{}] * dist.get_world_size()  # every element on exactly one rank's boxes
+    dist.all_gather_object(covered, {k: sum(math.prod(b[1]) for b in v.boxes) for k, v in sharded.items()})
+    copies = {k: 1 if k in tp_sharded else TP for k in full}  # a tensor replicated over tp: once per tp rank
+    assert {k: sum(c[k] for c in covered) for k in sharded} == {k: v.numel() * copies[k] for k, v in full.items()}, covered
+
+    # checkpoints: round trip, then dp 4 x tp 1, dp 1 x tp 4, a plain model, and back
+    path = os.path.join(directory, "dp2_tp2")
+    save_checkpoint(path, model, optims[0])
+    _train_step(model, optims[0], 4, dp_rank, DP, _ours_clip)
+    load_checkpoint(path, model, optims[0])
+    _assert_close_dicts(get_model_state_dict(model), full, "after load_checkpoint")
+    step5 = _train_step(model, optims[0], 4, dp_rank, DP, _ours_clip)
+    single5 = _reference_step(reference, optims[2], 4)
+    assert all(abs(a - b) <= 1e-5 for a, b in zip(step5, single5)), (step5, single5)  # the moments came back too
+    after5 = get_model_state_dict(model)
+
+    wide = init_device_mesh("cpu", (DP * TP,), mesh_dim_names=("dp",))
+    dp4 = _plain_net()
+    fully_shard(dp4, mesh=wide)
+    dp4_optim = torch.optim.AdamW(dp4.parameters(), lr=0.01)
+    load_checkpoint(path, dp4, dp4_optim)
+    _assert_close_dicts(get_model_state_dict(dp4), full, "loaded at dp 4 x tp 1")
+    assert abs(_train_step(dp4, dp4_optim, 4, dist.get_rank(), DP * TP, _ours_clip)[1] - step5[1]) <= 1e-5
+    _assert_close_dicts(get_model_state_dict(dp4), after5, "dp 4 x tp 1: the step after the load")
+
+    narrow = init_device_mesh("cpu", (1, DP * TP), mesh_dim_names=("dp", "tp"))
+    tp4 = _fully_shard_tp(narrow["dp"], narrow["tp"])
+    tp4_optim = torch.optim.AdamW(tp4.parameters(), lr=0.01)
+    load_checkpoint(path, tp4, tp4_optim)
+    _assert_close_dicts(get_model_state_dict(tp4), full, "loaded at dp 1 x tp 4")
+    _train_step(tp4, tp4_optim, 4, 0, 1, _ours_clip)
+    _assert_close_dicts(get_model_state_dict(tp4), after5, "dp 1 x tp 4: the step after the load")
+
+    plain = _plain_net()
+    plain_optim = torch.optim.AdamW(plain.parameters(), lr=0.01)
+    load_checkpoint(path, plain, plain_optim)
+    _assert_close_dicts(plain.state_dict(), full, "loaded into a plain model")
+
+    back = os.path.join(directory, "dp4")
+    save_checkpoint(back, dp4, dp4_optim)
+    load_checkpoint(back, model, optims[0])
+    _assert_close_dicts(get_model_state_dict(model), after5, "dp 4 back into dp 2 x tp 2")
+    mine, theirs = _train_step(model, optims[0], 5, dp_rank, DP, _ours_clip), _reference_step(reference, optims[2], 5)
+    assert all(abs(a - b) <= 1e-5 for a, b in zip(mine, theirs)), (mine, theirs)
+    _assert_close_dicts(get_model_state_dict(model), reference.state_dict(), "the step after loading back")
+
+    set_model_state_dict(model, _plain_net().state_dict())  # a plain model's full state dict loads in
+    _assert_close_dicts(get_model_state_dict(model), _plain_net().state_dict(), "after set_model_state_dict")
+
+
+def test_fully_shard_over_tensor_parallel_blocks_trains_and_checkpoints_exactly(tmp_path: Any) -> None:
+    run_distributed(_train_and_checkpoint, DP * TP, str(tmp_path), timeout=240)
+
+
+def _sequence_parallel_net(mesh: DeviceMesh, how: str, mixed: bool) -> _Net:
+    """torchtitan's plan on the blocks (norms ``SequenceParallel``: their gradients are Partial
+    sums over tp; ``up`` column-wise from the sequence shards, ``down`` row-wise back to them), the
+    head column-wise to class shards for loss parallel; ``how``: fully sharded by us or FSDP2."""
+    model = _plain_net()
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], {"norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
+                                               "down": RowwiseParallel(output_layouts=Shard(1))})
+    parallelize_module(model.head, mesh["tp"], ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+                                                               use_local_output=False))
+    if how == "ours":
+        policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else None
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh["dp"], mixed_precision=policy)
+        fully_shard(model, mesh=mesh["dp"], mixed_precision=policy)
+    else:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard as torch_fully_shard  # the reference only
+
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
+        for block in model.blocks:
+            torch_fully_shard(block, mesh=mesh["dp"], mp_policy=policy)
+        torch_fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
+    return model
+
+
+def _sequence_parallel_batch(step: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(200 + step)
+    return torch.randn(DP * 2, 4, 8, generator=generator), torch.randint(0, 6, (DP * 2, 4), generator=generator)
+
+
+def _sequence_parallel_and_loss_parallel() -> None:
+    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+    dp_rank, tp_rank = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
+    reference = _plain_net()
+    reference_optim = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    runs: Dict[Tuple[str, bool], List[Tuple[float, float]]] = {}
+    finals: Dict[Tuple[str, bool], Dict[str, torch.Tensor]] = {}
+    for mixed in (False, True):
+        for how in ("ours", "fsdp2"):
+            model = _sequence_parallel_net(mesh, how, mixed)
+            optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+            history = runs[(how, mixed)] = []
+            for step in range(3):
+                x, y = _sequence_parallel_batch(step)
+                rows, cols = slice(dp_rank * 2, dp_rank * 2 + 2), slice(tp_rank * 2, tp_rank * 2 + 2)
+                with loss_parallel():  # class-sharded logits: cross-entropy without gathering them
+                    logits = model(x[rows, cols])
+                    assert isinstance(logits, DTensor) and logits.placements == (Shard(2),), logits
+                    loss = nn.functional.cross_entropy(logits.flatten(0, 1), y[rows].flatten())
+                    loss.backward()
+                norm = _ours_clip(model) if how == "ours" else _fsdp2_clip(model)
+                optim.step()
+                optim.zero_grad()
+                mean = loss.full_tensor() if isinstance(loss, DTensor) else loss
+                mean = mean.detach().float().clone()
+                dist.all_reduce(mean)
+                history.append((mean.item() / dist.get_world_size(), float(norm)))
+            finals[(how, mixed)] = {k: (v.full_tensor() if isinstance(v, DTensor) else v).float()
+                                    for k, v in (get_model_state_dict(model) if how == "ours" else model.state_dict()).items()}
+    for step in range(3):
+        x, y = _sequence_parallel_batch(step)
+        loss = nn.functional.cross_entropy(reference(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
+        reference_optim.step()
+        reference_optim.zero_grad()
+        assert norm.item() > MAX_NORM
+        for how in ("ours", "fsdp2"):
+            got = runs[(how, False)][step]
+            assert abs(got[0] - loss.item()) <= 1e-5 and abs(got[1] - norm.item()) <= 1e-5, (how, step, got, loss, norm)
+    _assert_close_dicts(finals[("ours", False)], reference.state_dict(), "sequence/loss parallel, fp32")
+    # bf16 compute, fp32 reduction: the same numbers as FSDP2 + TP under the same policy
+    assert all(abs(a - b) <= 1e-5 for ours, theirs in zip(runs[("ours", True)], runs[("fsdp2", True)])
+               for a, b in zip(ours, theirs)), (runs[("ours", True)], runs[("fsdp2", True)])
+    _assert_close_dicts(finals[("ours", True)], finals[("fsdp2", True)], "sequence/loss parallel, bf16 against FSDP2")
+    assert any((finals[("ours", True)][k] - finals[("ours", False)][k]).abs().max() > 1e-4 for k in finals[("ours", True)])
+
+
+def _hf_llama() -> None:
+    """A tiny Hugging Face Llama parallelized with its config's ``base_model_tp_plan`` (q/k/v, gate
+    and up column-wise, o and down row-wise), each decoder layer and the root fully sharded over dp
+    (SGD, 3 steps; one process on the combined batch)."""
+    import transformers
+
+    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh["dp"].get_local_rank()
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                                      tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(transformers.LlamaForCausalLM(config))
+    model, reference = models
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    assert set(config.base_model_tp_plan.values()) <= set(styles), config.base_model_tp_plan
+    parallelize_module(model.model, mesh["tp"], {k: styles[v]() for k, v in config.base_model_tp_plan.items()})
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        ids = torch.randint(0, 64, (DP * 2, 12), generator=torch.Generator().manual_seed(300 + step))
+        mine = ids[dp_rank * 2:dp_rank * 2 + 2]
+        loss = model(input_ids=mine, labels=mine).loss
+        loss.backward()
+        norm = _ours_clip(model)
+        optim.step()
+        optim.zero_grad()
+        reference_loss = reference(input_ids=ids, labels=ids).loss
+        reference_loss.backward()
+        reference_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
+        reference_optim.step()
+        reference_optim.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)  # equal rows per rank and per row: the mean of the means
+        assert abs(mean.item() / dist.get_world_size() - reference_loss.item()) <= 1e-5, (step, mean, reference_loss)
+        assert abs(norm.item() - reference_norm.item()) <= 1e-5, (step, norm, reference_norm)
+    _assert_close_dicts(get_model_state_dict(model), reference.state_dict(), "Llama: after 3 steps")
+
+
+def _hybrid_and_checkpointed() -> None:
+    """The pieces under HYBRID_SHARD on a (replicate 2, shard 1) dp mesh beside a tp mesh of 2 (a
+    3-D mesh), and with a checkpointed block (its forward recomputed on the DTensor views): 3
+    clipped AdamW steps equal one process."""
+    from composable_shard import ShardingStrategy, checkpoint
+
+    for how in ("hybrid", "checkpointed"):
+        if how == "hybrid":
+            mesh = init_device_mesh("cpu", (DP, 1, TP), mesh_dim_names=("rep", "shard", "tp"))
+            model = _fully_shard_tp(mesh["rep", "shard"], mesh["tp"], strategy=ShardingStrategy.HYBRID_SHARD)
+            dp_rank = mesh["rep"].get_local_rank()
+        else:
+            mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+            model = _tp_net(mesh["tp"])
+            checkpoint(model.blocks[0])
+            fully_shard(model.blocks[0], mesh=mesh["dp"])
+            fully_shard(model, mesh=mesh["dp"])
+            dp_rank = mesh["dp"].get_local_rank()
+        reference = _plain_net()
+        optim, reference_optim = (torch.optim.AdamW(m.parameters(), lr=0.01) for m in (model, reference))
+        for step in range(3):
+            ours, single = _train_step(model, optim, step, dp_rank, DP, _ours_clip), _reference_step(reference, reference_optim, step)
+            assert all(abs(a - b) <= 1e-5 for a, b in zip(ours, single)), (how, step, ours, single)
+        _assert_close_dicts(get_model_state_dict(model), reference.state_dict(), how)
+
+
+def _sequence_parallel_and_llama() -> None:
+    _sequence_parallel_and_loss_parallel()
+    _hybrid_and_checkpointed()
+    _hf_llama()
+
+
+def test_fully_shard_over_sequence_loss_parallel_and_a_llama_plan_equals_fsdp2_and_one_process() -> None:
+    run_distributed(_sequence_parallel_and_llama, DP * TP, timeout=240)
