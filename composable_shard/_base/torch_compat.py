@@ -268,7 +268,8 @@ DCP_METADATA_GLOBALS: Dict[str, set] = {  # module -> names; see module docstrin
 
 class GuardedApplyHook:
     """Mixin of a module class: every ``nn.Module._apply`` call (``.to()``, ``.half()``, ...)
-    runs as ``self._cs_guarded_apply(apply)``, ``apply()`` being the call itself."""
+    runs as ``self._cs_guarded_apply(apply, fn)``, ``apply()`` being the call itself and ``fn``
+    what it applies to each tensor."""
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         # nn.Module's, next in the module class's MRO -- past torch FSDP2's FSDPModule when it is a base
@@ -276,9 +277,9 @@ class GuardedApplyHook:
         after: type = FSDP2_MODULE_MARKER[0] if FSDP2_MODULE_MARKER and isinstance(self, FSDP2_MODULE_MARKER[0]) \
             else GuardedApplyHook
         parent_apply = super(after, self)._apply  # type: ignore[misc,arg-type]  # nn.Module's
-        return self._cs_guarded_apply(lambda: parent_apply(fn, recurse))
+        return self._cs_guarded_apply(lambda: parent_apply(fn, recurse), fn)
 
-    def _cs_guarded_apply(self, apply: Callable[[], Any]) -> Any:
+    def _cs_guarded_apply(self, apply: Callable[[], Any], fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         """Run ``apply()`` (``nn.Module._apply`` on this module) and return its result."""
         return apply()
 

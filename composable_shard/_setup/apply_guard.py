@@ -25,9 +25,11 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from .._runtime.flat_param import set_grad_of_any_shape, take_pending_init_values
 from .._base.torch_compat import GuardedApplyHook, set_module_tensor
+from .._base.tree import local_piece
 
 __all__ = ["guard_apply", "applying_during_init", "in_init", "GuardedApply", "same_view"]
 
@@ -55,20 +57,24 @@ class GuardedApply(GuardedApplyHook):
     ``.to()``, ``.half()``, ``.cuda()`` ...; the class names, for the error, what a cast cuts
     parameters loose from (``_apply_what``) and what to do instead (``_apply_advice``)."""
 
-    def _cs_guarded_apply(self, apply: Callable[[], Any]) -> Any:
-        """Run ``apply()`` (``nn.Module._apply`` on this module) through :func:`guard_apply`."""
-        return guard_apply(self, apply)  # type: ignore[arg-type]  # self is an nn.Module
+    def _cs_guarded_apply(self, apply: Callable[[], Any], fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+        """Run ``apply()`` (``nn.Module._apply`` on this module, ``fn`` per tensor) through :func:`guard_apply`."""
+        return guard_apply(self, apply, fn)  # type: ignore[arg-type]  # self is an nn.Module
 
 
 _Saved = Tuple[nn.Module, List[Tuple[str, Any]], List[Tuple[str, Any]]]  # module, its parameter and buffer slots
 _Tensors = Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]  # p, .data, .grad, .grad.data
 
 
-def guard_apply(module: nn.Module, apply: Callable[[], nn.Module]) -> nn.Module:
+def guard_apply(module: nn.Module, apply: Callable[[], nn.Module],
+                fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> nn.Module:
     """Run ``apply()`` (``nn.Module._apply`` on ``module``, a fully sharded or replicated
-    module). If it gave a parameter some annotated module of the subtree manages
-    (``_guarded_params()``) new storage, dtype, device or object, put every parameter (object,
-    ``.data``, ``.grad``) and buffer of the subtree back and raise, with the owner's advice."""
+    module, applying ``fn`` to each tensor). If it gave a parameter some annotated module of the
+    subtree manages (``_guarded_params()``) new storage, dtype, device or object, put every
+    parameter (object, ``.data``, ``.grad``) and buffer of the subtree back and raise, with the
+    owner's advice. A tensor-parallel (``DTensor``) parameter cannot be put back (``_apply``
+    swaps the object's contents), so ``fn`` is tried on its local piece first and the call is
+    refused before it runs if that would not leave the piece where it is."""
     if _depth["init"] or _depth["apply"]:  # init, or inside an outer guarded call
         return apply()
     take_pending_init_values()  # see [Note: Initialization after to_empty] in _runtime/flat_param.py
@@ -76,6 +82,7 @@ def guard_apply(module: nn.Module, apply: Callable[[], nn.Module]) -> nn.Module:
                               for p in getattr(m, "_guarded_params")()}
     if not owners:
         return apply()
+    _refuse_moving_pieces(module, owners, fn)
     saved: List[_Saved] = [(m, list(m.named_parameters(recurse=False, remove_duplicate=False)),
                             list(m.named_buffers(recurse=False, remove_duplicate=False))) for m in module.modules()]
     tensors: Dict[int, _Tensors] = {}
@@ -110,10 +117,28 @@ def guard_apply(module: nn.Module, apply: Callable[[], nn.Module]) -> nn.Module:
         f"on {first.device}).")
 
 
+def _refuse_moving_pieces(module: nn.Module, owners: Dict[int, Any],
+                          fn: Optional[Callable[[torch.Tensor], torch.Tensor]]) -> None:
+    """Raise, changing nothing, if ``fn`` would give the local piece of a managed ``DTensor``
+    parameter new storage (see :func:`guard_apply`)."""
+    if fn is None:
+        return
+    moved = [(n, p) for n, p in module.named_parameters(remove_duplicate=False)
+             if id(p) in owners and isinstance(p, DTensor) and not same_view(fn(p.to_local()), p.to_local())]
+    if moved:
+        owner, first = owners[id(moved[0][1])], moved[0][1]
+        raise RuntimeError(
+            f"{type(module).__name__}._apply (.to(), .half(), .cuda(), ...): it would give the tensor-parallel "
+            f"{[n for n, _ in moved[:3]]}{' and others' if len(moved) > 3 else ''} new storage, cutting them loose "
+            f"from {owner._apply_what}: {owner._apply_advice} The module is unchanged (parameters "
+            f"{str(first.dtype).replace('torch.', '')}, on {first.device}).")
+
+
 def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Do ``a`` and ``b`` (a parameter and its ``.data`` before a call) view the same elements of
     the same storage? Both storage addresses are read now: a call that moves the storage itself
-    in place (``share_memory()``) keeps the parameter attached."""
+    in place (``share_memory()``) keeps the parameter attached. A ``DTensor``: its local piece."""
+    a, b = local_piece(a), local_piece(b)
     return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.device == b.device
             and a.dtype == b.dtype and a.storage_offset() == b.storage_offset()
             and a.shape == b.shape and a.stride() == b.stride())

@@ -14,11 +14,13 @@ failed inside torch with "aten.cat.default got mixed torch.Tensor and DTensor").
   data-parallel slice of a row-wise piece is not one range): each box's values are the full
   tensor's at those coordinates. Checkpoints round-trip, load at dp 4 x tp 1, at dp 1 x tp 4 and
   into a plain model on every rank, and back from dp 4 into dp 2 x tp 2, optimizer state included
-  (the next step is the same).
+  (the next step is the same); through torch's state-dict API and ``dcp``, ours load into FSDP2 +
+  TP and FSDP2 + TP's into ours.
 - torchtitan's sequence-parallel plan with loss parallel, under MixedPrecision (bf16 compute,
   fp32 reduce) and in fp32: equal to FSDP2 + TP under the same settings (and fp32 to one process);
-  HYBRID_SHARD on a 2-D dp mesh, a checkpointed block, and a Hugging Face Llama parallelized with
-  its config's ``base_model_tp_plan``: equal to one process.
+  HYBRID_SHARD on a 2-D dp mesh, a checkpointed block, a frozen tensor-parallel layer beside
+  uneven pieces (12 and 11 of 23), and a Hugging Face Llama parallelized with its config's
+  ``base_model_tp_plan``: equal to one process.
 - Refusals (a Partial placement, a piece that is not its placements' split, a group sharing ranks
   with the tp mesh) are ``test_tensor_parallel.py``'s.
 """
@@ -76,15 +78,25 @@ class _Net(nn.Module):
         return self.head(x)
 
 
-def _plain_net() -> _Net:
+def _plain_net(uneven_frozen: bool = False) -> _Net:
+    """``uneven_frozen``: the second block's hidden width 23 (tensor-parallel pieces of 12 and 11
+    rows/columns), the first block's ``up`` frozen."""
     torch.manual_seed(0)
-    return _Net()
+    model = _Net()
+    if uneven_frozen:
+        model.blocks[1].up, model.blocks[1].down = nn.Linear(8, 23), nn.Linear(23, 8)
+        model.blocks[0].up.requires_grad_(False)
+    return model
 
 
-def _tp_net(tp_mesh: DeviceMesh) -> _Net:
-    model = _plain_net()
-    for block in model.blocks:
-        parallelize_module(block, tp_mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+def _tp_net(tp_mesh: DeviceMesh, uneven_frozen: bool = False) -> _Net:
+    model = _plain_net(uneven_frozen)
+    for i, block in enumerate(model.blocks):
+        if uneven_frozen and i == 1:  # TP's own hooks infer an even split between the two: replicate in between
+            plan = {"up": ColwiseParallel(output_layouts=Replicate()), "down": RowwiseParallel(input_layouts=Replicate())}
+        else:
+            plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+        parallelize_module(block, tp_mesh, plan)
     return model
 
 
@@ -174,8 +186,8 @@ def _reference_optim_state(model: nn.Module, optim: torch.optim.Optimizer) -> Di
     return {f"{names[id(p)]}.{name}": v for p, entry in optim.state.items() for name, v in entry.items() if name != "step"}
 
 
-def _fully_shard_tp(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, **kwargs: Any) -> _Net:
-    model = _tp_net(tp_mesh)
+def _fully_shard_tp(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, uneven_frozen: bool = False, **kwargs: Any) -> _Net:
+    model = _tp_net(tp_mesh, uneven_frozen)
     for block in model.blocks:
         fully_shard(block, mesh=dp_mesh, **kwargs)
     fully_shard(model, mesh=dp_mesh, **kwargs)
@@ -309,6 +321,25 @@ def _train_and_checkpoint(directory: str) -> None:
     assert all(abs(a - b) <= 1e-5 for a, b in zip(mine, theirs)), (mine, theirs)
     _assert_close_dicts(get_model_state_dict(model), reference.state_dict(), "the step after loading back")
 
+    # torch's state-dict API and dcp: ours -> FSDP2 + TP, and FSDP2 + TP's -> ours
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict as torch_set
+
+    ours_now = get_model_state_dict(model)
+    dcp.save({"model": get_state_dict(model, optims[0])[0]}, checkpoint_id=os.path.join(directory, "torch_api_ours"))
+    into_fsdp2 = get_state_dict(fsdp2, optims[1])[0]
+    dcp.load({"model": into_fsdp2}, checkpoint_id=os.path.join(directory, "torch_api_ours"))
+    torch_set(fsdp2, into_fsdp2)
+    fsdp2_full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in fsdp2.state_dict().items()}
+    _assert_close_dicts(fsdp2_full, ours_now, "ours into FSDP2 + TP through torch's API")
+    _train_step(fsdp2, optims[1], 7, dp_rank, DP, _fsdp2_clip)  # FSDP2 + TP moves on; its checkpoint comes back
+    fsdp2_full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in fsdp2.state_dict().items()}
+    dcp.save({"model": get_state_dict(fsdp2, optims[1])[0]}, checkpoint_id=os.path.join(directory, "torch_api_fsdp2"))
+    into_ours = get_state_dict(model, optims[0])[0]
+    dcp.load({"model": into_ours}, checkpoint_id=os.path.join(directory, "torch_api_fsdp2"))
+    torch_set(model, into_ours)
+    _assert_close_dicts(get_model_state_dict(model), fsdp2_full, "FSDP2 + TP's into ours through torch's API")
+
     set_model_state_dict(model, _plain_net().state_dict())  # a plain model's full state dict loads in
     _assert_close_dicts(get_model_state_dict(model), _plain_net().state_dict(), "after set_model_state_dict")
 
@@ -441,28 +472,40 @@ def _hf_llama() -> None:
 
 def _hybrid_and_checkpointed() -> None:
     """The pieces under HYBRID_SHARD on a (replicate 2, shard 1) dp mesh beside a tp mesh of 2 (a
-    3-D mesh), and with a checkpointed block (its forward recomputed on the DTensor views): 3
-    clipped AdamW steps equal one process."""
+    3-D mesh); with a checkpointed block (its forward recomputed on the DTensor views); and with a
+    frozen tensor-parallel layer and uneven pieces (12 and 11 of 23): 3 clipped AdamW steps equal
+    one process."""
     from composable_shard import ShardingStrategy, checkpoint
 
-    for how in ("hybrid", "checkpointed"):
+    for how in ("hybrid", "checkpointed", "uneven_frozen"):
         if how == "hybrid":
             mesh = init_device_mesh("cpu", (DP, 1, TP), mesh_dim_names=("rep", "shard", "tp"))
             model = _fully_shard_tp(mesh["rep", "shard"], mesh["tp"], strategy=ShardingStrategy.HYBRID_SHARD)
             dp_rank = mesh["rep"].get_local_rank()
-        else:
+        elif how == "checkpointed":
             mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
             model = _tp_net(mesh["tp"])
             checkpoint(model.blocks[0])
             fully_shard(model.blocks[0], mesh=mesh["dp"])
             fully_shard(model, mesh=mesh["dp"])
             dp_rank = mesh["dp"].get_local_rank()
-        reference = _plain_net()
+        else:
+            mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+            model = _fully_shard_tp(mesh["dp"], mesh["tp"], uneven_frozen=True)
+            dp_rank = mesh["dp"].get_local_rank()
+            up = [p for n, p in model.named_parameters() if n.startswith("blocks.0.up.")]
+            assert len(up) == 2 and not any(p.requires_grad for p in up)
+        reference = _plain_net(how == "uneven_frozen")
         optim, reference_optim = (torch.optim.AdamW(m.parameters(), lr=0.01) for m in (model, reference))
         for step in range(3):
             ours, single = _train_step(model, optim, step, dp_rank, DP, _ours_clip), _reference_step(reference, reference_optim, step)
             assert all(abs(a - b) <= 1e-5 for a, b in zip(ours, single)), (how, step, ours, single)
         _assert_close_dicts(get_model_state_dict(model), reference.state_dict(), how)
+        if how == "uneven_frozen":  # the frozen layer never moved, and got no gradient
+            _assert_close_dicts({k: v for k, v in get_model_state_dict(model).items() if k.startswith("blocks.0.up.")},
+                                {k: v for k, v in _plain_net().state_dict().items() if k.startswith("blocks.0.up.")},
+                                "frozen")
+            assert all(p.grad is None for n, p in model.named_parameters() if n.startswith("blocks.0.up."))
 
 
 def _sequence_parallel_and_llama() -> None:

@@ -248,6 +248,14 @@ def _left_out_and_checkpointed(directory: str) -> None:
     _assert_full_equal(get_model_state_dict(model), plain.state_dict(), "after set_model_state_dict")
     assert all(isinstance(p, DTensor) for p in tp_params)
 
+    # a gradient that is still a Partial sum over tp (a SequenceParallel norm's, left to the user): our
+    # clip takes the norm of the sum, 1 + 2 = 3 in each of 4 elements -> 6, not of this rank's addend
+    holder = nn.Linear(2, 2)
+    holder.weight = nn.Parameter(DTensor.from_local(torch.ones(2, 2), mesh["tp"], [Replicate()]))
+    tp_rank = mesh["tp"].get_local_rank()
+    holder.weight.grad = DTensor.from_local(torch.full((2, 2), float(1 + tp_rank)), mesh["tp"], [Partial()])
+    assert abs(clip_grad_norm_(holder, 1e9).item() - 6.0) <= 1e-6
+
 
 def test_tensor_parallel_modules_are_refused_naming_the_parameter() -> None:
     run_distributed(_refusals, DP * TP, timeout=120)
@@ -297,7 +305,10 @@ def _replicated(how: str, directory: str) -> None:
                 loss.backward()
         buckets = [r for r in rec.records if r.tag.startswith("replicate::bucket")]
         assert sum(r.nbytes for r in buckets) == 4 * local_numel, (step, [r.nbytes for r in buckets], local_numel)
-        norm = clip_grad_norm_(model, MAX_NORM)
+        with _collectives.record_collectives() as clipping:
+            norm = clip_grad_norm_(model, MAX_NORM)
+        # the pieces' norms completed over tp in one all-reduce (not one full_tensor per gradient)
+        assert [r.kind for r in clipping.records] == ["all_reduce"], (step, clipping.records)
         optim.step()
         optim.zero_grad()
         theirs = _reference_step(reference, reference_optim, step)
@@ -308,6 +319,17 @@ def _replicated(how: str, directory: str) -> None:
             assert abs(mean.item() / DP - theirs[0]) <= 1e-5, (how, step, mean.item() / DP, theirs)
     _assert_full_equal(get_model_state_dict(model), reference.state_dict(), f"{how}: after 4 steps")
     assert all(isinstance(p.grad, DTensor) or p.grad is None for m in tp_linears for p in m.parameters())
+
+    before = _local_snapshot(model)  # a cast would cut the pieces loose from the buckets: refused, nothing changed
+    try:
+        model.to(torch.float64)
+    except RuntimeError as error:
+        assert "tensor-parallel" in str(error) and "'blocks.0.up.weight'" in str(error), str(error)
+    else:
+        raise AssertionError("a cast of the replicated tensor-parallel model went through")
+    _assert_same(before, model)
+    assert model.to("cpu") is model and model.float() is model  # no-ops stay allowed
+    _assert_same(before, model)
 
     path = os.path.join(directory, f"replicated_{how}")
     save_checkpoint(path, model, optim)
