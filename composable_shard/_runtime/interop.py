@@ -77,7 +77,7 @@ from torch.distributed.tensor import DTensor
 
 from . import collectives as _collectives
 from .._base.torch_compat import FOREACH_NORM as _FOREACH_NORM, as_plain, plain_torch_function
-from .._base.tree import convert
+from .._base.tree import convert, local_piece
 
 __all__ = ["ShardedGrad", "PartialNorm", "as_sharded_grad", "shard_source", "total_grad_norm", "ForeignWrapperGuard",
            "refuse_lightning_model_parallel", "refuse_pipelining"]
@@ -208,7 +208,7 @@ def total_grad_norm(grads: Sequence[torch.Tensor], sources: Sequence[_Source], o
     # a tensor-parallel (DTensor) gradient: its piece's norm, completed over the mesh dimensions that
     # shard it with the others of that mesh (one all-reduce per mesh, not one full_tensor per gradient)
     pieces = [_piece_source(g) if isinstance(g, DTensor) and source is None else None for g, source in zip(grads, sources)]
-    local = torch.stack([_local_norm(g.to_local() if piece is not None else g, order, None).to(device)
+    local = torch.stack([_local_norm(local_piece(g) if piece is not None else g, order, None).to(device)
                          for g, piece in zip(grads, pieces)])
     tagged = [piece[1] if piece is not None else source if source is not None else _source_of(g)
               for g, source, piece in zip(grads, sources, pieces)]
