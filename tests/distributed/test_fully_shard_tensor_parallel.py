@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -39,10 +40,11 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
                                                loss_parallel, parallelize_module)
 
-from composable_shard import (MixedPrecision, clip_grad_norm_, describe, fully_shard, get_model_state_dict,
+from composable_shard import (MixedPrecision, clip_grad_norm_, describe, fully_shard, get_model_state_dict, replicate,
                               get_optimizer_state_dict, load_checkpoint, save_checkpoint, set_model_state_dict)
 from composable_shard._runtime import collectives as _collectives
 from composable_shard._runtime.traversal import _get_fsdp_states
+from composable_shard._state import load_transaction
 from composable_shard._state.sharded_slice import ShardedSlice
 from tests._harness import run_distributed
 
@@ -283,6 +285,8 @@ def _train_and_checkpoint(directory: str) -> None:
     # checkpoints: round trip, then dp 4 x tp 1, dp 1 x tp 4, a plain model, and back
     path = os.path.join(directory, "dp2_tp2")
     save_checkpoint(path, model, optims[0])
+    if dist.get_rank() == 0:  # for the single-process load in the test's own process
+        torch.save(full, os.path.join(directory, "dp2_tp2_full.pt"))
     _train_step(model, optims[0], 4, dp_rank, DP, _ours_clip)
     load_checkpoint(path, model, optims[0])
     _assert_close_dicts(get_model_state_dict(model), full, "after load_checkpoint")
@@ -290,6 +294,23 @@ def _train_and_checkpoint(directory: str) -> None:
     single5 = _reference_step(reference, optims[2], 4)
     assert all(abs(a - b) <= 1e-5 for a, b in zip(step5, single5)), (step5, single5)  # the moments came back too
     after5 = get_model_state_dict(model)
+
+    def fail(api: str) -> None:  # a load failing on one rank after writing: every shard and moment restored
+        if dist.get_rank() == 3:
+            raise RuntimeError("injected failure")
+
+    moments = _full_optim_state(model, optims[0])
+    load_transaction.before_final_agreement = fail
+    try:
+        load_checkpoint(path, model, optims[0])
+    except RuntimeError as error:
+        assert "injected failure" in str(error), error
+    else:
+        raise AssertionError("the injected failure did not raise")
+    finally:
+        load_transaction.before_final_agreement = None
+    _assert_close_dicts(get_model_state_dict(model), after5, "after a failed load")
+    _assert_close_dicts(_full_optim_state(model, optims[0]), moments, "AdamW state after a failed load")
 
     wide = init_device_mesh("cpu", (DP * TP,), mesh_dim_names=("dp",))
     dp4 = _plain_net()
@@ -346,16 +367,43 @@ def _train_and_checkpoint(directory: str) -> None:
 
 def test_fully_shard_over_tensor_parallel_blocks_trains_and_checkpoints_exactly(tmp_path: Any) -> None:
     run_distributed(_train_and_checkpoint, DP * TP, str(tmp_path), timeout=240)
+    plain = _plain_net()  # this process: no process group, one plain model
+    with warnings.catch_warnings():  # DCP's note that it loads in one process: what is meant
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        load_checkpoint(str(tmp_path / "dp2_tp2"), plain)
+    _assert_close_dicts(plain.state_dict(), torch.load(str(tmp_path / "dp2_tp2_full.pt")), "one process, no group")
+
+
+class _FeedForwardBlock(nn.Module):
+    """torchtitan's block layout: a norm, then a feed-forward submodule (``ffn.0`` up, ``ffn.2`` down)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.ffn = nn.Sequential(nn.Linear(8, 24), nn.ReLU(), nn.Linear(24, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.ffn(self.norm(x))
+
+
+def _feed_forward_net() -> _Net:
+    torch.manual_seed(0)
+    model = _Net()
+    model.blocks = nn.ModuleList([_FeedForwardBlock() for _ in range(2)])
+    return model
 
 
 def _sequence_parallel_net(mesh: DeviceMesh, how: str, mixed: bool) -> _Net:
-    """torchtitan's plan on the blocks (norms ``SequenceParallel``: their gradients are Partial
-    sums over tp; ``up`` column-wise from the sequence shards, ``down`` row-wise back to them), the
-    head column-wise to class shards for loss parallel; ``how``: fully sharded by us or FSDP2."""
-    model = _plain_net()
+    """torchtitan's plan on the blocks: the norms ``SequenceParallel`` (their gradients are Partial
+    sums over tp), ``PrepareModuleInput`` gathering the feed-forward's input from the sequence shards,
+    its up column-wise and down row-wise back to the shards; the head column-wise from the shards to
+    class shards for loss parallel; ``how``: fully sharded by us or FSDP2."""
+    model = _feed_forward_net()
     for block in model.blocks:
-        parallelize_module(block, mesh["tp"], {"norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
-                                               "down": RowwiseParallel(output_layouts=Shard(1))})
+        parallelize_module(block, mesh["tp"], {
+            "norm": SequenceParallel(),
+            "ffn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "ffn.0": ColwiseParallel(), "ffn.2": RowwiseParallel(output_layouts=Shard(1))})
     parallelize_module(model.head, mesh["tp"], ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
                                                                use_local_output=False))
     if how == "ours":
@@ -381,7 +429,7 @@ def _sequence_parallel_batch(step: int) -> Tuple[torch.Tensor, torch.Tensor]:
 def _sequence_parallel_and_loss_parallel() -> None:
     mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
     dp_rank, tp_rank = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
-    reference = _plain_net()
+    reference = _feed_forward_net()
     reference_optim = torch.optim.AdamW(reference.parameters(), lr=0.01)
     runs: Dict[Tuple[str, bool], List[Tuple[float, float]]] = {}
     finals: Dict[Tuple[str, bool], Dict[str, torch.Tensor]] = {}
@@ -472,12 +520,12 @@ def _hf_llama() -> None:
 
 def _hybrid_and_checkpointed() -> None:
     """The pieces under HYBRID_SHARD on a (replicate 2, shard 1) dp mesh beside a tp mesh of 2 (a
-    3-D mesh); with a checkpointed block (its forward recomputed on the DTensor views); and with a
+    3-D mesh); with a checkpointed fully sharded block beside a replicated one; and with a
     frozen tensor-parallel layer and uneven pieces (12 and 11 of 23): 3 clipped AdamW steps equal
     one process."""
     from composable_shard import ShardingStrategy, checkpoint
 
-    for how in ("hybrid", "checkpointed", "uneven_frozen"):
+    for how in ("hybrid", "checkpointed", "uneven_frozen"):  # "checkpointed" mixes all three APIs
         if how == "hybrid":
             mesh = init_device_mesh("cpu", (DP, 1, TP), mesh_dim_names=("rep", "shard", "tp"))
             model = _fully_shard_tp(mesh["rep", "shard"], mesh["tp"], strategy=ShardingStrategy.HYBRID_SHARD)
@@ -487,6 +535,7 @@ def _hybrid_and_checkpointed() -> None:
             model = _tp_net(mesh["tp"])
             checkpoint(model.blocks[0])
             fully_shard(model.blocks[0], mesh=mesh["dp"])
+            replicate(model.blocks[1], process_group=mesh["dp"].get_group())  # its DTensors stay DTensors
             fully_shard(model, mesh=mesh["dp"])
             dp_rank = mesh["dp"].get_local_rank()
         else:
