@@ -341,11 +341,13 @@ def set_grad_of_any_shape(p: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
 
 
 def _stand_in(param: nn.Parameter, info: ParamInfo, shared: Sequence[Tuple[SharedParamInfo, nn.Parameter]],
-              index: int) -> nn.Parameter:
+              index: int, module_fqn: str) -> nn.Parameter:
     """A plain parameter that takes a tensor-parallel one's place in every slot that registers it
-    (``index``: its position in the group; see [Note: Tensor-parallel pieces])."""
+    (``index``: its position in the group; ``module_fqn``: the fully sharded module's, for
+    messages; see [Note: Tensor-parallel pieces]). An optimizer's step on ``param`` raises from now on."""
     stand_in = nn.Parameter(torch.empty(0, dtype=param.dtype, device=param.device), requires_grad=param.requires_grad)
     set_module_tensor(info.module, info.param_name, stand_in)
+    _watch.watch_replaced(param, ".".join(part for part in (module_fqn, info.module_name, info.param_name) if part))
     for sinfo, _ in shared:
         if sinfo.prim_param_index == index:
             set_module_tensor(sinfo.module, sinfo.param_name, stand_in)
@@ -500,7 +502,7 @@ class FlatParamHandle:
             unsharded = torch.empty(padded, dtype=compute_dtype, device=self.compute_device)
             _free_storage(unsharded)
         unsharded.requires_grad_(requires_grad)
-        orig_params = [p if piece is None else _stand_in(p, members[k][1], shared, k)
+        orig_params = [p if piece is None else _stand_in(p, members[k][1], shared, k, module_fqn)
                        for k, ((p, _), piece) in enumerate(zip(members, pieces))]
         group = FlatGroup(flat_param, orig_params, compute_dtype, unsharded, aliases,
                           numels + ([padded - total] if padded > total else []))

@@ -30,6 +30,11 @@
   (``p.data.copy_(...)``) are seen by neither; use ``unshard_params(writeback=True)`` or in-place
   ops on the parameter instead. (Assigning ``param.data = ...`` is caught at the next forward.)
 * **Optimizer steps on some ranks only.** See [Note: Step agreement].
+* **An optimizer built before fully_shard replaced tensor-parallel parameters.** fully_shard keeps
+  every plain parameter object, but puts a new plain parameter in a ``DTensor`` parameter's place
+  ([Note: Tensor-parallel pieces] in ``_runtime/flat_param.py``); an optimizer holding the old
+  ``DTensor`` would step a tensor nothing reads, and, those never getting a gradient, silently
+  skip them. Its first step raises instead, before anything changes (:func:`watch_replaced`).
 
 [Note: Step agreement]  Every rank must step its optimizer as often as the others. Under
 ``fully_shard`` each rank updates a different slice of every parameter, so a step skipped on one
@@ -76,11 +81,11 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Prot
 import torch.nn as nn
 from torch.nn.modules.module import (register_module_module_registration_hook,
                                      register_module_parameter_registration_hook)
-from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook
+from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ..contract import _get_registry
 
-__all__ = ["track", "raise_on_model_change", "OptimizerSteps", "StepCounter", "STEP_AGREEMENT_INTS"]
+__all__ = ["track", "raise_on_model_change", "OptimizerSteps", "StepCounter", "STEP_AGREEMENT_INTS", "watch_replaced"]
 
 
 class _Owner(Protocol):
@@ -223,6 +228,44 @@ def _on_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     with _hook_running():
         for watch in list(_step_watches):
             watch.count(optimizer)
+
+
+# id(replaced DTensor parameter) -> (weak reference to it, its name); checked by every optimizer step from the
+# first replacement on (an optimizer's check is cached until its groups change size)
+_replaced: Dict[int, Tuple["weakref.ReferenceType[Any]", str]] = {}
+_replaced_hook: List[Any] = []
+_checked: "weakref.WeakKeyDictionary[Optimizer, Tuple[int, int]]" = weakref.WeakKeyDictionary()
+
+
+def watch_replaced(param: Any, name: str) -> None:
+    """``param`` (a tensor-parallel parameter fully_shard replaced, named ``name``) must not be
+    stepped by an optimizer: its step raises (see the module docstring)."""
+    key = id(param)
+
+    def forget(_: Any) -> None:
+        _replaced.pop(key, None)
+
+    _replaced[key] = (weakref.ref(param, forget), name)
+    _checked.clear()
+    if not _replaced_hook:
+        _replaced_hook.append(register_optimizer_step_pre_hook(_refuse_replaced))
+
+
+def _refuse_replaced(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+    groups = optimizer.param_groups
+    size = (len(groups), sum(len(g["params"]) for g in groups))
+    if _checked.get(optimizer) == size:
+        return
+    for group in groups:
+        for p in group["params"]:
+            entry = _replaced.get(id(p))
+            if entry is not None and entry[0]() is p:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__}.step(): it holds the tensor-parallel parameter {entry[1]!r} that "
+                    "fully_shard replaced by a plain parameter (this rank's slice of its local piece); the step would "
+                    "update a tensor nothing reads. Build the optimizer after fully_shard, as with FSDP2: "
+                    "torch.optim.AdamW(model.parameters(), ...). Nothing was stepped.")
+    _checked[optimizer] = size
 
 
 _MAX_STEPS_AGREED = 255  # d * d summed over ranks stays exact in int32 up to 33,000 ranks

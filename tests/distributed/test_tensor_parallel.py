@@ -100,7 +100,9 @@ def _assert_same(before: List[Tuple[str, type, int, torch.Tensor]], model: nn.Mo
 def _refusals() -> None:
     """What neither ``replicate`` nor ``fully_shard`` can average or flatten is refused before
     anything changes, naming the parameter: the default group (it holds the tensor-parallel peers),
-    a Partial placement, and (``fully_shard``) a local piece that is not its placements' split."""
+    a Partial placement, and (``fully_shard``) a local piece that is not its placements' split, a
+    meta-device DTensor left to to_empty's init, and an optimizer built before fully_shard replaced
+    the DTensors it holds (its step)."""
     mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
     model, _ = _tp_net(mesh)
     before = _local_snapshot(model)
@@ -121,6 +123,20 @@ def _refusals() -> None:
     else:
         raise AssertionError("plan() planned a tensor-parallel model as if it were data-parallel")
     _assert_same(before, model)
+    early, _ = _tp_net(mesh)  # an optimizer built before fully_shard holds DTensors it replaced: its step raises
+    early_optim = torch.optim.AdamW(early.parameters(), lr=0.01)
+    fully_shard(early, mesh=mesh["dp"])
+    nn.functional.mse_loss(early(_batch(0)[0][:2]), _batch(0)[1][:2]).backward()
+    unchanged = get_model_state_dict(early)
+    try:
+        early_optim.step()
+    except RuntimeError as error:
+        for fragment in ("AdamW.step()", "'blocks.0.up.weight'", "Build the optimizer after fully_shard", "Nothing was stepped"):
+            assert fragment in str(error), (fragment, str(error))
+    else:
+        raise AssertionError("an optimizer stepped DTensors fully_shard had replaced")
+    _assert_full_equal(get_model_state_dict(early), unchanged, "after the refused step")
+    torch.optim.AdamW(early.parameters(), lr=0.01).step()  # one built after fully_shard steps
     dp_group = mesh["dp"].get_group()
     partial = nn.Linear(2, 2)  # a Partial placement: a sum not taken yet
     partial.weight = nn.Parameter(DTensor.from_local(torch.ones(2, 2), mesh["tp"], [Partial()]))
