@@ -277,6 +277,16 @@ def _train_and_checkpoint(directory: str) -> None:
                 [((0, 12 * tp_rank + 6), (1, 6)), ((1, 12 * tp_rank), (7, 12))])
     assert [(b[0], b[1]) for b in down.boxes] == expected, down.boxes
     assert boxes > 0
+    # a slice of another rank's piece (the other tp rank's columns) is refused in memory, naming the key
+    other = ShardedSlice(down.local, down.start, down.shape, down.world_size,
+                         ((0, 12 * (1 - tp_rank)), tuple(down.piece[1])))  # type: ignore[index]  # a piece
+    try:
+        set_model_state_dict(model, {**sharded, "blocks.0.down.weight": other})
+    except RuntimeError as error:  # torch's loader gathers the hooks' errors
+        assert "blocks.0.down.weight: the ShardedSlice holds a range of the tensor-parallel piece" in str(error), error
+    else:
+        raise AssertionError("a slice of another tensor-parallel piece was loaded as this rank's")
+    _assert_close_dicts(get_model_state_dict(model), full, "after the refused load")
     covered: List[Dict[str, int]] = [{}] * dist.get_world_size()  # every element on exactly one rank's boxes
     dist.all_gather_object(covered, {k: sum(math.prod(b[1]) for b in v.boxes) for k, v in sharded.items()})
     copies = {k: 1 if k in tp_sharded else TP for k in full}  # a tensor replicated over tp: once per tp rank
