@@ -68,7 +68,7 @@ import math
 import sys
 import weakref
 from types import FrameType
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -207,23 +207,27 @@ def total_grad_norm(grads: Sequence[torch.Tensor], sources: Sequence[_Source], o
     device = grads[0].device
     # a tensor-parallel (DTensor) gradient: its piece's norm, completed over the mesh dimensions that
     # shard it with the others of that mesh (one all-reduce per mesh, not one full_tensor per gradient)
-    pieces = [_piece_source(g) if isinstance(g, DTensor) and source is None else None for g, source in zip(grads, sources)]
-    local = torch.stack([_local_norm(local_piece(g) if piece is not None else g, order, None).to(device)
+    pieces = [source is None and _is_placed_piece(g) for g, source in zip(grads, sources)]
+    local = torch.stack([_local_norm(local_piece(g) if piece else g, order, None).to(device)
                          for g, piece in zip(grads, pieces)])
-    tagged = [piece[1] if piece is not None else source if source is not None else _source_of(g)
+    tagged = [_piece_source(g) if piece else source if source is not None else _source_of(g)
               for g, source, piece in zip(grads, sources, pieces)]
     combined = _combine_norms(local, tagged, order, "clip_grad_norm_", _LIBRARY_CLIP_HINT)
     return torch.linalg.vector_norm(combined, order)
 
 
-def _piece_source(grad: DTensor) -> Optional[Tuple[None, _Source]]:
-    """For a ``DTensor`` gradient with ``Shard``/``Replicate`` placements: ``(None, source)``, the
-    source being the groups of the mesh dimensions that shard it (``None`` if none does: the piece
-    is the whole gradient on every rank); ``None`` for a ``Partial`` one (resolved whole instead)."""
-    if any(p.is_partial() for p in grad.placements):
-        return None
-    groups = [grad.device_mesh.get_group(i) for i, p in enumerate(grad.placements) if p.is_shard()]
-    return (None, shard_source(groups, grad.device) if groups else None)
+def _is_placed_piece(grad: torch.Tensor) -> bool:
+    """A ``DTensor`` gradient with ``Shard``/``Replicate`` placements only (a ``Partial`` one is
+    resolved whole instead)."""
+    return isinstance(grad, DTensor) and not any(p.is_partial() for p in grad.placements)
+
+
+def _piece_source(grad: torch.Tensor) -> _Source:
+    """What a placed piece's norm is completed over: the groups of the mesh dimensions that shard
+    it (``None`` if none does: the piece is the whole gradient on every rank)."""
+    placed = cast(DTensor, grad)
+    groups = [placed.device_mesh.get_group(i) for i, p in enumerate(placed.placements) if p.is_shard()]
+    return shard_source(groups, grad.device) if groups else None
 
 
 def _partial_norms(func: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:

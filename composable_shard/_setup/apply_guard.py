@@ -21,7 +21,7 @@ here; the next forward catches it (see [Note: Detached parameters] in ``_runtime
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -108,13 +108,18 @@ def guard_apply(module: nn.Module, apply: Callable[[], nn.Module],
     _put_back(saved, tensors)
     if copies_only:
         return result  # e.g. .to("cpu:0") on the CPU: copies that change nothing; the originals are back
-    owner = owners[id(cut[0][1])]
-    first = cut[0][1]
-    raise RuntimeError(
-        f"{type(module).__name__}._apply (.to(), .half(), .cuda(), ...): it would give {[n for n, _ in cut[:3]]}"
-        f"{' and others' if len(cut) > 3 else ''} new storage, cutting them loose from {owner._apply_what}: "
-        f"{owner._apply_advice} The module is unchanged (parameters {str(first.dtype).replace('torch.', '')}, "
-        f"on {first.device}).")
+    raise _cut_loose(module, cut, owners, "")
+
+
+def _cut_loose(module: nn.Module, cut: Sequence[Tuple[str, torch.Tensor]], owners: Dict[int, Any], kind: str) -> RuntimeError:
+    """The refusal of a call that would give the parameters ``cut`` (named, model order) new
+    storage; ``kind`` qualifies them in the message ("the tensor-parallel ")."""
+    owner, first = owners[id(cut[0][1])], cut[0][1]
+    return RuntimeError(
+        f"{type(module).__name__}._apply (.to(), .half(), .cuda(), ...): it would give {kind}"
+        f"{[n for n, _ in cut[:3]]}{' and others' if len(cut) > 3 else ''} new storage, cutting them loose from "
+        f"{owner._apply_what}: {owner._apply_advice} The module is unchanged (parameters "
+        f"{str(first.dtype).replace('torch.', '')}, on {first.device}).")
 
 
 def _refuse_moving_pieces(module: nn.Module, owners: Dict[int, Any],
@@ -126,12 +131,7 @@ def _refuse_moving_pieces(module: nn.Module, owners: Dict[int, Any],
     moved = [(n, p) for n, p in module.named_parameters(remove_duplicate=False)
              if id(p) in owners and isinstance(p, DTensor) and not same_view(fn(p.to_local()), p.to_local())]
     if moved:
-        owner, first = owners[id(moved[0][1])], moved[0][1]
-        raise RuntimeError(
-            f"{type(module).__name__}._apply (.to(), .half(), .cuda(), ...): it would give the tensor-parallel "
-            f"{[n for n, _ in moved[:3]]}{' and others' if len(moved) > 3 else ''} new storage, cutting them loose "
-            f"from {owner._apply_what}: {owner._apply_advice} The module is unchanged (parameters "
-            f"{str(first.dtype).replace('torch.', '')}, on {first.device}).")
+        raise _cut_loose(module, moved, owners, "the tensor-parallel ")
 
 
 def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -492,9 +492,10 @@ def local_slice(m: Managed, key: str, value: Any) -> torch.Tensor:
         if tuple(value.shape) != tuple(m.shape):
             raise ValueError(f"size mismatch for {key}: the checkpoint's shape is {tuple(value.shape)}, "
                              f"the model's is {tuple(m.shape)}")
-        if value.piece != (None if piece is None else (piece.offsets, piece.sizes)):
+        mine = None if piece is None else (piece.offsets, piece.sizes)
+        if value.piece != mine:
             raise ValueError(f"{key}: the ShardedSlice holds a range of the tensor-parallel piece {value.piece} "
-                             f"(offsets, sizes), this rank's parameter is {'whole' if piece is None else piece[4:]}; "
+                             f"(offsets, sizes), this rank's parameter is {'whole' if mine is None else mine}; "
                              "load a sharded checkpoint with torch.distributed.checkpoint into this model's own "
                              "sharded state dict.")
         if end > start and not value.start <= start <= end <= value.end:

@@ -30,13 +30,13 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
                                                loss_parallel, parallelize_module)
 
@@ -47,6 +47,7 @@ from composable_shard._runtime.traversal import _get_fsdp_states
 from composable_shard._state import load_transaction
 from composable_shard._state.sharded_slice import ShardedSlice
 from tests._harness import run_distributed
+from tests.distributed.test_tensor_parallel import _assert_full_equal  # keys, plain tensors, 1e-5
 
 DP, TP = 2, 2
 ROWS_PER_RANK = 6  # 12 rows: whole rows for dp 1, 2 and 4
@@ -171,13 +172,6 @@ def _fsdp2_clip(model: nn.Module) -> torch.Tensor:
     return total
 
 
-def _assert_close_dicts(ours: Dict[str, Any], reference: Dict[str, Any], what: str) -> None:
-    assert list(ours) == list(reference), (what, list(ours), list(reference))
-    for key, value in ours.items():
-        assert type(value) is torch.Tensor, (what, key, type(value))  # a plain model's tensors
-        torch.testing.assert_close(value, reference[key], atol=1e-5, rtol=0, msg=lambda m: f"{what} {key}: {m}")
-
-
 def _full_optim_state(model: nn.Module, optim: torch.optim.Optimizer) -> Dict[str, torch.Tensor]:
     state = get_optimizer_state_dict(model, optim)["state"]
     return {f"{fqn}.{name}": v for fqn, entry in state.items() for name, v in entry.items() if name != "step"}
@@ -261,12 +255,12 @@ def _train_and_checkpoint(directory: str) -> None:
         assert scattered == 4 * sum(-(-sum(v for n, v in tp_local.items() if n.startswith(p)) // DP) * DP
                                     for p in handles), (step, scattered)  # the pieces, padded, fp32
     full = get_model_state_dict(model)
-    _assert_close_dicts(full, reference.state_dict(), "parameters after 4 steps")
+    _assert_full_equal(full, reference.state_dict(), "parameters after 4 steps")
     on_rank0 = get_model_state_dict(model, rank0_only=True)  # the other ranks still join their pieces for rank 0
-    _assert_close_dicts(on_rank0, full if dist.get_rank() == 0 else {}, "rank0_only")
-    _assert_close_dicts(full, {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in fsdp2.state_dict().items()},
+    _assert_full_equal(on_rank0, full if dist.get_rank() == 0 else {}, "rank0_only")
+    _assert_full_equal(full, {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in fsdp2.state_dict().items()},
                         "parameters against FSDP2 + TP")
-    _assert_close_dicts(_full_optim_state(model, optims[0]), _reference_optim_state(reference, optims[2]),
+    _assert_full_equal(_full_optim_state(model, optims[0]), _reference_optim_state(reference, optims[2]),
                         "AdamW state after 4 steps")
 
     sharded = get_model_state_dict(model, full=False)
@@ -286,7 +280,7 @@ def _train_and_checkpoint(directory: str) -> None:
         assert "blocks.0.down.weight: the ShardedSlice holds a range of the tensor-parallel piece" in str(error), error
     else:
         raise AssertionError("a slice of another tensor-parallel piece was loaded as this rank's")
-    _assert_close_dicts(get_model_state_dict(model), full, "after the refused load")
+    _assert_full_equal(get_model_state_dict(model), full, "after the refused load")
     covered: List[Dict[str, int]] = [{}] * dist.get_world_size()  # every element on exactly one rank's boxes
     dist.all_gather_object(covered, {k: sum(math.prod(b[1]) for b in v.boxes) for k, v in sharded.items()})
     copies = {k: 1 if k in tp_sharded else TP for k in full}  # a tensor replicated over tp: once per tp rank
@@ -299,7 +293,7 @@ def _train_and_checkpoint(directory: str) -> None:
         torch.save(full, os.path.join(directory, "dp2_tp2_full.pt"))
     _train_step(model, optims[0], 4, dp_rank, DP, _ours_clip)
     load_checkpoint(path, model, optims[0])
-    _assert_close_dicts(get_model_state_dict(model), full, "after load_checkpoint")
+    _assert_full_equal(get_model_state_dict(model), full, "after load_checkpoint")
     step5 = _train_step(model, optims[0], 4, dp_rank, DP, _ours_clip)
     single5 = _reference_step(reference, optims[2], 4)
     assert all(abs(a - b) <= 1e-5 for a, b in zip(step5, single5)), (step5, single5)  # the moments came back too
@@ -319,38 +313,38 @@ def _train_and_checkpoint(directory: str) -> None:
         raise AssertionError("the injected failure did not raise")
     finally:
         load_transaction.before_final_agreement = None
-    _assert_close_dicts(get_model_state_dict(model), after5, "after a failed load")
-    _assert_close_dicts(_full_optim_state(model, optims[0]), moments, "AdamW state after a failed load")
+    _assert_full_equal(get_model_state_dict(model), after5, "after a failed load")
+    _assert_full_equal(_full_optim_state(model, optims[0]), moments, "AdamW state after a failed load")
 
     wide = init_device_mesh("cpu", (DP * TP,), mesh_dim_names=("dp",))
     dp4 = _plain_net()
     fully_shard(dp4, mesh=wide)
     dp4_optim = torch.optim.AdamW(dp4.parameters(), lr=0.01)
     load_checkpoint(path, dp4, dp4_optim)
-    _assert_close_dicts(get_model_state_dict(dp4), full, "loaded at dp 4 x tp 1")
+    _assert_full_equal(get_model_state_dict(dp4), full, "loaded at dp 4 x tp 1")
     assert abs(_train_step(dp4, dp4_optim, 4, dist.get_rank(), DP * TP, _ours_clip)[1] - step5[1]) <= 1e-5
-    _assert_close_dicts(get_model_state_dict(dp4), after5, "dp 4 x tp 1: the step after the load")
+    _assert_full_equal(get_model_state_dict(dp4), after5, "dp 4 x tp 1: the step after the load")
 
     narrow = init_device_mesh("cpu", (1, DP * TP), mesh_dim_names=("dp", "tp"))
     tp4 = _fully_shard_tp(narrow["dp"], narrow["tp"])
     tp4_optim = torch.optim.AdamW(tp4.parameters(), lr=0.01)
     load_checkpoint(path, tp4, tp4_optim)
-    _assert_close_dicts(get_model_state_dict(tp4), full, "loaded at dp 1 x tp 4")
+    _assert_full_equal(get_model_state_dict(tp4), full, "loaded at dp 1 x tp 4")
     _train_step(tp4, tp4_optim, 4, 0, 1, _ours_clip)
-    _assert_close_dicts(get_model_state_dict(tp4), after5, "dp 1 x tp 4: the step after the load")
+    _assert_full_equal(get_model_state_dict(tp4), after5, "dp 1 x tp 4: the step after the load")
 
     plain = _plain_net()
     plain_optim = torch.optim.AdamW(plain.parameters(), lr=0.01)
     load_checkpoint(path, plain, plain_optim)
-    _assert_close_dicts(plain.state_dict(), full, "loaded into a plain model")
+    _assert_full_equal(plain.state_dict(), full, "loaded into a plain model")
 
     back = os.path.join(directory, "dp4")
     save_checkpoint(back, dp4, dp4_optim)
     load_checkpoint(back, model, optims[0])
-    _assert_close_dicts(get_model_state_dict(model), after5, "dp 4 back into dp 2 x tp 2")
+    _assert_full_equal(get_model_state_dict(model), after5, "dp 4 back into dp 2 x tp 2")
     mine, theirs = _train_step(model, optims[0], 5, dp_rank, DP, _ours_clip), _reference_step(reference, optims[2], 5)
     assert all(abs(a - b) <= 1e-5 for a, b in zip(mine, theirs)), (mine, theirs)
-    _assert_close_dicts(get_model_state_dict(model), reference.state_dict(), "the step after loading back")
+    _assert_full_equal(get_model_state_dict(model), reference.state_dict(), "the step after loading back")
 
     # torch's state-dict API and dcp: ours -> FSDP2 + TP, and FSDP2 + TP's -> ours
     import torch.distributed.checkpoint as dcp
@@ -362,17 +356,17 @@ def _train_and_checkpoint(directory: str) -> None:
     dcp.load({"model": into_fsdp2}, checkpoint_id=os.path.join(directory, "torch_api_ours"))
     torch_set(fsdp2, into_fsdp2)
     fsdp2_full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in fsdp2.state_dict().items()}
-    _assert_close_dicts(fsdp2_full, ours_now, "ours into FSDP2 + TP through torch's API")
+    _assert_full_equal(fsdp2_full, ours_now, "ours into FSDP2 + TP through torch's API")
     _train_step(fsdp2, optims[1], 7, dp_rank, DP, _fsdp2_clip)  # FSDP2 + TP moves on; its checkpoint comes back
     fsdp2_full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in fsdp2.state_dict().items()}
     dcp.save({"model": get_state_dict(fsdp2, optims[1])[0]}, checkpoint_id=os.path.join(directory, "torch_api_fsdp2"))
     into_ours = get_state_dict(model, optims[0])[0]
     dcp.load({"model": into_ours}, checkpoint_id=os.path.join(directory, "torch_api_fsdp2"))
     torch_set(model, into_ours)
-    _assert_close_dicts(get_model_state_dict(model), fsdp2_full, "FSDP2 + TP's into ours through torch's API")
+    _assert_full_equal(get_model_state_dict(model), fsdp2_full, "FSDP2 + TP's into ours through torch's API")
 
     set_model_state_dict(model, _plain_net().state_dict())  # a plain model's full state dict loads in
-    _assert_close_dicts(get_model_state_dict(model), _plain_net().state_dict(), "after set_model_state_dict")
+    _assert_full_equal(get_model_state_dict(model), _plain_net().state_dict(), "after set_model_state_dict")
 
 
 def test_fully_shard_over_tensor_parallel_blocks_trains_and_checkpoints_exactly(tmp_path: Any) -> None:
@@ -381,7 +375,7 @@ def test_fully_shard_over_tensor_parallel_blocks_trains_and_checkpoints_exactly(
     with warnings.catch_warnings():  # DCP's note that it loads in one process: what is meant
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         load_checkpoint(str(tmp_path / "dp2_tp2"), plain)
-    _assert_close_dicts(plain.state_dict(), torch.load(str(tmp_path / "dp2_tp2_full.pt")), "one process, no group")
+    _assert_full_equal(plain.state_dict(), torch.load(str(tmp_path / "dp2_tp2_full.pt")), "one process, no group")
 
 
 class _FeedForwardBlock(nn.Module):
@@ -476,11 +470,11 @@ def _sequence_parallel_and_loss_parallel() -> None:
         for how in ("ours", "fsdp2"):
             got = runs[(how, False)][step]
             assert abs(got[0] - loss.item()) <= 1e-5 and abs(got[1] - norm.item()) <= 1e-5, (how, step, got, loss, norm)
-    _assert_close_dicts(finals[("ours", False)], reference.state_dict(), "sequence/loss parallel, fp32")
+    _assert_full_equal(finals[("ours", False)], reference.state_dict(), "sequence/loss parallel, fp32")
     # bf16 compute, fp32 reduction: the same numbers as FSDP2 + TP under the same policy
     assert all(abs(a - b) <= 1e-5 for ours, theirs in zip(runs[("ours", True)], runs[("fsdp2", True)])
                for a, b in zip(ours, theirs)), (runs[("ours", True)], runs[("fsdp2", True)])
-    _assert_close_dicts(finals[("ours", True)], finals[("fsdp2", True)], "sequence/loss parallel, bf16 against FSDP2")
+    _assert_full_equal(finals[("ours", True)], finals[("fsdp2", True)], "sequence/loss parallel, bf16 against FSDP2")
     assert any((finals[("ours", True)][k] - finals[("ours", False)][k]).abs().max() > 1e-4 for k in finals[("ours", True)])
 
 
@@ -525,7 +519,7 @@ def _hf_llama() -> None:
         dist.all_reduce(mean)  # equal rows per rank and per row: the mean of the means
         assert abs(mean.item() / dist.get_world_size() - reference_loss.item()) <= 1e-5, (step, mean, reference_loss)
         assert abs(norm.item() - reference_norm.item()) <= 1e-5, (step, norm, reference_norm)
-    _assert_close_dicts(get_model_state_dict(model), reference.state_dict(), "Llama: after 3 steps")
+    _assert_full_equal(get_model_state_dict(model), reference.state_dict(), "Llama: after 3 steps")
 
 
 def _hybrid_and_checkpointed() -> None:
@@ -559,9 +553,9 @@ def _hybrid_and_checkpointed() -> None:
         for step in range(3):
             ours, single = _train_step(model, optim, step, dp_rank, DP, _ours_clip), _reference_step(reference, reference_optim, step)
             assert all(abs(a - b) <= 1e-5 for a, b in zip(ours, single)), (how, step, ours, single)
-        _assert_close_dicts(get_model_state_dict(model), reference.state_dict(), how)
+        _assert_full_equal(get_model_state_dict(model), reference.state_dict(), how)
         if how == "uneven_frozen":  # the frozen layer never moved, and got no gradient
-            _assert_close_dicts({k: v for k, v in get_model_state_dict(model).items() if k.startswith("blocks.0.up.")},
+            _assert_full_equal({k: v for k, v in get_model_state_dict(model).items() if k.startswith("blocks.0.up.")},
                                 {k: v for k, v in _plain_net().state_dict().items() if k.startswith("blocks.0.up.")},
                                 "frozen")
             assert all(p.grad is None for n, p in model.named_parameters() if n.startswith("blocks.0.up."))
