@@ -35,6 +35,7 @@ Three steps:
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from dataclasses import dataclass
@@ -49,8 +50,9 @@ from ._setup import data_parallel as _data_parallel
 from ._planning import describe as _describe
 from ._runtime import shard_math as _shard_math
 from ._planning.describe import ModuleRow, ShardingDescription
-from ._planning.plan_profile import DEFAULT_DEVICE_FLOPS, PROFILES, BlockProfile, Profile, agreed, profile_model
-from ._base.tree import tensors_in
+from ._planning.plan_profile import (DEFAULT_DEVICE_FLOPS, PROFILES, BlockProfile, Profile, agreed, compute_dtypes,
+                                     profile_model)
+from ._base.tree import convert, tensors_in
 from .api import MixedPrecision, ShardingStrategy
 from .checkpoint import checkpoint
 from .fully_shard import fully_shard
@@ -243,8 +245,9 @@ def plan(model: nn.Module, example_batch: Any, *, memory_budget: int, world_size
         ValueError: a budget that is not a positive int, an unknown optimizer, no block found,
             a model already sharded, a model whose forward cannot run on fake tensors
             (data-dependent operations), ``profile="measured"`` on a meta-device model, or no
-            plan fits (the message gives the smallest peak achievable and the ranks or batch it
-            would take).
+            plan fits (the message gives the smallest peak achievable, the ranks it would take,
+            and the most batch rows per rank that fit, measured on the example's first rows, or
+            that no batch fits: [Note: Fewer rows]).
         NotImplementedError: a tensor-parallel (``DTensor``) model: plan() models data
             parallelism only (size a 2-D run with :func:`describe` after applying the APIs).
     """
@@ -258,7 +261,8 @@ def plan(model: nn.Module, example_batch: Any, *, memory_budget: int, world_size
         lambda profile: [[b.fqn] for b in profile.blocks], applied="a plan", what="ranks disagree on the blocks plan() found (plan the same model, with the same block_types, on every rank)",
         tag="plan::profile", digest_first=True))
     search = _Search(model, blocks, measured, world, optimizer, mixed_precision, bandwidth)
-    assignment = _choose(search, memory_budget)
+    assignment = _choose(search, memory_budget, _Rows(example_batch, lambda batch: profile_model(
+        model, blocks, batch, loss_fn, mixed_precision, "fake", device_flops)))
     return search.result(assignment, memory_budget)
 
 
@@ -351,6 +355,8 @@ class _Cost:
     largest_param: int  # the largest piece of one original parameter this rank's optimizer steps
     num_flag_params: int  # original parameters counted by fully_shard's used-flags all-reduce
     frozen_whole: int = 0  # replicate: frozen parameters it does not manage, held whole on every rank
+    param_grads: int = 0  # its parameters' gradients as autograd makes them, before they are concatenated
+    flat_grad: int = 0  # the unsharded gradient they are concatenated into (compute dtype, padded)
 
 
 def _handle_cost(info: _describe.HandleInfo) -> _Cost:
@@ -358,15 +364,18 @@ def _handle_cost(info: _describe.HandleInfo) -> _Cost:
     gathered = info.gathers_in_group
     unsharded = sum(_shard_math.padded_numel(g.numel, info.shard_world) * g.compute_dtype.itemsize
                     for g in info.groups) if gathered else 0
-    grad = 0
+    grad = made = flat = 0
     for g in info.groups:
         if g.requires_grad and info.shard_world > 1:
             padded = _shard_math.padded_numel(g.numel, info.shard_world)
+            made += g.numel * g.compute_dtype.itemsize
+            flat += padded * g.compute_dtype.itemsize
             grad += padded * g.compute_dtype.itemsize
             grad += padded * g.reduce_dtype.itemsize if g.reduce_dtype != g.compute_dtype else 0
     largest = max((min(g.numel, _shard_math.chunk_numel(g.numel, info.shard_world)) * g.dtype.itemsize
                    for g in info.groups if g.requires_grad), default=0)
-    return _Cost(row, unsharded, grad, 0, largest, sum(g.num_params for g in info.groups if g.requires_grad))
+    return _Cost(row, unsharded, grad, 0, largest, sum(g.num_params for g in info.groups if g.requires_grad),
+                 param_grads=made, flat_grad=flat)
 
 
 def _replicate_cost(row: ModuleRow, module: nn.Module) -> _Cost:
@@ -410,9 +419,11 @@ class _Search:
         self.root = _handle_cost(self.root_info)
         self.whole = _replicate_cost(_describe.planned_replicate_row("", model, world, reduce_dtype), model) \
             if self.can_replicate else None
-        param_dtype = mp.param_dtype if mp is not None else None
-        self.after_grad = sum(p.numel() * (param_dtype or p.dtype).itemsize for p in model.parameters()
-                              if id(p) in profile.after_params and p.requires_grad)
+        # the head's parameters by name ([Note: Identity on fake tensors]), each once (tied names share it)
+        head = {id(p): p for name, p in model.named_parameters(remove_duplicate=False)
+                if name in profile.after_params and p.requires_grad}
+        dtypes = compute_dtypes(model, mp)
+        self.after_grad = sum(p.numel() * dtypes.get(id(p), p.dtype).itemsize for p in head.values())
 
     def bytes_sent(self, assignment: Optional[Sequence[_Option]]) -> int:
         """Per step, as describe counts: the rows' collectives plus fully_shard's used flags."""
@@ -490,6 +501,7 @@ class _Step:
     options: Tuple[_Option, ...]
     costs: Tuple[_Cost, ...]
     largest_param: int
+    root_concat: int = 0  # the root's parameters' gradients and the unsharded gradient they are concatenated into
 
 
 def _step_terms(s: _Search, assignment: Optional[Sequence[_Option]]) -> _Step:
@@ -509,7 +521,7 @@ def _step_terms(s: _Search, assignment: Optional[Sequence[_Option]]) -> _Step:
                  buckets, s.root.unsharded,
                  s.root.unsharded_grad, s.root.row.grad_bytes, s.after_grad if s.root.unsharded_grad else 0, True,
                  sum(c.replicate_grads for c in costs), options, costs,
-                 max(c.largest_param for c in (s.root,) + costs))
+                 max(c.largest_param for c in (s.root,) + costs), s.root.param_grads + s.root.flat_grad)
 
 
 def _optimizer_bytes(s: _Search, rows: Sequence[ModuleRow]) -> int:
@@ -518,91 +530,139 @@ def _optimizer_bytes(s: _Search, rows: Sequence[ModuleRow]) -> int:
 
 def _simulate(s: _Search, assignment: Optional[Sequence[_Option]], scale: float = 1.0) -> _Moment:
     """The highest moment of one steady-state step (forward, backward, optimizer step); ``None``
-    is ``replicate(model)``; ``scale`` multiplies the activations (a smaller batch).
+    is ``replicate(model)``; ``scale`` multiplies the activations (a smaller batch)."""
+    return max(_moments(s, assignment, scale), key=lambda m: m.total)
+
+
+def _moments(s: _Search, assignment: Optional[Sequence[_Option]], scale: float = 1.0) -> List[_Moment]:
+    """The candidate moments of one steady-state step, in the step's order.
 
     [Note: Peak moments] The runtime's buffers are released at known points (the life of a
     parameter, ``_runtime/hooks.py``), so the step's memory is a sum of known terms at a few
     candidate moments; the peak is the largest:
       always            parameters (shards, replicas), optimizer state, replicate's buckets
-      forward after     + every kept activation (a checkpointed block keeps its inputs only),
+      forward after     + every kept activation (a checkpointed block keeps its inputs only:
+                        [Note: Shared inputs] in ``_planning/plan_profile.py``),
       the blocks        the root's unsharded parameters (kept for its backward) and those of
                         SHARD_GRAD_OP blocks, and the most the head and loss held at once in the
                         measured forward (their saved tensors and temporaries)
-      start of backward the same with the head's saved tensors and the most the backward of the
-                        loss and head held above them, the head's parameters' gradients (they wait
-                        for the root's reduction at the end of backward); and the last block's
-                        unsharded parameters if FULL_SHARD (the root's pre-backward prefetches them)
-      backward of k     blocks after k have freed their activations; k's are alive (recomputed if
-                        checkpointed), with the gradient of its outputs and the most its measured
-                        backward held above its start (a checkpointed block: at least its input,
-                        that gradient and the most its measured forward held); k's unsharded
-                        parameters and the prefetched ones of k-1 ([Note: Handle order]), k's
-                        unsharded gradient and k+1's (its reduce-scatter is waited on only when
-                        k's gradient buffer is made, at the end of k's backward), the gradients of the root's parameters used after the
-                        blocks (the head), the sharded gradients of the blocks after k, and
-                        replicate's gradients of the blocks k.. (copied into the buckets only at
-                        the end of backward)
-      end of backward   all gradients, the root's unsharded parameters and gradient
+      start of backward the same with the head's saved tensors and, at the highest moment of the
+                        backward of the loss and head, what it held above them and the head's
+                        parameters' gradients made by then (they wait for the root's reduction at
+                        the end of backward; [Note: The head's gradients] in
+                        ``_planning/plan_profile.py``); and the last block's unsharded parameters
+                        if FULL_SHARD (the root's pre-backward prefetches them)
+      backward of k     the highest of three phases, each with: the blocks after k have freed
+                        their activations and hold their sharded gradients or replicate's (copied
+                        into the buckets only at the end of backward), the root's parameters used
+                        after the blocks their gradients (the head: [Note: The head's gradients]
+                        in ``_planning/plan_profile.py``), k has its unsharded parameters and k-1
+                        the prefetched ones ([Note: Handle order]).
+                        Its backward's highest moment: k's activations (recomputed if
+                        checkpointed), the gradient of its outputs, what its measured backward
+                        held above its start and its parameters' gradients made by then ([Note:
+                        Gradients in a backward] in ``_planning/plan_profile.py``), and k+1's
+                        unsharded gradient while its reduction is in flight (released at k's
+                        pre-backward when k is fully sharded and checkpointed, else just before
+                        k's gradients are concatenated: [Note: Reductions in flight] in
+                        ``_runtime/flat_param.py``).
+                        Its recomputation (checkpointed): its input, the gradient of its outputs
+                        and the most its measured forward held.
+                        The concatenation (fully sharded): all its parameters' gradients beside
+                        the unsharded gradient they are copied into (or, if larger, that gradient
+                        and its reduce-dtype copy), its kept input and its input's gradient.
+      end of backward   all gradients, the root's unsharded parameters and gradient: first its
+                        parameters' gradients beside the unsharded gradient they are copied into,
+                        then that gradient (and its reduce-dtype copy) beside the root's shard
       optimizer step    all gradients, two temporaries of the largest parameter piece (AdamW
                         without foreach; SGD none)
     A block's forward-time peak (its own temporaries) stays below its backward's, which holds the
-    same saved tensors and more. Calibrated against benchmarks/memory.py's
-    counting allocator (see the verification table in benchmarks/NOTES.md)."""
+    same saved tensors and more. Calibrated against benchmarks/memory.py's counting allocator,
+    window by window of one step (benchmarks/NOTES.md): the highest moment of each measures within
+    a few KB of its prediction less the headroom ([Note: Headroom])."""
     t = _step_terms(s, assignment)
     prof = s.profile
-    kept = [int(scale * (p.input_bytes if o.checkpoint else p.saved_bytes)) for p, o in zip(prof.blocks, t.options)]
+    kept = [int(scale * p.kept_bytes(o.checkpoint)) for p, o in zip(prof.blocks, t.options)]
     zero2 = [c.unsharded if o.strategy is _ZERO2 else 0 for c, o in zip(t.costs, t.options)]
     before, after = int(scale * (prof.before_bytes + prof.batch_bytes)), int(scale * prof.after_bytes)
     base = {"parameters": t.params, "optimizer": t.optimizer}
     prefetched = t.costs[-1].unsharded if t.options and t.options[-1].strategy is _FULL else 0
     in_flight = t.root_unsharded + sum(zero2)
+    head_made = min(prof.head_backward_grads, t.head_grad)  # by the head backward's highest moment
     moments = [
         _Moment("forward after the blocks", dict(
             base, gradients=t.buckets, activations=before + sum(kept) + int(scale * prof.head_forward_extra),
             unsharded_in_flight=in_flight, communication=0)),
         _Moment("start of backward", dict(
-            base, gradients=t.buckets + (0 if t.head_grad_is_comm else t.head_grad),
+            base, gradients=t.buckets + (0 if t.head_grad_is_comm else head_made),
             activations=before + sum(kept) + after + int(scale * prof.head_backward_extra),
-            unsharded_in_flight=in_flight + prefetched, communication=t.head_grad if t.head_grad_is_comm else 0))]
-    moments.extend(_backward_moment(s, t, k, kept, zero2, before, scale) for k in reversed(range(len(kept))))
-    all_grads = t.buckets + sum(c.row.grad_bytes for c, o in zip(t.costs, t.options) if o.api == "fully_shard") \
-        + t.root_shard_grad
-    moments.append(_Moment("end of backward", dict(base, gradients=all_grads + t.late_grads, activations=before,
-                                                   unsharded_in_flight=t.root_unsharded, communication=t.root_grad)))
+            unsharded_in_flight=in_flight + prefetched, communication=head_made if t.head_grad_is_comm else 0))]
+    moments.extend(max(_backward_phases(s, t, k, kept, zero2, before, scale), key=lambda m: m.total)
+                   for k in reversed(range(len(kept))))
+    block_grads = t.buckets + sum(c.row.grad_bytes for c, o in zip(t.costs, t.options) if o.api == "fully_shard")
+    all_grads = block_grads + t.root_shard_grad
+    moments.append(max(  # the root's gradients concatenated, then its reduction issued
+        _Moment("end of backward", dict(base, gradients=block_grads + t.late_grads, activations=before,
+                                        unsharded_in_flight=t.root_unsharded, communication=t.root_concat)),
+        _Moment("end of backward", dict(base, gradients=all_grads + t.late_grads, activations=before,
+                                        unsharded_in_flight=t.root_unsharded, communication=t.root_grad)),
+        key=lambda m: m.total))
     temporaries = 2 * t.largest_param if s.optimizer in ("adamw", "adam") else 0
     moments.append(_Moment("optimizer step", dict(base, gradients=all_grads, activations=temporaries + before,
                                                   unsharded_in_flight=0, communication=0)))
     for moment in moments:
         moment.parts["other"] = max(OTHER_MIN_BYTES, int(OTHER_FRACTION * moment.total))
-    return max(moments, key=lambda m: m.total)
+    return moments
 
 
-def _backward_moment(s: _Search, t: _Step, k: int, kept: List[int], zero2: List[int], before: int,
-                     scale: float) -> _Moment:
+def _backward_phases(s: _Search, t: _Step, k: int, kept: List[int], zero2: List[int], before: int,
+                     scale: float) -> List[_Moment]:
+    """Block k's backward ([Note: Peak moments]): its backward's highest moment, its
+    recomputation (if checkpointed), the concatenation of its parameters' gradients into its
+    unsharded gradient (if fully sharded), in this order."""
     block, options, costs = s.profile.blocks[k], t.options, t.costs
+    option, cost = options[k], costs[k]
     later = range(k + 1, len(costs))
     shard_grads = sum(costs[j].row.grad_bytes for j in later if options[j].api == "fully_shard")
-    rep_grads = sum(costs[j].replicate_grads for j in range(k, len(costs)))
+    rep_grads = sum(costs[j].replicate_grads for j in later)
     in_flight = t.root_unsharded + sum(zero2[:k + 1])
-    if options[k].strategy is _FULL:
-        in_flight += costs[k].unsharded
+    if option.strategy is _FULL:
+        in_flight += cost.unsharded
     if k > 0 and options[k - 1].strategy is _FULL:
         in_flight += costs[k - 1].unsharded
     head = 0 if t.head_grad_is_comm else t.head_grad
-    comm = costs[k].unsharded_grad + (t.head_grad if t.head_grad_is_comm else 0)
-    if k + 1 < len(costs) and options[k + 1].api == "fully_shard":  # its reduce-scatter is waited on only when
-        comm += costs[k + 1].unsharded_grad                          # k's own gradient is made, at k's end
-    own = block.saved_bytes + block.output_bytes + block.backward_extra
-    if options[k].checkpoint:  # its recomputation: the kept input, the arriving gradient and the forward's most
-        own = max(own, block.input_bytes + block.output_bytes + block.forward_extra)
-    acts = before + sum(kept[:k]) + int(scale * own)
-    return _Moment(f"backward of {block.fqn}", {
-        "parameters": t.params, "optimizer": t.optimizer, "gradients": t.buckets + shard_grads + rep_grads + head,
-        "activations": acts, "unsharded_in_flight": in_flight, "communication": comm})
+    head_comm = t.head_grad if t.head_grad_is_comm else 0
+    # Block k+1's unsharded gradient is in flight until k's handle releases it: just before k's own
+    # gradients are concatenated, or at k's pre-backward when k recomputes first ([Note: Reductions
+    # in flight] in _runtime/flat_param.py); replicate has no handle and releases nothing.
+    releases_early = option.api == "fully_shard" and option.checkpoint
+    comm = 0
+    if k + 1 < len(costs) and options[k + 1].api == "fully_shard" and not releases_early:
+        comm += costs[k + 1].unsharded_grad
+    kept_before = before + sum(kept[:k])
+    grads = t.buckets + shard_grads + rep_grads + head
+
+    def phase(gradients: int, activations: int, communication: int) -> _Moment:
+        return _Moment(f"backward of {block.fqn}", {
+            "parameters": t.params, "optimizer": t.optimizer, "gradients": gradients, "activations": activations,
+            "unsharded_in_flight": in_flight, "communication": communication})
+
+    made = block.backward_grads  # its parameters' gradients made by its backward's highest moment
+    phases = [phase(grads + (made if option.api == "replicate" else 0),
+                    kept_before + int(scale * (block.saved_bytes + block.output_bytes + block.backward_extra)),
+                    head_comm + comm + (made if option.api == "fully_shard" else 0))]
+    if option.checkpoint:  # the kept input, the arriving gradient and the most its forward held
+        phases.append(phase(grads, kept_before + int(scale * (block.input_bytes + block.output_bytes +
+                                                               block.forward_extra)), head_comm + comm))
+    if cost.flat_grad:  # every gradient made, beside the buffer they are concatenated into; then its reduction
+        grad_in = s.profile.blocks[k - 1].output_bytes if k else block.input_bytes  # the gradient of its input
+        phases.append(phase(grads, kept_before + (kept[k] if option.checkpoint else 0) + int(scale * grad_in),
+                            head_comm + max(cost.param_grads + cost.flat_grad, cost.unsharded_grad)))
+    return phases
 
 
 # ---------------------------------------------------------------------------- choose
-def _choose(s: _Search, budget: int) -> Optional[List[_Option]]:
+def _choose(s: _Search, budget: int, rows: Optional[_Rows] = None) -> Optional[List[_Option]]:
     """The assignment of least cost whose simulated peak fits ``budget``; ``None`` is
     ``replicate(model)``.
 
@@ -620,7 +680,7 @@ def _choose(s: _Search, budget: int) -> Optional[List[_Option]]:
         return None
     smallest = [_Option("fully_shard", _FULL, True)] * len(s.blocks)
     if _simulate(s, smallest).total > budget:
-        raise ValueError(_infeasible(s, smallest, budget))
+        raise ValueError(_infeasible(s, smallest, budget, rows))
     assignment = [s.options[0]] * len(s.blocks)
     peak = _simulate(s, assignment).total
     while peak > budget:
@@ -646,7 +706,7 @@ def _representatives(s: _Search, assignment: List[_Option]) -> List[int]:
     out: List[int] = []
     for k, ((_, block), option) in enumerate(zip(s.blocks, assignment)):
         p = s.profile.blocks[k]
-        kind = (option, type(block), p.saved_bytes, p.input_bytes, s.costs[k][option].row.numel)
+        kind = (option, type(block), p.saved_bytes, p.input_bytes, p.shared_bytes, s.costs[k][option].row.numel)
         if kind not in seen:
             seen.add(kind)
             out.append(k)
@@ -668,8 +728,28 @@ def _relax(s: _Search, assignment: List[_Option], budget: int) -> List[_Option]:
     return assignment
 
 
-def _infeasible(s: _Search, smallest: List[_Option], budget: int) -> str:
-    """The error text: the smallest peak, then the ranks or the batch it would take."""
+@dataclass(frozen=True)
+class _Rows:
+    """The example batch, for the infeasible message's batch: its rows are the leading dimension
+    every tensor of it shares; ``measure(batch)`` is the step's profile on another batch (raises
+    when the model or ``loss_fn`` cannot run on it, as a ``loss_fn`` holding the targets of the
+    example's rows cannot on fewer)."""
+
+    batch: Any
+    measure: Callable[[Any], Profile]
+
+    def count(self) -> Optional[int]:
+        """The rows of the example batch, or ``None`` when its tensors share no leading dimension."""
+        leading = {t.shape[0] for t in tensors_in(self.batch, None) if t.dim()}
+        return leading.pop() if len(leading) == 1 else None
+
+    def first(self, rows: int) -> Any:
+        """The example batch cut to its first ``rows`` rows."""
+        return convert(self.batch, lambda t: t[:rows] if t.dim() else t)
+
+
+def _infeasible(s: _Search, smallest: List[_Option], budget: int, rows: Optional[_Rows]) -> str:
+    """The error text: the smallest peak, then the ranks, then the batch it would take."""
     moment = _simulate(s, smallest)
     parts = ", ".join(f"{k} {_mb(v)}" for k, v in moment.parts.items() if v)
     text = (f"plan: no plan fits {type(s.model).__name__} in memory_budget={budget:,} B per rank at {s.world} ranks: "
@@ -681,20 +761,73 @@ def _infeasible(s: _Search, smallest: List[_Option], budget: int) -> str:
         wider = _Search(s.model, s.blocks, s.profile, world, s.optimizer, s.mixed_precision, s.bandwidth)
         peak = _simulate(wider, smallest).total
         if peak <= budget:
-            text += f" It fits at {world} ranks (peak {peak:,} B)"
+            text += f" It fits at {world} ranks (peak {peak:,} B)."
             break
     else:
-        text += " More ranks alone do not make it fit (up to 4096)"
-    low, high = 0.0, 1.0
-    if _simulate(s, smallest, 0.0).total > budget:
-        return text + f"; a smaller batch does not either (without activations the peak is " \
-                      f"{_simulate(s, smallest, 0.0).total:,} B)."
-    for _ in range(30):
-        mid = (low + high) / 2
-        low, high = (mid, high) if _simulate(s, smallest, mid).total <= budget else (low, mid)
-    percent = math.floor(low * 1000) / 10  # rounded down: what the message suggests must fit
-    return text + f"; or at {s.world} ranks a per-rank batch at most {percent:.1f}% of the example's (activations " \
-                  f"scale with the batch), or a larger memory_budget."
+        text += " More ranks alone do not make it fit (up to 4096)."
+    bare = _simulate(s, smallest, 0.0).total
+    if bare > budget:
+        return text + (f" No batch fits at {s.world} ranks: without activations (parameters, gradients, optimizer "
+                       f"state and the unsharded and communication buffers alone) the peak is {bare:,} B; raise "
+                       "memory_budget.")
+    return text + f" At {s.world} ranks, " + _fewer_rows(s, smallest, budget, rows)
+
+
+def _fewer_rows(s: _Search, smallest: List[_Option], budget: int, rows: Optional[_Rows]) -> str:
+    """The most batch rows per rank that fit, measured on the example's first rows; estimated by
+    scaling the activations when they cannot be measured ([Note: Fewer rows])."""
+    total = rows.count() if rows is not None else None
+    if rows is None or total is None or total < 2:
+        low, high = 0.0, 1.0
+        for _ in range(30):
+            mid = (low + high) / 2
+            low, high = (mid, high) if _simulate(s, smallest, mid).total <= budget else (low, mid)
+        percent = math.floor(low * 1000) / 10  # rounded down: what the message suggests must fit
+        what = "has one row" if total == 1 else "has tensors that share no leading dimension"
+        return (f"activations at most {percent:.1f}% of the example's fit (its batch {what}: shorter sequences or "
+                "smaller inputs); or raise memory_budget.")
+    estimate = max((r for r in range(1, total) if _simulate(s, smallest, r / total).total <= budget), default=0)
+    try:
+        fits, peak = _largest_measured(s, smallest, budget, rows, estimate)
+    except (ValueError, TypeError):  # the model or loss_fn cannot run on fewer rows: the estimate it is
+        how = "the activations scaled with the rows: loss_fn could not run on fewer rows to measure them"
+        if not estimate:
+            return f"not even one of the example's {total} rows per rank fits ({how}); raise memory_budget."
+        return (f"a per-rank batch of at most {estimate} of the example's {total} rows fits by an estimate ({how}); "
+                "or raise memory_budget.")
+    if not fits:
+        return (f"not even one of the example's {total} rows per rank fits (measured on one row: smallest peak "
+                f"{peak:,} B); raise memory_budget.")
+    return (f"a per-rank batch of at most {fits} of the example's {total} rows fits (measured on {fits} "
+            f"row{'s' if fits > 1 else ''}: smallest peak {peak:,} B); or raise memory_budget.")
+
+
+def _largest_measured(s: _Search, smallest: List[_Option], budget: int, rows: _Rows, estimate: int) -> Tuple[int, int]:
+    """(the most rows that fit, their smallest peak), or (0, the peak on one row).
+
+    [Note: Fewer rows] Activations do not all scale with the rows (a Llama's rotary tables and
+    position ids are per token, not per row), so the rows are measured: the fake pass runs on the
+    example's first rows. Scaling every activation with the rows never over-counts, so the
+    scaled estimate is the most that can fit; one pass checks it, and a bisection below it finds
+    the most that do (a few passes)."""
+    def peak(count: int) -> int:
+        fewer = copy.copy(s)
+        fewer.profile = rows.measure(rows.first(count))
+        return _simulate(fewer, smallest).total
+
+    if estimate:
+        top = peak(estimate)
+        if top <= budget:
+            return estimate, top
+    low, high, found, best = 1, estimate - 1, 0, 0  # above high nothing fits; found fits
+    while low <= high:
+        mid = (low + high) // 2
+        value = peak(mid)
+        if value <= budget:
+            found, best, low = mid, value, mid + 1
+        else:
+            high = mid - 1
+    return (found, best) if found else (0, peak(1))
 
 
 # ---------------------------------------------------------------------------- text

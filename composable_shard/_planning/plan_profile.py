@@ -14,18 +14,50 @@ what it started with, its forward FLOPs, and (when the model is materialized) it
   Recording, per block:
     saved        storages autograd saves while the block's forward runs (saved-tensor hooks),
                  each storage once, parameters excluded
-    inputs       storages of its tensor inputs (what a checkpointed block keeps)
+    inputs       storages of its tensor inputs (what a checkpointed block keeps), each counted by
+                 the first block that receives it ([Note: Shared inputs])
     outputs      storages of its tensor outputs: the gradient arriving at its backward has their size
-    backward     the most bytes alive during its backward above what was alive when it began
-                 (a dispatch mode sees every storage made and a finalizer every one freed; a
-                 parameter's gradient is left out: the plan counts it as the runtime holds it, in
-                 an unsharded gradient buffer or replicate's gradients), and the scratch copies a convolution's backward
-                 makes of its input and its output's gradient, which no fake tensor shows
-                 (``_conv_backward_workspace``)
+    backward     what its backward held above what was alive when it began, at its highest
+                 moment counting its parameters' gradients made by then, and those gradients
+                 apart ([Note: Gradients in a backward]); a dispatch mode sees every storage
+                 made and a finalizer every one freed; with the scratch copies a convolution's
+                 backward makes of its input and its output's gradient, which no fake tensor
+                 shows (``_conv_backward_workspace``)
     forward      the most its forward holds above what was alive when it began: a checkpointed
                  block's recomputation holds that beside the gradient arriving at it
     flops        forward FLOPs (``torch.utils.flop_counter``): the recomputation cost when
                  nothing is timed, at ``device_flops`` FLOP/s
+  [Note: Identity on fake tensors] ``functional_call`` swaps a fake tensor in for every
+  parameter and buffer during the pass, so nothing recorded during it is keyed by a real
+  tensor's ``id()``: the head's parameters are recorded by name. A storage's identity is unique
+  only while it lives, so the recorder holds every storage it keyed (block inputs, saved
+  tensors; fake, so no memory) until the pass ends: a block input freed after its block (a bf16
+  hidden state no kernel saved) would otherwise lend its identity to the next block's input,
+  which then counted as already kept (an 8B Llama's layer 1 kept 16 KB instead of 33.5 MB).
+  Storages that exist before the step (parameters, buffers, the batch, and a real parameter
+  reached other than through its module's attribute, which ``functional_call`` cannot swap)
+  are neither saved activations nor block inputs; a batch tensor given twice, or two views of
+  one storage, become views of one fake storage.
+  [Note: Gradients in a backward] A parameter's gradient is made in the backward that uses it
+  and then kept by the runtime (beside the other gradients of its handle until they are
+  concatenated into its unsharded gradient, in replicate's gradients, in the root's until the
+  end of backward), which ``plan`` counts from its own terms. A backward's highest moment can
+  come before most of its gradients exist (a loss's softmax backward before the head's weight
+  gradient; a block's recomputed activations before its first layers' weight gradients), so each
+  backward window is measured with its gradients kept from when they are made, and split at its
+  highest moment into what else it held and the gradients made by then (a 16-block GPT's block:
+  1 MB of its 3.2 MB).
+  [Note: The head's gradients] The gradients of the parameters used after the blocks (the final
+  norm's, the head's) are made in the head's backward and kept until the end of backward (the
+  root reduces them there), so every block's backward holds them (``plan`` counts them by the
+  parameters' names and compute dtype); the head's backward holds those made by its highest
+  moment ([Note: Gradients in a backward]).
+  [Note: Shared inputs] A Llama passes every decoder layer the same rotary tables and position
+  ids. One storage is one allocation however many blocks keep it, so each counts in the input
+  bytes of the first block receiving it only. Kept by a later checkpointed block while that first
+  block is not checkpointed, a table that block saved is in its saved bytes; one nothing saves (the
+  position ids) is its ``shared_bytes``, which the plan counts with a block that is not
+  checkpointed (so also when no block keeps it: a few bytes too many, never too few).
   A model whose forward depends on its values (``.item()``, ``nonzero``, data-dependent shapes:
   routed mixtures of experts) cannot run on fake tensors; it is refused with the reason, never
   planned with activations counted as 0 bytes.
@@ -58,8 +90,8 @@ from .._base import torch_compat as _torch_compat
 from .._base.tree import convert, tensors_in
 from ..api import MixedPrecision
 
-__all__ = ["BlockProfile", "Profile", "profile_model", "agreed", "call_model", "default_loss", "PROFILES",
-           "DEFAULT_DEVICE_FLOPS"]
+__all__ = ["BlockProfile", "Profile", "profile_model", "agreed", "call_model", "default_loss", "compute_dtypes",
+           "PROFILES", "DEFAULT_DEVICE_FLOPS"]
 
 PROFILES = ("auto", "fake", "measured")
 # FLOP/s of the device model when nothing is timed: about 40% of an H100 SXM's 989 TFLOP/s dense
@@ -79,9 +111,16 @@ class BlockProfile:
     largest_saved: int  # the largest of the saved storages
     forward_seconds: float  # one forward of the block: what recomputing it costs
     output_bytes: int = 0  # storages of its tensor outputs (the gradient its backward receives)
-    backward_extra: int = 0  # the most its backward holds above what was alive when it began
+    backward_extra: int = 0  # what its backward held above what was alive when it began, at its highest moment
     forward_flops: int = 0  # FLOPs of one forward
     forward_extra: int = 0  # the most its forward held above what was alive when it began (what recomputing it holds)
+    shared_bytes: int = 0  # inputs it receives first, later blocks too, and nothing saves ([Note: Shared inputs])
+    backward_grads: int = 0  # its parameters' gradients made by that moment ([Note: Gradients in a backward])
+
+    def kept_bytes(self, checkpointed: bool) -> int:
+        """What the block keeps from its forward to its backward: its inputs if checkpointed,
+        else what it saved and the inputs it shares with later blocks ([Note: Shared inputs])."""
+        return self.input_bytes if checkpointed else self.saved_bytes + self.shared_bytes
 
 
 @dataclass(frozen=True)
@@ -91,11 +130,12 @@ class Profile:
     blocks: Tuple[BlockProfile, ...]
     before_bytes: int  # saved outside every block before the first block's forward (embeddings)
     after_bytes: int  # saved outside every block after it (final norm, head, loss)
-    after_params: frozenset  # ids of the parameters of modules outside the blocks that ran after them (the head)
+    after_params: frozenset  # names (FQNs) of the parameters of modules outside the blocks that ran after them (the head)
     batch_bytes: int  # the example batch's own storages: alive for the whole step
     head_forward_extra: int  # the most the forward after the blocks held above its start (its saved tensors included)
-    head_backward_extra: int  # the most the backward of the loss and head held above its start
+    head_backward_extra: int  # what the loss's and head's backward held above its start, at its highest moment
     source: str  # "fake" or "measured" (the forward seconds' origin)
+    head_backward_grads: int = 0  # the head's gradients made by that moment ([Note: The head's gradients])
 
 
 # ---------------------------------------------------------------------------- the model's call
@@ -170,29 +210,42 @@ class _Live:
         self.log.append(("enter", window, 0))
 
     def extras(self) -> Dict[str, int]:
-        """Per window, the most it held above what was alive when it began."""
+        """Per window, the most it held above what was alive when it began. A backward window
+        (the head's, a block's) is taken at its highest moment counting the parameters' gradients
+        made in it so far: what else it held then, and as ``"<window> gradients"`` those
+        gradients ([Note: Gradients in a backward])."""
         total, window = 0, "before"
         start: Dict[str, int] = {window: 0}
         peak: Dict[str, int] = {window: 0}
+        grads: Dict[str, int] = {window: 0}  # at each window's highest moment, the gradients made in it by then
+        made = 0  # gradients made so far in the window running
         for kind, key, nbytes in self.log:
             if kind == "enter":
-                window = key
+                window, made = key, 0
                 start[window] = peak[window] = total
-            elif kind == "scratch":
-                peak[window] = max(peak[window], total + nbytes)
+                grads[window] = 0
+                continue
+            if kind == "scratch":
+                now = total + nbytes
             elif key not in self.gradients:
                 total += nbytes if kind == "made" else -nbytes
-                peak[window] = max(peak[window], total)
-        return {w: peak[w] - start[w] for w in peak}
+                now = total
+            elif kind == "made":
+                made += nbytes  # and never gone: the runtime keeps it (its unsharded gradient, replicate's buckets)
+                now = total
+            else:
+                continue
+            if now + made > peak[window] + grads[window]:
+                peak[window], grads[window] = now, made
+        return dict({w: peak[w] - start[w] for w in peak}, **{f"{w} gradients": grads[w] for w in grads})
 
 
 class _Recorder:
     """Forward hooks and a pack hook attributing saved storages to the block running, and the
     windows of :class:`_Live` moved at each block's forward and backward."""
 
-    def __init__(self, blocks: List[Tuple[str, nn.Module]], param_keys: Set[int], live: _Live,
-                 flops: FlopCounterMode) -> None:
-        self.blocks, self.param_keys, self.live, self.flops = blocks, param_keys, live, flops
+    def __init__(self, blocks: List[Tuple[str, nn.Module]], live: _Live, flops: FlopCounterMode) -> None:
+        self.blocks, self.live, self.flops = blocks, live, flops
         self.running: List[int] = []  # indices of the blocks whose forward is running
         self.started = False  # a block's forward has begun
         self.owner: Dict[int, int] = {}  # storage -> block index, -1 before, -2 after the blocks
@@ -201,22 +254,31 @@ class _Recorder:
         self.outputs: List[int] = [0] * len(blocks)
         self.flop_start: List[int] = [0] * len(blocks)
         self.forward_flops: List[int] = [0] * len(blocks)
-        self.after_params: Set[int] = set()  # parameters of modules outside the blocks run after them
+        self.after_params: Set[str] = set()  # names of the parameters of modules outside the blocks run after them
         self.hooks: List[Any] = []  # the multi-grad hooks marking each block's backward
+        self.held: Dict[int, Any] = {}  # storage -> the storage itself, alive until the pass ends ([Note: Identity on fake tensors])
+
+    def _key(self, t: torch.Tensor) -> int:
+        key = _torch_compat.storage_id(t)
+        self.held.setdefault(key, t.untyped_storage())
+        return key
 
     def pre(self, index: int, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         self.running.append(index)
         self.started = True
         for t in tensors_in((args, kwargs), None):
-            key = _torch_compat.storage_id(t)
+            if _torch_compat.storage_id(t) in self.live.existing:  # the batch, a parameter: no new memory
+                continue
+            key = self._key(t)
             self.inputs[index].add(key)
             self.nbytes.setdefault(key, t.untyped_storage().nbytes())
         self.flop_start[index] = self.flops.get_total_flops()
         self.live.enter(f"forward {index}")
 
-    def outside(self, module: nn.Module) -> None:
+    def outside(self, names: List[str]) -> None:
+        """A module outside the blocks, with parameters ``names``, is called."""
         if self.started and not self.running:
-            self.after_params.update(id(p) for p in module.parameters(recurse=False))
+            self.after_params.update(names)
 
     def post(self, index: int, output: Any) -> None:
         self.forward_flops[index] += self.flops.get_total_flops() - self.flop_start[index]
@@ -231,7 +293,8 @@ class _Recorder:
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         key = _torch_compat.storage_id(t)
-        if key not in self.param_keys and key not in self.owner:
+        if key not in self.live.existing and key not in self.owner:
+            self._key(t)
             self.owner[key] = self.running[0] if self.running else (-2 if self.started else -1)
             self.nbytes[key] = t.untyped_storage().nbytes()
         return t
@@ -299,9 +362,10 @@ def _fake_device(model: nn.Module, batch: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def _compute_dtypes(model: nn.Module, mp: Optional[MixedPrecision]) -> Dict[int, torch.dtype]:
-    """The dtype each parameter and buffer computes in under ``mp`` (full precision in the
-    modules ``mp`` keeps there, batch norms by default)."""
+def compute_dtypes(model: nn.Module, mp: Optional[MixedPrecision]) -> Dict[int, torch.dtype]:
+    """The dtype each parameter and buffer of ``model`` (by ``id()`` of the real tensor) computes
+    in under ``mp`` (full precision in the modules ``mp`` keeps there, batch norms by default);
+    the ones absent compute in their own dtype."""
     out: Dict[int, torch.dtype] = {}
     if mp is None or (mp.param_dtype is None and mp.buffer_dtype is None):
         return out
@@ -318,10 +382,28 @@ def _compute_dtypes(model: nn.Module, mp: Optional[MixedPrecision]) -> Dict[int,
     return out
 
 
+class _FakeBatch:
+    """Fake copies of the batch's tensors that share storage where the real ones do: one tensor
+    given twice (``input_ids`` and ``labels``) or two views of one storage are views of one fake
+    storage, so the batch's bytes count it once ([Note: Identity on fake tensors])."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.storages: Dict[int, torch.Tensor] = {}  # real storage -> a fake uint8 tensor of its size
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        key = _torch_compat.storage_id(t)  # the batch's storages live through the pass: no identity reused
+        if key not in self.storages:
+            self.storages[key] = torch.empty(t.untyped_storage().nbytes(), dtype=torch.uint8, device=self.device)
+        made = torch.empty(0, dtype=t.dtype, device=self.device).set_(
+            self.storages[key].untyped_storage(), t.storage_offset(), t.shape, t.stride())
+        return made.requires_grad_(t.requires_grad) if made.is_floating_point() else made
+
+
 def _fake_pass(model: nn.Module, blocks: List[Tuple[str, nn.Module]], batch: Any,
                loss_fn: Optional[Callable[[Any], torch.Tensor]], mp: Optional[MixedPrecision]) -> Profile:
     device = _fake_device(model, batch)
-    dtypes = _compute_dtypes(model, mp)
+    dtypes = compute_dtypes(model, mp)
     mode = _torch_compat.fake_tensor_mode()
     live = _Live()
     flops = FlopCounterMode(display=False)
@@ -338,25 +420,29 @@ def _fake_pass(model: nn.Module, blocks: List[Tuple[str, nn.Module]], batch: Any
                 leaves.append(state[name])
         for name, b in model.named_buffers():
             state[name] = fake(b).detach()
-        fake_batch = convert(batch, fake)
-    param_keys = {_torch_compat.storage_id(t) for t in state.values()}
-    live.existing = param_keys | {_torch_compat.storage_id(t) for t in tensors_in(fake_batch, None)}
-    recorder = _Recorder(blocks, param_keys, live, flops)
+        fake_batch = convert(batch, _FakeBatch(device))
+    # the real tensors too: one reached other than through its module's attribute stays real in the pass
+    real = [t for t in (*model.parameters(), *model.buffers()) if not t.is_meta]
+    live.existing = {_torch_compat.storage_id(t) for t in (*state.values(), *real, *tensors_in(fake_batch, None))}
+    recorder = _Recorder(blocks, live, flops)
     handles = []
     for index, (_, block) in enumerate(blocks):
         handles.append(block.register_forward_pre_hook(
             lambda m, a, k, i=index: recorder.pre(i, a, k), with_kwargs=True))
         handles.append(block.register_forward_hook(lambda m, a, o, i=index: recorder.post(i, o)))
     inside = {id(m) for _, block in blocks for m in block.modules()}
-    for m in model.modules():
-        if id(m) not in inside and any(True for _ in m.parameters(recurse=False)):
-            handles.append(m.register_forward_pre_hook(lambda mod, a: recorder.outside(mod)))
+    for prefix, m in model.named_modules():
+        names = [f"{prefix}.{n}" if prefix else n for n, _ in m.named_parameters(recurse=False)]
+        if id(m) not in inside and names:
+            handles.append(m.register_forward_pre_hook(lambda mod, a, names=names: recorder.outside(names)))
+
     def taken(p: torch.Tensor) -> None:  # a parameter's gradient is the runtime's to count, and then gone
         assert p.grad is not None
         live.gradient(p.grad)
         p.grad = None
 
-    for leaf in leaves:
+    grads = [(p, p.grad) for p in model.parameters() if p.requires_grad]  # a real parameter used in the pass
+    for leaf in leaves + [p for p, _ in grads]:                           # gets a fake gradient: put back
         handles.append(leaf.register_post_accumulate_grad_hook(taken))
     attributes = _snapshot_attributes(model)
     try:
@@ -381,7 +467,10 @@ def _fake_pass(model: nn.Module, blocks: List[Tuple[str, nn.Module]], batch: Any
     finally:
         for h in handles + recorder.hooks:
             h.remove()
+        for p, grad in grads:
+            p.grad = grad
         _drop_fake_attributes(model, attributes)
+        recorder.held.clear()
     return _summarize(recorder, live.extras(), fake_batch)
 
 
@@ -453,14 +542,17 @@ def _summarize(recorder: _Recorder, extras: Dict[str, int], batch: Any) -> Profi
     for index, (fqn, _) in enumerate(recorder.blocks):
         fresh = recorder.inputs[index] - seen
         seen |= recorder.inputs[index]
+        shared = [k for k in fresh if k not in recorder.owner and any(k in later for later in recorder.inputs[index + 1:])]
         profiles.append(BlockProfile(fqn, sum(saved[index]), sum(recorder.nbytes[k] for k in fresh),
                                      max(saved[index], default=0), 0.0, recorder.outputs[index],
                                      extras.get(f"backward {index}", 0), recorder.forward_flops[index],
-                                     extras.get(f"forward {index}", 0)))
+                                     extras.get(f"forward {index}", 0), sum(recorder.nbytes[k] for k in shared),
+                                     extras.get(f"backward {index} gradients", 0)))
     batch_bytes = sum({_torch_compat.storage_id(t): t.untyped_storage().nbytes()
                        for t in tensors_in(batch, None)}.values())
     return Profile(tuple(profiles), sum(before), sum(after), frozenset(recorder.after_params), batch_bytes,
-                   extras.get("after", 0), extras.get("head backward", 0), "fake")
+                   extras.get("after", 0), extras.get("head backward", 0), "fake",
+                   extras.get("head backward gradients", 0))
 
 
 # ---------------------------------------------------------------------------- timing
@@ -507,8 +599,9 @@ def _time_blocks(model: nn.Module, blocks: List[Tuple[str, nn.Module]], batch: A
 
 
 _BLOCK_BYTES = ("saved_bytes", "input_bytes", "largest_saved", "output_bytes", "backward_extra", "forward_flops",
-                "forward_extra")
-_STEP_BYTES = ("before_bytes", "after_bytes", "batch_bytes", "head_forward_extra", "head_backward_extra")
+                "forward_extra", "shared_bytes", "backward_grads")
+_STEP_BYTES = ("before_bytes", "after_bytes", "batch_bytes", "head_forward_extra", "head_backward_extra",
+               "head_backward_grads")
 
 
 def agreed(profile: Profile) -> Profile:

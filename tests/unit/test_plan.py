@@ -10,6 +10,7 @@ over budget, or that leaves the measurement's gradients, buffers or RNG draws in
 from __future__ import annotations
 
 import re
+from typing import Any, Callable, Tuple
 
 import pytest
 import torch
@@ -99,15 +100,65 @@ def test_infeasible_budget_names_the_smallest_peak_and_what_it_takes() -> None:
         plan(model, batch, memory_budget=1000, world_size=2)
 
 
-def test_batch_fraction_rounds_down_to_what_fits() -> None:
-    """One byte below the smallest peak the batch would have to shrink a little: the message
-    says a fraction below 100% (it said "100%", which does not fit), rounded down."""
+def test_one_row_batch_fraction_rounds_down_to_what_fits() -> None:
+    """A batch of one row cannot lose rows: one byte below the smallest peak the message says a
+    fraction of the activations below 100% (it said "100%", which does not fit), rounded down."""
     model, batch = _toy()
-    smallest = _smallest_peak(model, batch)
+    smallest = _smallest_peak(model, batch[:1])
     with pytest.raises(ValueError) as info:
-        plan(model, batch, memory_budget=smallest - 1, world_size=2)
-    percent = re.search(r"a per-rank batch at most ([\d.]+)% of the example's", str(info.value))
+        plan(model, batch[:1], memory_budget=smallest - 1, world_size=2)
+    percent = re.search(r"activations at most ([\d.]+)% of the example's fit \(its batch has one row", str(info.value))
     assert percent is not None and 90.0 <= float(percent.group(1)) < 100.0, str(info.value)
+
+
+def _rows_case(name: str) -> Tuple[nn.Module, torch.Tensor, Callable[[torch.Tensor], Callable[[Any], torch.Tensor]]]:
+    """A residual conv net (4 rows of 3 x 32 x 32) or a GPT (4 rows of 32 tokens), and a loss of a
+    batch's targets (a ``loss_fn`` holding them, as a training loop writes it: it cannot run on
+    fewer rows)."""
+    import torch.nn.functional as F
+    from benchmarks.model import GPT
+    from benchmarks.plan import ConvNet
+    torch.manual_seed(0)
+    if name == "convnet":
+        return ConvNet(channels=16, blocks=3), torch.randn(4, 3, 32, 32), \
+            lambda x: (lambda logits, y=torch.zeros(x.shape[0], dtype=torch.long): F.cross_entropy(logits, y))
+    return GPT(blocks=2, vocab=512, width=64, heads=4, max_seq=32), torch.randint(0, 512, (4, 32)), \
+        lambda x: (lambda logits, y=x: F.cross_entropy(logits.reshape(-1, 512), y.reshape(-1)))
+
+
+@pytest.mark.parametrize("name", ["convnet", "gpt"])
+def test_infeasible_budget_names_the_most_rows_that_fit(name: str) -> None:
+    """Below the smallest peak the message names the most batch rows per rank that fit: planning
+    the example's first r rows at that budget succeeds and r + 1 rows do not fit; with a
+    ``loss_fn`` that holds the example's targets (it cannot run on fewer rows) the same r, said to
+    be an estimate; below what the parameters, gradients and optimizer state hold alone, that no
+    batch fits. Before, half a residual conv net's smallest peak got only "more ranks do not fit"
+    and a percentage of the batch."""
+    model, x, loss_of = _rows_case(name)
+    with pytest.raises(ValueError) as info:
+        plan(model, x, memory_budget=1, world_size=2, profile="fake")
+    smallest = int(re.search(r"the smallest peak is ([\d,]+) B", str(info.value)).group(1).replace(",", ""))  # type: ignore[union-attr]
+    budget = smallest * (5 if name == "convnet" else 9) // 10
+    with pytest.raises(ValueError) as info:
+        plan(model, x, memory_budget=budget, world_size=2, profile="fake")
+    found = re.search(r"At 2 ranks, a per-rank batch of at most (\d) of the example's 4 rows fits \(measured on \d rows?: "
+                      r"smallest peak ([\d,]+) B\); or raise memory_budget\.$", str(info.value))
+    assert found, str(info.value)
+    rows = int(found.group(1))
+    assert 1 <= rows < 4, str(info.value)
+    fits = plan(model, x[:rows], memory_budget=budget, world_size=2, profile="fake")
+    assert fits.predicted_peak <= budget and int(found.group(2).replace(",", "")) <= budget, str(info.value)
+    if rows + 1 < 4:  # 4 rows are the example's, which did not fit
+        with pytest.raises(ValueError, match="no plan fits"):
+            plan(model, x[:rows + 1], memory_budget=budget, world_size=2, profile="fake")
+    with pytest.raises(ValueError, match=rf"a per-rank batch of at most {rows} of the example's 4 rows fits by an "
+                                         r"estimate \(the activations scaled with the rows: loss_fn could not run"):
+        plan(model, x, memory_budget=budget, world_size=2, profile="fake", loss_fn=loss_of(x))
+    alone = sum(p.numel() for p in model.parameters()) * (4 + 4 + 8) // 2  # W = 2: shards, their gradients, AdamW
+    with pytest.raises(ValueError, match=r"No batch fits at 2 ranks: without activations \(parameters, gradients, "
+                                         r"optimizer state and the unsharded and communication buffers alone\) the peak "
+                                         r"is [\d,]+ B; raise memory_budget\.$"):
+        plan(model, x, memory_budget=alone - 1, world_size=2, profile="fake")
 
 
 def test_frozen_parameters_under_replicate_are_counted() -> None:
@@ -177,3 +228,33 @@ def test_bad_input_raises_and_leaves_the_model_unchanged(kwargs: dict, message: 
         plan(model, batch, **{"world_size": 2, **kwargs})
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(q.grad is None for q in model.parameters())
+
+
+def test_rows_named_for_a_llama_are_measured_not_scaled() -> None:
+    """A Llama's rotary tables and position ids are per token, not per row: scaled with the rows,
+    one row of two looks to fit a budget just above the scaled peak when it does not. The rows
+    the message names are measured: planning them at that budget fits (or none is named)."""
+    transformers = pytest.importorskip("transformers")
+    from composable_shard._planning.plan_profile import DEFAULT_DEVICE_FLOPS, profile_model
+    from composable_shard.plan import DEFAULT_BANDWIDTH, _find_blocks, _Option, _Search, _simulate
+    from composable_shard.api import ShardingStrategy
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=64,
+                                      use_cache=False)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 64, (2, 64))
+    blocks = _find_blocks(model, None)
+    search = _Search(model, blocks, profile_model(model, blocks, {"input_ids": ids, "labels": ids}, None, None, "fake",
+                                                  DEFAULT_DEVICE_FLOPS), 2, "adamw", None, DEFAULT_BANDWIDTH)
+    budget = _simulate(search, [_Option("fully_shard", ShardingStrategy.FULL_SHARD, True)] * 2, 0.5).total
+    with pytest.raises(ValueError) as info:
+        plan(model, {"input_ids": ids, "labels": ids}, memory_budget=budget, world_size=2, profile="fake")
+    found = re.search(r"a per-rank batch of at most (\d) of the example's 2 rows fits", str(info.value))
+    if found:
+        rows = int(found.group(1))
+        fits = plan(model, {"input_ids": ids[:rows], "labels": ids[:rows]}, memory_budget=budget, world_size=2,
+                    profile="fake")
+        assert fits.predicted_peak <= budget
+    else:
+        assert "not even one of the example's 2 rows per rank fits (measured on one row" in str(info.value), str(info.value)

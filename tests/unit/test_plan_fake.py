@@ -12,6 +12,7 @@ meta model it measured as 0 bytes would return plans that run out of memory at s
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import re
@@ -28,7 +29,9 @@ import torch.nn.functional as F
 from composable_shard import MixedPrecision, plan
 from composable_shard._planning.plan_profile import call_model, default_loss, profile_model
 from composable_shard.api import ShardingStrategy
-from composable_shard.plan import DEFAULT_BANDWIDTH, _find_blocks, _Option, _Search
+from composable_shard.plan import (DEFAULT_BANDWIDTH, _backward_phases, _find_blocks, _moments, _Option, _Search,
+                                  _step_terms)
+from tests._models import zip_same
 from tests.unit.test_plan import BATCH, SEQ, VOCAB, Toy
 
 transformers = pytest.importorskip("transformers")
@@ -363,3 +366,125 @@ def test_a_blocks_backward_leaves_parameter_gradients_to_the_plan() -> None:
     assert profile.blocks[1].backward_extra > 0  # the gradient of its input (block 0's input needs none)
     # the forward makes its output; the weight's transposed view is no new storage
     assert [b.forward_extra for b in profile.blocks] == [2 * 512 * 4] * 2, profile.blocks
+
+
+def _real_backward_figures(model: nn.Module, batch: Any) -> Tuple[List[int], List[int], List[int]]:
+    """A real forward and backward of a Llama: per layer, the bytes of the parameters' gradients
+    alive when its backward begins (the head's and the later layers'), the bytes of the
+    gradient arriving at its output, and its parameters' gradient elements."""
+    layers = list(model.get_submodule("model.layers").children())
+    alive: List[int] = [0] * len(layers)
+    arriving: List[int] = [0] * len(layers)
+
+    def begins(index: int) -> Callable[[nn.Module, Any], None]:
+        def hook(module: nn.Module, grads: Any) -> None:
+            alive[index] = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+            arriving[index] = sum(g.numel() * g.element_size() for g in grads if g is not None)
+        return hook
+
+    handles = [layer.register_full_backward_pre_hook(begins(index)) for index, layer in enumerate(layers)]
+    try:
+        call_model(model, batch).loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+    return alive, arriving, [sum(p.numel() for p in layer.parameters()) for layer in layers]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_gradient_and_arriving_gradients_are_a_real_backwards(dtype: torch.dtype) -> None:
+    """The head's gradients (the final norm's and ``lm_head``'s, alive from the head's backward
+    until the root reduces them at the end of backward) are counted once, in the compute dtype,
+    in every phase of the blocks' backward: at W = 2 with every block FULL_SHARD, each phase of
+    layer k's backward communicates exactly the bytes a real backward (in ``dtype``: the model
+    cast, or ``MixedPrecision(param_dtype=bf16)`` for the plan) holds in gradients when its last
+    layer's backward begins, plus, at its highest moment, layer k+1's unsharded gradient (numel
+    padded to 2, in the compute dtype; its reduction in flight) and k's own gradients made by
+    then, and at the concatenation all of k's gradients beside k's padded unsharded gradient; beside
+    the sharded float32 gradients of the layers after k ("backward of layer k" is the higher); "start of
+    backward" at most those head gradients (the ones made by the head backward's highest moment,
+    measured under the counting allocator in ``tests/distributed/test_plan_peak.py``) and no
+    other gradient; each layer's output bytes are the gradient arriving there; each layer's
+    input bytes are its hidden state, and the first layer's also the rotary tables and position
+    ids every layer receives (counted once: a checkpointed layer keeps one storage of them, not one
+    each; in bf16 the hidden state no kernel saves is freed after its layer, and the next layer's
+    input must not be taken for it). Before, the head's parameters were recorded by ``id()``
+    while ``functional_call`` had fake tensors in their place: the term was 0 (1.05 GB on a
+    Llama-3-8B)."""
+    model, batch, _ = _llama()
+    mp = MixedPrecision(param_dtype=dtype) if dtype != torch.float32 else None
+    blocks = _find_blocks(model, None)
+    search = _Search(model, blocks, profile_model(model, blocks, batch, None, mp, "fake", 1e12), 2, "adamw", mp,
+                     DEFAULT_BANDWIDTH)
+    alive, arriving, numels = _real_backward_figures(copy.deepcopy(model).to(dtype), batch)
+    head = alive[-1]
+    assert head == (128 * 64 + 64) * dtype.itemsize, head  # lm_head 128 x 64 and the final norm's 64: nothing else
+    hidden = 2 * 32 * 64 * dtype.itemsize  # 2 rows x 32 tokens x width 64
+    shared = 2 * 32 * 16 * dtype.itemsize + 32 * 8  # cos and sin (32 tokens x head size 16), int64 position ids
+    assert [b.input_bytes for b in search.profile.blocks] == [hidden + shared, hidden, hidden], search.profile.blocks
+    assert [b.output_bytes for b in search.profile.blocks] == arriving == [hidden] * 3
+    moments = {m.name: m.parts for m in _moments(search, [_Option("fully_shard", ShardingStrategy.FULL_SHARD, False)] * 3)}
+    start = moments["start of backward"]
+    assert start["gradients"] == 0 and start["communication"] <= head, start
+    unsharded = [-(-n // 2) * 2 * dtype.itemsize for n in numels]
+    for checkpointed in (False, True):
+        options = [_Option("fully_shard", ShardingStrategy.FULL_SHARD, checkpointed)] * 3
+        step = _step_terms(search, options)
+        kept = [b.kept_bytes(checkpointed) for b in search.profile.blocks]
+        moments = {m.name: m.parts for m in _moments(search, options)}
+        for k, (fqn, _) in enumerate(blocks):
+            what = (fqn, "checkpointed" if checkpointed else "not checkpointed")
+            later = sum(-(-n // 2) * 4 for n in numels[k + 1:])
+            made = search.profile.blocks[k].backward_grads  # its own gradients made by its backward's highest moment
+            assert 0 <= made <= numels[k] * dtype.itemsize, (what, made)
+            phases = _backward_phases(search, step, k, kept, [0] * 3, search.profile.before_bytes
+                                      + search.profile.batch_bytes, 1.0)
+            assert len(phases) == (3 if checkpointed else 2), (what, phases)  # + the recomputation
+            highest, concatenation = phases[0], phases[-1]
+            # its backward's highest moment: k+1's unsharded gradient in flight unless k recomputed first (its
+            # pre-backward released it); then all of its own gradients (unpadded) beside the padded buffer
+            # they are concatenated into
+            in_flight = 0 if checkpointed else sum(unsharded[k + 1:k + 2])
+            assert highest.parts["communication"] == head + made + in_flight, (what, highest, head)
+            assert concatenation.parts["communication"] == head + numels[k] * dtype.itemsize + unsharded[k], \
+                (what, concatenation, head)
+            assert all(phase.parts["communication"] == head + in_flight for phase in phases[1:-1]), (what, phases)
+            assert all(phase.parts["gradients"] == later for phase in phases), (what, phases, later)
+            chosen = {key: value for key, value in moments[f"backward of {fqn}"].items() if key != "other"}
+            assert chosen == max(phases, key=lambda m: m.total).parts, (what, chosen)  # "other": the headroom
+
+
+class _HeldWeight(nn.Module):
+    """A block that reaches its weight through a list it holds, not through its attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 64, bias=False)
+        self.held = [self.fc.weight]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.linear(torch.relu(x), self.held[0])
+
+
+class _HeldNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_HeldWeight(), _HeldWeight()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[1](self.blocks[0](x))
+
+
+def test_a_parameter_reached_around_functional_call_is_no_activation_and_keeps_its_gradient() -> None:
+    """``functional_call`` swaps fake tensors in for a module's parameters, not for a reference
+    the model keeps elsewhere: that weight stays real in the fake pass. It is a parameter, not an
+    activation (each block saves only its ReLU's 16 x 64 float32 output, which the linear layer
+    saves too), and the fake gradient autograd gives it is not left on the model (it was: a
+    FakeTensor ``.grad`` that the next optimizer step read)."""
+    model = _HeldNet()
+    model.get_parameter("blocks.1.fc.weight").grad = torch.full((64, 64), 0.5)
+    grads = [p.grad for p in model.parameters()]
+    profile = profile_model(model, _find_blocks(model, None), torch.randn(16, 64), None, None, "fake", 1e12)
+    assert [b.saved_bytes for b in profile.blocks] == [16 * 64 * 4] * 2, profile.blocks
+    assert all(p.grad is g for p, g in zip_same(list(model.parameters()), grads)), [type(p.grad) for p in model.parameters()]
+    assert grads[0] is None and grads[1] is not None and torch.equal(grads[1], torch.full((64, 64), 0.5))
