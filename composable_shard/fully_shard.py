@@ -280,6 +280,9 @@ def fully_shard(
     plan = plan_agreed(module, kwargs)  # every refusal before the first collective, agreed by all ranks
     groups = {s: resolve_groups(s, process_group, mesh) for s in plan.strategies}
     apply_plan(plan, fully_shard.state(module), groups, _FSDPState, _finish_target)  # type: ignore[arg-type]  # state set by contract
+    state = fully_shard.state(module)
+    if reshard_after_forward and state is not None:  # FSDP2's, asked for explicitly: a root frees after forward too
+        state.root_reshards_after_forward = True  # (hooks.frees_after_forward)
     return given  # type: ignore[no-any-return]  # the module, or the list it came in
 
 

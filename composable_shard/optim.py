@@ -38,7 +38,9 @@ hyper-parameters, torch's own) runs before one 48-byte exchange in which the ran
 outcome and on the plan (each param group's settings, each matrix's FQN, shape and group: what
 the owners and the step's collectives follow from). A refusal on one rank raises on every rank,
 naming it, and adds nothing; different plans raise on every rank ([Note: Agreed refusals] in
-``_setup/data_parallel.py``).
+``_setup/data_parallel.py``), naming the first param group setting or matrix (FQN, shape, param
+group) that differs, what each rank holds there and the ranks that differ: on that error path
+only, the ranks gather their layouts once more to say so.
 
 Compared with gathering each matrix to its owner and scattering the result back: that moves
 about ``2N/W`` bytes per rank per group instead of about ``4N(W-1)/W`` (half as many at W = 2,
@@ -230,12 +232,28 @@ class Muon(torch.optim.Optimizer):
         """``prepare()`` (every check that can refuse, no collective), then one agreement over the
         model's ranks (see [Note: Agreed refusals] in ``_setup/data_parallel.py``): a refusal on any rank
         raises on every rank, naming it, and so do plans or hyper-parameters that differ (the
-        step's collectives would pair other matrices). A plain model has no ranks to agree with."""
+        step's collectives would pair other matrices): every rank then raises naming the first
+        setting or matrix that differs and the ranks that hold another (:func:`_plans_differ`).
+        A plain model has no ranks to agree with."""
         collective, group = model_group(self._model)
-        return agreed(api, [group] if collective else None, prepare,
-                      lambda plan: _layout(plan, self.param_groups, list(self.defaults)), applied=applied,
-                      what="ranks would step other matrices or hyper-parameters (give Muon the same parameters, in "
-                      "the same param groups with the same settings, on every rank)", tag=tag, digest_first=True)
+        planned: List[_Plan] = []  # this rank's plan, once prepare() returned
+
+        def prepare_here() -> _Plan:
+            planned.append(prepare())
+            return planned[-1]
+
+        def layout(plan: _Plan) -> List[List[Any]]:
+            return _layout(plan, self.param_groups, list(self.defaults))
+
+        try:
+            return agreed(api, [group] if collective else None, prepare_here, layout, applied=applied,
+                          what=_PLANS_DIFFER, tag=tag, digest_first=True)
+        except RuntimeError as e:
+            # Every rank of the group raises this one when no rank refused and the layouts differ
+            # (a refusal raises naming the refusing rank instead), so all of them gather here.
+            if not planned or not str(e).startswith(f"{api}: {_PLANS_DIFFER}"):
+                raise
+            raise RuntimeError(_plans_differ(api, applied, layout(planned[0]), group, tag)) from None
 
     def _params(self) -> List[nn.Parameter]:
         return [p for g in self.param_groups for p in g["params"]]
@@ -467,14 +485,67 @@ def _make_plan(model: nn.Module, params: List[nn.Parameter]) -> _Plan:
     return _Plan(list(sharded.values()), whole)
 
 
-def _layout(plan: _Plan, param_groups: List[Dict[str, Any]], settings: List[str]) -> List[str]:
-    """What every rank of the model must hold the same, one line each: each param group's
+_PLANS_DIFFER = "ranks would step other matrices or hyper-parameters"
+
+
+def _layout(plan: _Plan, param_groups: List[Dict[str, Any]], settings: List[str]) -> List[List[Any]]:
+    """What every rank of the model must hold the same, one entry each (plain data, for a
+    digest and for :func:`_plans_differ`): the number of param groups, each group's
     ``settings``, then each matrix of the plan (FQN, shape, param group) in plan order. The
     owners follow from it (:func:`assign_matrices`), and so do the step's collectives."""
     group_of = {id(p): i for i, g in enumerate(param_groups) for p in g["params"]}
-    return [f"param group {i}: " + ", ".join(f"{k}={_plain(g[k])}" for k in settings)
-            for i, g in enumerate(param_groups)] + \
-        [f"{m.fqn!r} {tuple(m.shape)} in param group {group_of[id(m.param)]}" for m in plan.matrices]
+    return [["groups", len(param_groups)]] + \
+        [["setting", i, k, _plain(g[k])] for i, g in enumerate(param_groups) for k in settings] + \
+        [["matrix", m.fqn if m.fqn != "?" else None, list(m.shape), group_of[id(m.param)]] for m in plan.matrices]
+
+
+def _plans_differ(api: str, applied: str, mine: List[List[Any]], group: Optional[dist.ProcessGroup],
+                  tag: str) -> str:
+    """The message every rank of ``group`` raises when their layouts (:func:`_layout`) differ:
+    the first entry that differs, what each rank holds there and the ranks that differ from the
+    group's first rank. Collective (one gather of the layouts): call it on every rank of
+    ``group``, as the failed agreement is raised on every rank."""
+    everyone = _collectives.all_gather_json(mine, group, tag=f"{tag}::difference")
+    ranks = [dist.get_global_rank(group, r) if group is not None else r for r in range(len(everyone))]
+
+    def entry(layout: List[Any], k: int) -> Any:
+        return layout[k] if k < len(layout) else None
+
+    k = next((k for k in range(max(len(layout) for layout in everyone))
+              if any(entry(layout, k) != entry(everyone[0], k) for layout in everyone)), None)
+    if k is None:  # the digests differed but the layouts do not: nothing to name (not expected)
+        return f"{api}: {_PLANS_DIFFER}, which would hang or mix up data; none applied {applied}."
+    holders: Dict[str, List[int]] = {}
+    for rank, layout in zip(ranks, everyone):
+        holders.setdefault(_describe_entry(layout, k), []).append(rank)
+    differing = [rank for rank, layout in zip(ranks, everyone) if entry(layout, k) != entry(everyone[0], k)]
+    subject = {"groups": "the number of param groups", "setting": "a param group setting",
+               "matrix": "the matrices"}[next(e for e in (entry(layout, k) for layout in everyone) if e is not None)[0]]
+    held = "; ".join(f"{what} on {_ranks_phrase(rs)}" for what, rs in holders.items())
+    verb = "differs" if len(differing) == 1 else "differ"
+    return (f"{api}: {_PLANS_DIFFER}, which would hang or mix up data; none applied {applied}. The first "
+            f"difference is in {subject}: {held} ({_ranks_phrase(differing)} {verb} from rank {ranks[0]}). Give Muon "
+            "the same parameters, in the same param groups with the same settings, on every rank.")
+
+
+def _describe_entry(layout: List[Any], k: int) -> str:
+    """Entry ``k`` of a :func:`_layout` (JSON-decoded: tuples are lists) as text; a matrix by
+    its FQN, or by its place in the plan if it has none."""
+    if k >= len(layout):
+        return "nothing"
+    kind, *value = layout[k]
+    if kind == "groups":
+        return f"{value[0]} param group{'s' if value[0] != 1 else ''}"
+    if kind == "setting":
+        return f"param group {value[0]}'s {value[1]}={value[2]}"
+    fqn, shape, group_index = value
+    index = k - sum(1 for e in layout if e[0] != "matrix")
+    what = repr(fqn) if fqn is not None else f"matrix {index} of the plan"
+    return f"{what} {tuple(shape)} in param group {group_index}"
+
+
+def _ranks_phrase(ranks: List[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 def _plain(value: Any) -> str:

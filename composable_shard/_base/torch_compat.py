@@ -83,24 +83,29 @@ versions checked (2.6, 2.11, 2.13, unless an entry says otherwise).
   its private workers (``_get_model_state_dict``, ``_get_optim_state_dict``,
   ``_load_model_state_dict``, ``_load_optim_state_dict``) hold them in a local named ``info``
   (a ``_StateDictInfo``, subclass of the public ``StateDictOptions``), the public functions in
-  their ``options`` argument (``None``: the defaults). They are read from the innermost frame of
-  that module on this thread's stack (CPython frames; ``sys._getframe``). Read in 2.13. A frame
-  of that module with neither is reported as ``UNKNOWN_REQUEST`` and refused by the callers,
-  so a torch that moves this code fails loudly (the state-dict API tests fail) instead of
-  handing it per-rank slices.
+  their ``options`` argument (``None``: the defaults). They are read from the innermost function of
+  that module running on this thread (``running_functions``). Read in 2.13. A function of that
+  module with neither is reported as ``UNKNOWN_REQUEST`` and refused by the callers, so a torch
+  that moves this code fails loudly (the state-dict API tests fail) instead of handing it
+  per-rank slices.
 * ``TO_COPY``: ``ShardedSlice`` (a wrapper tensor of a parameter's global shape over this rank's
   elements) must follow a ``.to(device/dtype)`` (torch's state-dict API moves every value of a
   state dict with ``cpu_offload``): the operator a wrapper subclass's ``__torch_dispatch__``
   receives for it is ``aten._to_copy`` (``Tensor.to`` decomposes into it), which has no public
   name. Read in 2.13.
-* Frames of torch's code read elsewhere (names and locals, not attributes of torch):
-  ``_runtime/interop`` matches torch's clipping module (``torch.nn.utils.clip_grad``) on the stack, and
-  refuses torch's data-parallel wrappers by their frames, including torch's ``@contract`` wrapper
-  (``wrapper`` of the ``contract`` module in torch's ``_composable`` package: its locals ``func``,
-  ``modules``, ``module``, ``state``, ``registry_item``, ``default_all_state``, ``default_registry`` and its module's
-  ``STATE_KEY``/``REGISTRY_KEY``, read to take a refused call's entries out of ``__dict__``;
-  anything unexpected and nothing is touched). Read in 2.13; the tests of each fail when torch's
-  code moves (``test_clip_grad_norm.py``, ``test_interop.py``).
+* ``running_functions``: the package's only reader of Python frames (``sys._getframe``, a frame's
+  ``f_back``/``f_code``/``f_globals``/``f_locals``; ``tests/unit/test_frame_access.py`` fails on
+  any other). Some refusals depend on whose code reaches a managed module, and torch says that
+  nowhere else: its data-parallel wrappers walking our modules (``_runtime/interop``, [Note:
+  Foreign wrappers]: matched by module and function name; torch's ``@contract`` wrapper's locals
+  ``func``, ``modules``, ``module``, ``state``, ``registry_item``, ``default_all_state`` and
+  ``default_registry`` read only to refuse and undo its entries), the options of torch's
+  state-dict call (``torch_state_dict_request`` above), and the integrations' checks ([Note:
+  Caller checks] in ``_base/callers.py``: names only). Each yields names lazily and reads a local
+  only when asked; a frame's locals are read of torch's frames only (on CPython 3.11 reading
+  ``f_locals`` snapshots them onto the frame, which would keep a caller's deleted model alive).
+  ``co_qualname`` is read where Python has it (3.11+). Read in 2.13; the tests of each fail when
+  torch's code moves (``test_interop.py``, ``test_torch_state_dict_api.py``).
 * ``GuardedApplyHook``: ``nn.Module._apply(fn, recurse=True)`` is the one method behind
   ``.to()``, ``.half()``, ``.cuda()``, ``.float()``, ``.to_empty()``, ...; overriding it is the
   only way to see every cast and move of a sharded or replicated module (``_setup/apply_guard``).
@@ -135,9 +140,9 @@ versions checked (2.6, 2.11, 2.13, unless an entry says otherwise).
 
 from __future__ import annotations
 
-import inspect
 import sys
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+from types import FrameType
+from typing import Any, Callable, Dict, Iterator, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -146,7 +151,7 @@ import torch.nn as nn
 __all__ = ["queue_backward_callback", "set_module_tensor", "is_in_backward", "tensor_version", "make_wrapper_tensor",
            "is_compiled_module", "plain_torch_function", "as_plain", "FOREACH_NORM", "BATCH_NORM", "tensor_slots",
            "is_view_of", "DCPTensorHooks", "DCP_METADATA_GLOBALS", "GuardedApplyHook", "ALL_GATHER_SINGLE",
-           "REDUCE_SCATTER_SINGLE", "FSDP2_MODULE_MARKER", "TORCH_FSDP_PACKAGE", "torch_state_dict_request", "UNKNOWN_REQUEST", "TORCH_STATE_DICT_MODULE", "TO_COPY", "fake_tensor_mode", "is_fake", "without_fake_mode", "TorchDispatchMode", "storage_id"]
+           "REDUCE_SCATTER_SINGLE", "FSDP2_MODULE_MARKER", "TORCH_FSDP_PACKAGE", "torch_state_dict_request", "UNKNOWN_REQUEST", "RunningFunction", "running_functions", "TORCH_STATE_DICT_MODULE", "TO_COPY", "fake_tensor_mode", "is_fake", "without_fake_mode", "TorchDispatchMode", "storage_id"]
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:
@@ -290,6 +295,34 @@ TORCH_STATE_DICT_MODULE = "torch.distributed.checkpoint.state_dict"
 UNKNOWN_REQUEST = object()  # a frame of torch's state-dict module whose options could not be read
 
 
+class RunningFunction(NamedTuple):
+    """One Python function running on this thread (a frame of its stack), as
+    :func:`running_functions` reports it. Use it while the call that asked is running; never
+    keep it (``local`` holds the frame)."""
+
+    module: str  # ``__name__`` of the module whose code it runs
+    name: str  # the function's name
+    qualname: str  # with its class (``Schedule1F1B.__init__``) where Python says so (3.11+), else ``name``
+    local: Callable[[str], Any]  # one of its local variables by name (None if unset); reads it only when called
+
+
+def running_functions() -> Iterator[RunningFunction]:
+    """The Python functions running on this thread, innermost first, starting with the caller's
+    caller (the function that called the one asking). The package's only reader of Python frames
+    (``tests/unit/test_frame_access.py`` fails on any other): see [Note: Caller checks] in
+    ``_base/callers.py`` and the module docstring (``running_functions``)."""
+    frame: Optional[FrameType] = sys._getframe(2)  # past this generator and the function that asked
+    try:
+        while frame is not None:
+            code = frame.f_code
+            yield RunningFunction(frame.f_globals.get("__name__", ""), code.co_name,
+                                  getattr(code, "co_qualname", code.co_name),
+                                  lambda name, seen=frame: seen.f_locals.get(name))  # type: ignore[misc]  # bound now
+            frame = frame.f_back
+    finally:
+        del frame  # a suspended walk must not keep the stack's frames alive
+
+
 def torch_state_dict_request() -> Any:
     """The options (a ``StateDictOptions``) of the torch ``torch.distributed.checkpoint.state_dict``
     call this thread is running inside, ``None`` if it runs inside none, or ``UNKNOWN_REQUEST``
@@ -298,18 +331,22 @@ def torch_state_dict_request() -> Any:
     options_cls = getattr(dsd, "StateDictOptions", None)
     if options_cls is None:  # never imported: none of its functions can be running
         return None
-    frame = inspect.currentframe()
     found_module = False
-    while frame is not None:
-        if frame.f_globals.get("__name__") == TORCH_STATE_DICT_MODULE:
-            found_module = True
-            local = frame.f_locals
-            if isinstance(local.get("info"), options_cls):
-                return local["info"]
-            if "options" in local and (local["options"] is None or isinstance(local["options"], options_cls)):
-                return local["options"] if local["options"] is not None else options_cls()
-        frame = frame.f_back
+    for function in running_functions():
+        if function.module != TORCH_STATE_DICT_MODULE:
+            continue
+        found_module = True
+        info, options = function.local("info"), function.local("options")
+        if isinstance(info, options_cls):
+            return info
+        if options is None and function.name in _OPTIONS_ARGUMENT_FUNCTIONS or isinstance(options, options_cls):
+            return options if options is not None else options_cls()
     return UNKNOWN_REQUEST if found_module else None
+
+
+# torch's public state-dict functions whose ``options`` argument, when None, means the defaults
+_OPTIONS_ARGUMENT_FUNCTIONS = frozenset({"get_state_dict", "get_model_state_dict", "get_optimizer_state_dict",
+                                         "set_state_dict", "set_model_state_dict", "set_optimizer_state_dict"})
 
 
 # See module docstring: torch 2.13's names, else the older ones.

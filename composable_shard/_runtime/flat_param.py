@@ -80,6 +80,9 @@ collectives are never ours. Its :class:`Piece` (``_pieces``) says where the piec
   as SequenceParallel's norms give) into the flat gradient.
 * Norms (clipping) of a piece's gradient are completed over the mesh dimensions that shard it
   (:func:`pieces.shard_groups`); state dicts describe pieces in global coordinates.
+* ``unshard_params``: the slot holds a ``DTensor`` parameter over the piece's view of the gathered
+  buffer, the plain parameter back on exit ([Note: Tensor-parallel parameters under
+  unshard_params] in ``_state/unshard_params.py``).
 
 [Note: The handle owns its transitions]  The runtime's hooks (``_runtime/hooks.py``) decide
 *when*; the handle does each step of a parameter's life itself, as a method: ``unshard``

@@ -79,8 +79,8 @@ from . import watch as _watch
 from .agreement import agree_used_and_steps
 from .module_state import HandleTrainingState, RootContext, TrainingState, WeakHook, _FSDPState
 from .flat_param import FlatGroup, FlatParamHandle, take_pending_init_values
-from .interop import refuse_pipelining
 from .streams import Streams
+from .._base.callers import check_callers
 from .._base.torch_compat import is_in_backward, queue_backward_callback
 from .traversal import _get_fsdp_states, owned_modules
 from .._base.tree import convert, tensors_in
@@ -111,9 +111,10 @@ def _profiled(name: str) -> Callable[[_F], _F]:
 # ---------------------------------------------------------------------------- predicates
 def frees_after_forward(state: _FSDPState) -> bool:
     """Does this module release unsharded parameters between forward and backward? FULL_SHARD
-    and HYBRID_SHARD do, unless ``set_reshard_after_forward(False)``; not the root: its
-    backward comes first, right after its forward."""
-    return state.reshard_after_forward and not state.is_root
+    and HYBRID_SHARD do, unless ``set_reshard_after_forward(False)``; not the root (its backward
+    comes first, right after its forward), unless FSDP2's ``reshard_after_forward=True`` was asked
+    for it explicitly (torch 2.13's FSDP2 keeps the root's only while the choice is its default)."""
+    return state.reshard_after_forward and (not state.is_root or state.root_reshards_after_forward)
 
 
 def frees_after_backward(state: _FSDPState) -> bool:
@@ -142,7 +143,7 @@ def lazy_init(state: _FSDPState) -> None:
         return
     module = state.module
     assert_internal(module is not None, "state without module")
-    refuse_pipelining(module)
+    check_callers(module, "first_forward")  # [Note: Caller checks] in _base/callers.py
     states = _get_fsdp_states(module)  # type: ignore[arg-type]  # checked above
     names = {id(m): n for n, m in module.named_modules()}  # type: ignore[union-attr]  # checked above
     for s in states:

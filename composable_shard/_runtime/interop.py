@@ -21,15 +21,17 @@ gradients, and torch's data-parallel wrappers around managed modules.
   count of non-zero elements); a slice with no elements contributes the identity of its
   reduction.
 
-  Who asked is read from the Python frames (:func:`_called_from_torch_clipping`): the frame
-  that called the norm is in the clipping module, or, under torch function modes
-  (``torch.set_default_device``, ``with torch.device(...)``, a user's ``TorchFunctionMode``),
-  the clipping frame called a mode's ``__torch_function__`` for this same norm function and
-  the modes passed it on (through any helpers of theirs). A norm taken anywhere else (a
-  user's ``p.grad.norm()`` for logging, perhaps on rank 0 only, also one inside a generator
-  of parameters that torch's clipping consumes) stays this rank's and issues no collective.
-  The walk stops at the first clipping frame; where there is none it reaches the bottom of
-  the stack (a few dozen frames, only for norms of sharded gradients).
+  Nothing looks at who asked: the combination is recognised by what is computed. A whole-tensor
+  norm of a sharded gradient (``vector_norm(grad, ord)``, ``_foreach_norm(grads, ord)``) is a
+  :class:`PartialNorm` holding this rank's value, and stays one through ``.to`` and
+  ``torch.stack``; every other operation on it sees this rank's value and issues no collective
+  (a user's ``p.grad.norm()`` or ``vector_norm(p.grad)`` for logging, on rank 0 only, in a
+  generator that torch's clipping consumes, under any torch function mode). Only the vector norm
+  of stacked partial norms, torch's total-norm recipe (``get_total_norm``: the norm of the stack
+  of the per-gradient norms; read in 2.6 through 2.13), combines them: one all-reduce per process
+  group, on every rank, returning a plain tensor. So code that takes exactly that norm must run on
+  every rank, as torch's clip does. (FSDP2's ``DTensor`` gradients communicate for every norm, even
+  one taken on one rank only.)
 
   The library's ``clip_grad_norm_`` (``fully_shard.py``) uses the same combination
   (:func:`total_grad_norm`, sharing :func:`_combine_norms` with :func:`_resolve`), so the two
@@ -44,30 +46,29 @@ gradients, and torch's data-parallel wrappers around managed modules.
   reduce gradients a second time, or reshard views of our shards. Each of them walks the module
   tree with ``named_modules()`` or ``named_children()`` (``named_parameters()`` goes through
   ``named_modules()``) before its first collective, and ours are overridden by
-  :class:`ForeignWrapperGuard` to look at the Python frames that called them: if one belongs to
-  such a wrapper (``_FOREIGN``), it raises, before anything was changed or communicated, on
+  :class:`ForeignWrapperGuard` to look at the functions running on this thread
+  (``torch_compat.running_functions``, the package's one reader of Python frames): if one of them
+  is such a wrapper (``_FOREIGN``), it raises, before anything was changed or communicated, on
   every rank (every rank constructs the wrapper). The ways torch reaches our modules:
     DDP, FSDP1     their constructors (``__init__`` frames) traverse the tree.
     FSDP2, both    torch's ``@contract`` decorator traverses the tree before it calls the API
-    replicates     function (its ``wrapper`` frame; the API is its ``func`` local), after it
+    replicates     function (its ``wrapper`` function; the API is its ``func`` local), after it
                    put its own state and registry entries into each module's ``__dict__``:
                    the refusal takes those out again (:func:`_undo_contract_entries`).
     replicate,     torch's DDP-based ``replicate`` builds its DDP at the first forward (in
     lazily         ``_ReplicateState.init``, which walks ``module.modules()``): when it was
                    applied before ``fully_shard``, that first forward raises, before DDP's
                    broadcast.
-  The frames are matched by module and function name only; the library imports none of those
-  wrappers. (FSDP1's composable ``fully_shard``, the ``fully_shard`` module of torch's
+  The functions are matched by module and function name (and the contract's locals read only to
+  refuse); the library imports none of those wrappers. (FSDP1's composable ``fully_shard``, the ``fully_shard`` module of torch's
   ``_composable`` package, is gone from torch 2.13 and is no longer listed.)
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 import sys
 import weakref
-from types import FrameType
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, cast
 
 import torch
@@ -76,13 +77,12 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from . import collectives as _collectives
-from .._base.torch_compat import FOREACH_NORM as _FOREACH_NORM, as_plain, plain_torch_function
+from .._base.callers import check_callers
+from .._base.torch_compat import FOREACH_NORM as _FOREACH_NORM, RunningFunction, as_plain, plain_torch_function, running_functions
 from .._base.tree import convert, local_piece
 
-__all__ = ["ShardedGrad", "PartialNorm", "as_sharded_grad", "shard_source", "total_grad_norm", "ForeignWrapperGuard",
-           "refuse_lightning_model_parallel", "refuse_pipelining"]
+__all__ = ["ShardedGrad", "PartialNorm", "as_sharded_grad", "shard_source", "total_grad_norm", "ForeignWrapperGuard"]
 
-_CLIP_MODULE = "torch.nn.utils.clip_grad"
 _VECTOR_NORM = torch.linalg.vector_norm
 _CLIP_HINT = _collectives.collective_call_hint(
     "torch.nn.utils.clip_grad_norm_ on a fully sharded model",
@@ -90,7 +90,6 @@ _CLIP_HINT = _collectives.collective_call_hint(
 _LIBRARY_CLIP_HINT = _collectives.collective_call_hint(
     "`clip_grad_norm_`", "Every rank needs the global norm: call it on every rank after the same backward.")
 
-_METADATA = frozenset({"__get__", "dim", "size", "numel", "element_size", "is_floating_point", "is_complex"})
 # (the groups a norm is completed over, in order, weakly: see [Note: Process groups held weakly];
 # the device their collectives run on); None: the gradient is whole and equal on every rank
 _Source = Optional[Tuple[Tuple["weakref.ReferenceType[Any]", ...], torch.device]]
@@ -107,32 +106,39 @@ class ShardedGrad(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Callable[..., Any], types: Any, args: Sequence[Any] = (),
                            kwargs: Optional[Dict[str, Any]] = None) -> Any:
-        if (func is _VECTOR_NORM or func is _FOREACH_NORM) and _called_from_torch_clipping(func):
+        if func is _VECTOR_NORM or func is _FOREACH_NORM:
             return _partial_norms(func, args, kwargs or {})
         return plain_torch_function(func, args, kwargs or {})
 
 
 class PartialNorm(torch.Tensor):
-    """Norms of this rank's gradient slices that still have to be combined across ranks: one
-    element per gradient, each with its source (see [Note: torch's clip_grad_norm_ on sharded
-    gradients]). Exists only inside torch's clipping functions."""
+    """Norms of this rank's gradient slices that torch's total-norm recipe combines across ranks:
+    one element per gradient, each with its source (see [Note: torch's clip_grad_norm_ on sharded
+    gradients]). Every operation but ``.to``, ``torch.stack`` and the vector norm of a stack sees
+    this rank's values and returns plain tensors."""
 
     _cs_sources: Tuple[_Source, ...]  # per element, in order
     _cs_ord: float  # the norm order of every element
+    _cs_stacked: bool  # made by torch.stack: its vector norm is the total norm
 
     @classmethod
     def __torch_function__(cls, func: Callable[..., Any], types: Any, args: Sequence[Any] = (),
                            kwargs: Optional[Dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}
-        if getattr(func, "__name__", "") in _METADATA:  # .device, .dim(), ...: nothing to combine
-            return plain_torch_function(func, args, kwargs)
         if func is torch.Tensor.to and isinstance(args[0], PartialNorm):
             moved = plain_torch_function(func, args, kwargs)
-            return _make_partial(moved, args[0]._cs_sources, args[0]._cs_ord)
+            return _make_partial(moved, args[0]._cs_sources, args[0]._cs_ord, args[0]._cs_stacked)
         if func is torch.stack and not kwargs.get("dim") and len(args) == 1 and _stackable(args[0]):
             return _stack_partials(args[0])
-        return plain_torch_function(func, [_resolve_all(a) for a in args],
-                                    {k: _resolve_all(v) for k, v in kwargs.items()})
+        if func is _VECTOR_NORM and _is_total_norm(args, kwargs):
+            return plain_torch_function(func, [_resolve(args[0]), *args[1:]], kwargs)
+        return plain_torch_function(func, [_local_values(a) for a in args],
+                                    {k: _local_values(v) for k, v in kwargs.items()})
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickled (``torch.save``, ``copy.deepcopy``) as a plain tensor of this rank's values: the
+        process groups it would be combined over are not data."""
+        return as_plain(self).clone().__reduce_ex__(protocol)
 
 
 def as_sharded_grad(grad: torch.Tensor, groups: Sequence[Any], device: torch.device) -> ShardedGrad:
@@ -150,29 +156,6 @@ def shard_source(groups: Sequence[Any], device: torch.device) -> Tuple[Tuple["we
     (each element is on exactly one rank of their product); and the ``device`` their collectives
     run on."""
     return (tuple(weakref.ref(g) for g in groups), device)
-
-
-def _called_from_torch_clipping(func: Callable[..., Any]) -> bool:
-    """Did torch's clipping module ask for this norm (``func``), directly or through torch
-    function modes that passed it on? See [Note: torch's clip_grad_norm_ on sharded gradients]."""
-    frame = inspect.currentframe()
-    # this frame -> ShardedGrad.__torch_function__ -> the frame that called func
-    current = frame.f_back.f_back if frame is not None and frame.f_back is not None else None
-    below: Optional[FrameType] = None  # the frame the current one called
-    while current is not None:
-        if current.f_globals.get("__name__") == _CLIP_MODULE:
-            return below is None or _passes_on(below, func)
-        below, current = current, current.f_back
-    return False
-
-
-def _passes_on(frame: FrameType, func: Callable[..., Any]) -> bool:
-    """Is ``frame`` a ``__torch_function__`` (of a torch function mode) called for ``func``?"""
-    code = frame.f_code
-    if code.co_name != "__torch_function__":
-        return False
-    arguments = frame.f_locals
-    return any(arguments.get(name) is func for name in code.co_varnames[:code.co_argcount])
 
 
 def _ord_of(func: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any]) -> float:
@@ -245,10 +228,17 @@ def _source_of(tensor: Any) -> _Source:
     return tensor._cs_source if isinstance(tensor, ShardedGrad) else None
 
 
-def _make_partial(value: torch.Tensor, sources: Tuple[_Source, ...], order: float) -> PartialNorm:
+def _make_partial(value: torch.Tensor, sources: Tuple[_Source, ...], order: float,
+                  stacked: bool = False) -> PartialNorm:
     partial = value.as_subclass(PartialNorm)
-    partial._cs_sources, partial._cs_ord = sources, order
+    partial._cs_sources, partial._cs_ord, partial._cs_stacked = sources, order, stacked
     return partial  # type: ignore[return-value]  # as_subclass returns the subclass
+
+
+def _is_total_norm(args: Sequence[Any], kwargs: Dict[str, Any]) -> bool:
+    """``vector_norm(stacked, ord)`` over the whole stack of partial norms: torch's total norm."""
+    return (len(args) >= 1 and isinstance(args[0], PartialNorm) and args[0]._cs_stacked
+            and kwargs.get("dim") is None and not kwargs.get("keepdim") and len(args) <= 2)
 
 
 def _stackable(items: Any) -> bool:
@@ -265,12 +255,12 @@ def _stack_partials(items: Sequence[torch.Tensor]) -> PartialNorm:
     order = next(t._cs_ord for t in items if isinstance(t, PartialNorm))
     # a DTensor norm (torch's own of tensor-parallel gradients) is resolved over its mesh: whole on every rank
     wholes = [t.full_tensor() if isinstance(t, DTensor) else t for t in items]
-    return _make_partial(torch.stack([as_plain(t) for t in wholes]), tuple(sources), order)
+    return _make_partial(torch.stack([as_plain(t) for t in wholes]), tuple(sources), order, stacked=True)
 
 
-def _resolve_all(value: Any) -> Any:
-    """``value`` with every partial norm in it resolved (see :func:`_resolve`)."""
-    return convert(value, lambda t: _resolve(t) if isinstance(t, PartialNorm) else t)
+def _local_values(value: Any) -> Any:
+    """``value`` with every partial norm in it as the plain tensor of this rank's values."""
+    return convert(value, lambda t: as_plain(t) if isinstance(t, PartialNorm) else t)
 
 
 def _resolve(partial: PartialNorm) -> torch.Tensor:
@@ -335,53 +325,53 @@ _CONTRACT = ("contract", "wrapper")  # torch's @contract decorator: torch.distri
 _OWN_PACKAGE = __name__.split(".", 1)[0]  # the top-level package, wherever this module sits in it
 
 
-def _foreign_wrapper(frame: Optional[FrameType]) -> Optional[Tuple[str, Optional[FrameType]]]:
-    """The torch wrapper on the stack above ``frame`` (walking through torch's and this
-    library's frames only, up to the first frame of user code), with the frame of torch's
-    ``@contract`` wrapper that applies it, if any; or None."""
+def _foreign_wrapper() -> Optional[Tuple[str, Optional[RunningFunction]]]:
+    """The torch wrapper whose code is running on this thread (walking through torch's and this
+    library's functions only, up to the first function of other code), with torch's ``@contract``
+    wrapper that applies it, if any; or None."""
     found: Optional[str] = None
-    contract: Optional[FrameType] = None
-    while frame is not None:
-        module = frame.f_globals.get("__name__", "")
+    contract: Optional[RunningFunction] = None
+    for function in running_functions():
+        module = function.module
         if not (module.startswith("torch.") or module.startswith(_OWN_PACKAGE)):
             break
         if module.startswith("torch."):
-            key = (module.rsplit(".", 1)[-1], frame.f_code.co_name)
-            applied = _FOREIGN.get(_contract_api(frame)) if key == _CONTRACT else None
+            key = (module.rsplit(".", 1)[-1], function.name)
+            applied = _FOREIGN.get(_contract_api(function)) if key == _CONTRACT else None
             if applied is not None and contract is None:
-                found, contract = found or applied, frame
+                found, contract = found or applied, function
             elif found is None and key in _FOREIGN and (key[0] != "distributed" or module.endswith(_DDP_MODULE_SUFFIX)):
                 found = _FOREIGN[key]
-        frame = frame.f_back
     return None if found is None else (found, contract)
 
 
-def _contract_api(frame: FrameType) -> Tuple[str, str]:
+def _contract_api(function: RunningFunction) -> Tuple[str, str]:
     """(defining module's last component, name) of the API function torch's ``@contract``
-    wrapper running in ``frame`` applies (its ``func`` local: torch 2.13's contract.py)."""
-    func = frame.f_locals.get("func")
+    wrapper running as ``function`` applies (its ``func`` local: torch 2.13's contract.py)."""
+    func = function.local("func")
     return (str(getattr(func, "__module__", "")).rsplit(".", 1)[-1], str(getattr(func, "__name__", "")))
 
 
-def _undo_contract_entries(frame: FrameType) -> None:
-    """Take out of each module's ``__dict__`` what torch's ``@contract`` wrapper running in
-    ``frame`` put there before it traversed the modules, so a refused wrapper leaves them as
+def _undo_contract_entries(function: RunningFunction) -> None:
+    """Take out of each module's ``__dict__`` what torch's ``@contract`` wrapper running as
+    ``function`` put there before it traversed the modules, so a refused wrapper leaves them as
     they were. Read in torch 2.13's ``torch/distributed/_composable/contract.py``: for each
     root module in turn (``modules``) the wrapper does ``__dict__.setdefault(STATE_KEY,
-    default_all_state)`` and ``setdefault(REGISTRY_KEY, default_registry)`` (module globals;
-    the defaults are fresh dicts, locals of the current iteration), adds ``func -> state`` and
-    ``func.__name__ -> registry_item`` to them, then traverses that module. Only this call's
-    entries are removed; a dict left empty is removed if this call created it (the current
-    module: it is the iteration's default; an earlier module of a list: assumed, an empty
-    dict and none meaning the same to torch). Anything unexpected: nothing is touched."""
-    names = frame.f_locals
-    keys = (frame.f_globals.get("STATE_KEY"), frame.f_globals.get("REGISTRY_KEY"))
-    func, modules, current = names.get("func"), names.get("modules"), names.get("module")
+    default_all_state)`` and ``setdefault(REGISTRY_KEY, default_registry)`` (module globals,
+    here: the keys torch's contract module defines; the defaults are fresh dicts, locals of the
+    current iteration), adds ``func -> state`` and ``func.__name__ -> registry_item`` to them,
+    then traverses that module. Only this call's entries are removed; a dict left empty is
+    removed if this call created it (the current module: it is the iteration's default; an
+    earlier module of a list: assumed, an empty dict and none meaning the same to torch).
+    Anything unexpected: nothing is touched."""
+    contract_module = sys.modules.get(function.module)
+    keys = (getattr(contract_module, "STATE_KEY", None), getattr(contract_module, "REGISTRY_KEY", None))
+    func, modules, current = function.local("func"), function.local("modules"), function.local("module")
     if func is None or not isinstance(modules, list) or not all(isinstance(k, str) for k in keys):
         return
     ours: Tuple[Tuple[Any, Any, Any, Any], ...] = (
-        (keys[0], func, names.get("state"), names.get("default_all_state")),
-        (keys[1], getattr(func, "__name__", None), names.get("registry_item"), names.get("default_registry")))
+        (keys[0], func, function.local("state"), function.local("default_all_state")),
+        (keys[1], getattr(func, "__name__", None), function.local("registry_item"), function.local("default_registry")))
     for module in modules:
         for key, entry, value, default in ours:
             entries = module.__dict__.get(key) if isinstance(module, nn.Module) else None
@@ -394,22 +384,24 @@ def _undo_contract_entries(frame: FrameType) -> None:
 
 class ForeignWrapperGuard:
     """Mixin of ``FSDP<Orig>`` and ``Replicate<Orig>``: torch's data-parallel wrappers that walk
-    the module tree through a managed module raise (see [Note: Foreign wrappers])."""
+    the module tree through a managed module raise (see [Note: Foreign wrappers]), and so does
+    code an integration refuses ([Note: Caller checks] in ``_base/callers.py``, point
+    ``"traverse"``)."""
 
     def named_modules(self, *args: Any, **kwargs: Any) -> Iterator[Tuple[str, nn.Module]]:
         """As ``nn.Module.named_modules``; refuses torch's data-parallel wrappers."""
-        _refuse_foreign_wrapper(self, inspect.currentframe())
+        _refuse_foreign_callers(self)
         yield from super().named_modules(*args, **kwargs)  # type: ignore[misc]  # nn.Module's, through the dynamic class
 
     def named_children(self) -> Iterator[Tuple[str, nn.Module]]:
         """As ``nn.Module.named_children``; refuses torch's data-parallel wrappers."""
-        _refuse_foreign_wrapper(self, inspect.currentframe())
+        _refuse_foreign_callers(self)
         yield from super().named_children()  # type: ignore[misc]  # nn.Module's, through the dynamic class
 
 
-def _refuse_foreign_wrapper(module: Any, frame: Optional[FrameType]) -> None:
-    refuse_lightning_model_parallel(frame)
-    found = _foreign_wrapper(frame.f_back if frame is not None else None)
+def _refuse_foreign_callers(module: Any) -> None:
+    check_callers(module, "traverse")
+    found = _foreign_wrapper()
     if found is None:
         return
     wrapper, contract = found
@@ -423,67 +415,3 @@ def _refuse_foreign_wrapper(module: Any, frame: Optional[FrameType]) -> None:
         "is (it needs no wrapper): with Hugging Face Trainer or accelerate use ShardedTrainer or "
         "ShardedAccelerator from composable_shard.integrations.transformers; to mix strategies, use "
         "fully_shard/replicate on submodules. Nothing was changed.")
-
-
-# ---------------------------------------------------------------------------- Lightning's FSDP2 strategy
-# [Note: Lightning's ModelParallelStrategy]  Lightning's FSDP2 strategy (Trainer and Fabric; the
-# unified package and the standalone ones; Lightning 2.6 read) trains a model this library
-# sharded exactly, but its checkpoints of it cannot be resumed: its loader (``_load_checkpoint``)
-# accepts only models with DTensor parameters, and Fabric's saver (``_save_checkpoint``) refuses
-# the same way with a message that blames the caller. So its checkpoint calls raise, before
-# anything is written or loaded, naming the strategies that do work: Trainer's save through
-# torch's state-dict API (``model_state_dict.torch_request``), Fabric's save and both loads at their
-# first look at the model's parameters (``ForeignWrapperGuard``).
-_LIGHTNING_MODEL_PARALLEL = ("lightning.pytorch.strategies.model_parallel", "lightning.fabric.strategies.model_parallel",
-                             "pytorch_lightning.strategies.model_parallel", "lightning_fabric.strategies.model_parallel")
-_LIGHTNING_CHECKPOINT_CALLS = frozenset({"save_checkpoint", "load_checkpoint", "_save_checkpoint", "_load_checkpoint",
-                                         "lightning_module_state_dict", "optimizer_state"})
-
-
-def refuse_lightning_model_parallel(frame: Optional[FrameType]) -> None:
-    """Raise if a checkpoint call of Lightning's ``ModelParallelStrategy`` is on the stack above
-    ``frame`` (see [Note: Lightning's ModelParallelStrategy])."""
-    if not any(name in sys.modules for name in _LIGHTNING_MODEL_PARALLEL):
-        return  # never imported: none of its code can be running
-    while frame is not None:
-        if frame.f_globals.get("__name__") in _LIGHTNING_MODEL_PARALLEL and frame.f_code.co_name in _LIGHTNING_CHECKPOINT_CALLS:
-            raise RuntimeError(
-                "Lightning's ModelParallelStrategy cannot checkpoint a model sharded by composable_shard: its loader "
-                "accepts only models with DTensor (FSDP2) parameters, so its checkpoint could not be resumed. Use "
-                "strategy=composable_shard.integrations.lightning.ShardedStrategy() with Trainer (or "
-                "ShardedFabricStrategy() with Fabric): it trains the same way and saves checkpoints that resume at "
-                "any world size. Nothing was saved or loaded.")
-        frame = frame.f_back
-
-
-# ---------------------------------------------------------------------------- torch's pipelining
-_PIPELINING = "torch.distributed.pipelining"
-
-
-def refuse_pipelining(module: Any) -> None:
-    """See [Note: FSDP2 drop-in] in ``_setup/fsdp2_compat.py``: a root's first forward (lazy init) and ``set_is_last_backward``
-    (what torch's pipelining calls first, before each micro-batch's backward and at the end of
-    the step) raise when torch's pipelining called them. At the first forward also a stage whose
-    own module is plain: its zero-bubble weight pass would ask the original parameters for
-    gradients, which the forward never used (they are views of the shards)."""
-    frame = inspect.currentframe()
-    pipelining = False
-    try:
-        while frame is not None:
-            # Only torch's pipelining frames' locals are read: reading a frame's f_locals makes CPython keep a
-            # snapshot of them on the frame, which would keep a caller's deleted model alive.
-            if str(frame.f_globals.get("__name__", "")).startswith(_PIPELINING):
-                pipelining = True
-                if getattr(frame.f_locals.get("self"), "_composable_shard_stage", False):
-                    return  # composable_shard.integrations.pipelining's stage drives it ([Note: Pipelined stages])
-            frame = frame.f_back
-    finally:
-        del frame
-    if pipelining:
-        raise RuntimeError(
-            f"torch.distributed.pipelining on a stage whose modules fully_shard manages ({type(module).__name__}): "
-            "torch's schedules finish each step through torch FSDP2's internal state (gradient sync is off for "
-            "every micro-batch until then), which composable_shard modules do not have, and their zero-bubble "
-            "weight pass asks the original parameters for gradients, which the sharded forward never used: "
-            "gradients would go unreduced or missing. Build the stage with "
-            "composable_shard.integrations.pipelining.PipelineStage (same arguments) instead of torch's.")

@@ -165,6 +165,8 @@ class _FSDPState(_State):
         self.sync_gradients: bool = True  # False: accumulate unsharded grads, no communication
         self.reshard_after_backward: bool = True  # False: keep parameters unsharded after backward
         self.reshard_after_forward: bool = True  # False: keep them from forward to backward (set from the strategy)
+        self.root_reshards_after_forward: bool = False  # the root frees them too: FSDP2's reshard_after_forward
+        # asked for explicitly (fully_shard's argument or set_reshard_after_forward), as FSDP2 does (see frees_after_forward)
         self.gradient_divide_factor: Optional[float] = None  # None: divide reduced gradients by dp_world_size
         self.forward_prefetch_states: Optional[List["_FSDPState"]] = None  # explicit forward prefetch (None: next in order)
         self.backward_prefetch_states: Optional[List["_FSDPState"]] = None  # explicit backward prefetch (None: previous)

@@ -30,20 +30,21 @@
   of each step (its ``perform_reduce_grad``), which these modules do not have, after turning
   gradient sync off for every micro-batch: the step would end with gradients never reduced; and
   its zero-bubble schedules' weight pass asks the original parameters for gradients, which a
-  sharded forward never used. A fully sharded module's first forward under a pipelining
-  schedule raises (``interop.refuse_pipelining``), as does ``set_is_last_backward`` from there, unless
-  the stage is ``composable_shard.integrations.pipelining.PipelineStage``, which drives them
-  itself ([Note: Pipelined stages] there).
+  sharded forward never used. So ``integrations/pipelining.py`` refuses a fully sharded module's
+  first forward and ``set_is_last_backward`` when torch's own stage drives them, through the
+  caller checks ([Note: Caller checks] in ``_base/callers.py``); its ``PipelineStage`` drives
+  them itself ([Note: Pipelined stages] there).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, List, Optional
 
 import torch.nn as nn
 
 from .._runtime.module_state import _FSDPState
-from .._runtime.interop import refuse_pipelining
+from .._base.callers import check_callers
 from .._base.torch_compat import TORCH_FSDP_PACKAGE
 from .validation import check_bool, check_real
 from ..api import CPUOffload, MixedPrecision, ShardingStrategy
@@ -166,24 +167,26 @@ class FSDP2Methods:
 
     # -- mapped
     def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide this module's reduced gradients by ``factor`` instead of the data-parallel
-        world size (1.0: sum them, for a loop that scales the loss itself, e.g. by the global
-        token count). Applies to every fully sharded module of the tree, as FSDP2's does."""
+        """Divide the reduced gradients of this module's own parameters by ``factor`` instead of
+        the data-parallel world size (1.0: sum them, for a loop that scales the loss itself, e.g.
+        by the global token count). Not recursive, as FSDP2's: the fully sharded modules inside
+        keep theirs, so call it on each (torchtitan loops over ``model.modules()``)."""
         value = check_real(f"{type(self).__name__}.set_gradient_divide_factor", "factor", factor)
         if not value > 0 or value == float("inf"):
             raise ValueError(f"{type(self).__name__}.set_gradient_divide_factor: factor must be a positive finite "
                              f"number, got {factor!r}")
-        for s in self._states(True):
-            s.gradient_divide_factor = value
+        self._fsdp_state().gradient_divide_factor = value
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
-        """FSDP2's older name of :meth:`set_gradient_divide_factor`."""
+        """FSDP2's older name of :meth:`set_gradient_divide_factor`, deprecated there: it warns
+        (``DeprecationWarning``) as FSDP2's does."""
+        warnings.warn("Use `set_gradient_divide_factor` instead", DeprecationWarning, stacklevel=2)
         self.set_gradient_divide_factor(factor)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """False: keep the unsharded parameters from forward to backward (no all-gather in
-        backward, more memory); True: free them after forward. The root keeps them either way
-        (its backward comes first)."""
+        backward, more memory); True: free them after forward, the root's too (as FSDP2's, once
+        asked for explicitly; by default the root keeps them: its backward comes first)."""
         api = f"{type(self).__name__}.set_reshard_after_forward"
         if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
             raise NotImplementedError(f"{api}({reshard_after_forward}): resharding to a smaller world after forward "
@@ -193,7 +196,7 @@ class FSDP2Methods:
         for s in self._states(recurse):
             if reshard_after_forward and s.strategy is ShardingStrategy.NO_SHARD:
                 continue  # nothing is gathered: the shard is the whole parameter
-            s.reshard_after_forward = reshard_after_forward
+            s.reshard_after_forward = s.root_reshards_after_forward = reshard_after_forward
 
     def set_modules_to_forward_prefetch(self, modules: List[Any]) -> None:
         """In this module's forward, start the all-gathers of ``modules`` (fully sharded
@@ -223,7 +226,7 @@ class FSDP2Methods:
         """Accepted for FSDP2 code: every backward here waits for its reductions at its end,
         whatever this says (FSDP2 lets a backward that is not the last skip the wait)."""
         check_bool(f"{type(self).__name__}.set_is_last_backward", "is_last_backward", is_last_backward)
-        refuse_pipelining(self)
+        check_callers(self, "set_is_last_backward")  # [Note: Caller checks] in _base/callers.py
         self._fsdp_state().is_last_backward = is_last_backward
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:

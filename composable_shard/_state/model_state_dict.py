@@ -47,7 +47,6 @@
 from __future__ import annotations
 
 import contextlib
-import inspect
 import itertools
 import threading
 import weakref
@@ -61,7 +60,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from .._runtime import collectives as _collectives
 from .._runtime.module_state import _FSDPState
 from .._runtime.flat_param import FlatGroup, take_pending_init_values
-from .._runtime.interop import refuse_lightning_model_parallel
+from .._base.callers import check_callers
 from .._runtime.shard_math import param_offsets
 from .._base.pieces import Piece, take_piece, to_global
 from .._base.tree import local_piece
@@ -180,7 +179,7 @@ def _enter(module: nn.Module, prefix: str, keep_vars: bool) -> _Call:
     calls = _calls()
     if not prefix or not calls:
         calls[:] = [c for c in calls if c.module() is not None and c.module() is not module]  # left by a raise
-        calls.append(_Call(weakref.ref(module), request=torch_request(f"{type(module).__name__}.state_dict()")))
+        calls.append(_Call(weakref.ref(module), request=torch_request(f"{type(module).__name__}.state_dict()", module)))
     call = calls[-1]
     call.depth += 1
     call.keep_vars = keep_vars
@@ -201,12 +200,13 @@ def _leave(call: _Call) -> None:
 
 
 # ---------------------------------------------------------------------------- torch's state-dict API
-def torch_request(what: str) -> Any:
+def torch_request(what: str, subject: Any) -> Any:
     """The options (``StateDictOptions``) of torch's ``torch.distributed.checkpoint.state_dict``
-    function this ``state_dict()``/``load_state_dict()`` call runs inside, or ``None``. Raises,
-    before anything is saved or loaded, if this torch hides the options, or if the call comes
-    from Lightning's ``ModelParallelStrategy`` (naming the strategy to use; [Note: Lightning's
-    ModelParallelStrategy] in ``_runtime/interop.py``)."""
+    function this ``state_dict()``/``load_state_dict()`` call of ``subject`` (a module or an
+    optimizer) runs inside, or ``None``. Raises, before anything is saved or loaded, if this
+    torch hides the options, or if an integration refuses the code that called torch's function
+    (point ``"state_dict"`` of [Note: Caller checks] in ``_base/callers.py``: Lightning's
+    ``ModelParallelStrategy``, for one)."""
     request = torch_state_dict_request()
     if request is UNKNOWN_REQUEST:
         raise RuntimeError(
@@ -216,7 +216,7 @@ def torch_request(what: str) -> Any:
             "set_optimizer_state_dict (same layout, keyed by FQN) or save_checkpoint/load_checkpoint. Nothing was "
             "saved or loaded.")
     if request is not None:
-        refuse_lightning_model_parallel(inspect.currentframe())  # see [Note: Lightning's ModelParallelStrategy]
+        check_callers(subject, "state_dict")
     return request
 
 

@@ -438,7 +438,7 @@ def _state_dict_post_hook(link_ref: Any, optimizer: Optimizer, state_dict: Dict[
     pairs = _saved_keys(state_dict, optimizer) if managed else None
     if not pairs:
         return None
-    request = torch_request(f"{type(optimizer).__name__}.state_dict()")
+    request = torch_request(f"{type(optimizer).__name__}.state_dict()", optimizer)
     state = dict(state_dict["state"])  # torch's values are the optimizer's own per-parameter dicts: never edited
     members: Dict[str, Managed] = {}
     for key, p in pairs:
@@ -465,7 +465,7 @@ def _load_state_dict_pre_hook(link_ref: Any, optimizer: Optimizer, state_dict: D
     pairs = _saved_keys(state_dict, optimizer) if managed and "state" in state_dict else None
     if not pairs:
         return None
-    torch_request(f"{type(optimizer).__name__}.load_state_dict()")  # refuses what cannot be loaded
+    torch_request(f"{type(optimizer).__name__}.load_state_dict()", optimizer)  # refuses what cannot be loaded
     state = dict(state_dict["state"])
     for key, p in pairs:
         where = managed.get(id(p))

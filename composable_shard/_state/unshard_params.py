@@ -5,26 +5,38 @@ Inside the context every original ``nn.Parameter`` of the selected handles has i
 and value (on rank 0 only with ``rank0_only``): its ``.data`` is a view of a full-precision
 buffer gathered for the occasion, independent of the runtime's (possibly low-precision)
 unsharded buffers. ``writeback=True`` copies this rank's chunk of that buffer back into the
-shard on exit; ``writeback=False`` discards edits. ``writeback=True`` with ``rank0_only=True``
-raises ``NotImplementedError``: other ranks would have nothing to write back, so the shards
-would silently diverge from what rank 0 edited.
+shard on exit; ``writeback=False`` discards edits.
+
+[Note: Tensor-parallel parameters under unshard_params]  A tensor-parallel parameter (see
+[Note: Tensor-parallel pieces] in ``_runtime/flat_param.py``) is shown as forward shows it: its
+slot holds a ``DTensor`` parameter with the parameter's mesh and placements whose local tensor is
+the piece's view of the gathered buffer, so ``p.full_tensor()``, ``p.norm()`` and an EMA's
+``lerp_`` see the global tensor, and edits of the local piece are what is written back. On exit the
+slot gets the plain parameter back (the one an optimizer holds; inside the context its ``.data`` is
+the piece, as before). A local tensor ``DTensor.from_local`` had to move to the mesh's device (a
+CPU copy of ``offload_to_cpu`` on an accelerator mesh) is copied back before the write-back.
+
+``writeback=True`` with ``rank0_only=True`` raises ``NotImplementedError``: other ranks would
+have nothing to write back, so the shards would silently diverge from what rank 0 edited.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from .._runtime import collectives as _collectives
 from .._runtime.module_state import HandleTrainingState, TrainingState, _FSDPState
 from .._runtime.flat_param import FlatGroup, FlatParamHandle, set_grad_of_any_shape, take_pending_init_values
 from .._runtime.hooks import recover_interrupted_backward
 from .._runtime.shard_math import param_offsets
-from .._base.torch_compat import is_in_backward
+from .._base.pieces import as_dtensor
+from .._base.torch_compat import is_in_backward, set_module_tensor
 from .._setup.validation import check_bool
 from .._runtime.traversal import _get_fsdp_states
 from ..contract import _get_module_state
@@ -43,6 +55,8 @@ class _Summoned:
     grad_on_some_rank: List[bool]  # with_grads: per original parameter, some rank has a .grad
     saved_grads: List[Optional[torch.Tensor]]  # each original parameter's .grad on entry, restored on exit
     offloaded: bool = False  # full parameters exposed as CPU copies of ``full``
+    shown: List[Optional[torch.Tensor]] = field(default_factory=list)  # per original parameter: the DTensor in
+    # its slot while exposed (a tensor-parallel piece), else None; see [Note: Tensor-parallel parameters under unshard_params]
 
 
 @contextlib.contextmanager
@@ -57,13 +71,21 @@ def unshard_params(module: nn.Module, *, recurse: bool = True, writeback: bool =
         with unshard_params(model, writeback=True):
             model.head.weight.zero_()              # written back to every rank's shard
 
+    A tensor-parallel (``DTensor``) parameter is a ``DTensor`` parameter with its placements and
+    mesh, as in forward: its local tensor is this rank's whole piece (gathered over the
+    data-parallel group), so ``p.full_tensor()`` and ``p.norm()`` are global; edits of the piece
+    are written back.
+
     Args:
         module: a module containing fully sharded modules (or one itself).
         recurse: all handles in the subtree; False: only ``module``'s own handle.
         writeback: copy edits back to the shards on exit (False: discard them).
-        rank0_only: only rank 0 sees full parameters (others keep their shards).
-        offload_to_cpu: full parameters are CPU copies (edits still written back).
-        with_grads: also expose full gradients as ``.grad`` (``None`` where no rank has one).
+        rank0_only: only rank 0 of the shard group sees full parameters (others keep their
+            shards); with tensor parallelism, each tensor-parallel rank of it.
+        offload_to_cpu: full parameters are CPU copies (edits still written back); a
+            tensor-parallel one stays on its mesh's device (a ``DTensor``'s local tensor is there).
+        with_grads: also expose full gradients as ``.grad`` (``None`` where no rank has one;
+            a ``DTensor`` with the parameter's placements for a tensor-parallel one).
     """
     check_module("unshard_params", module)
     for name, flag in (("recurse", recurse), ("writeback", writeback), ("rank0_only", rank0_only),
@@ -212,11 +234,54 @@ def _expose(item: _Summoned, rank0_only: bool, offload_to_cpu: bool) -> None:
         if grad_pieces is not None and item.grad_on_some_rank[i]:
             p.grad = grad_pieces[i].to(p.device)
     item.offloaded = full is not item.full
+    item.shown = _show_pieces(item.group)
     item.handle.full_params_exposed = True
+
+
+def _show_pieces(group: FlatGroup) -> List[Optional[torch.Tensor]]:
+    """Put a ``DTensor`` parameter over each exposed tensor-parallel piece (its ``.data``, and its
+    ``.grad`` if any) in its slots; per original parameter the one shown, or ``None``."""
+    fp = group.flat_param
+    shown: List[Optional[torch.Tensor]] = []
+    for p, piece, info in zip(group.orig_params, fp._pieces, fp._param_infos):
+        if piece is None:
+            shown.append(None)
+            continue
+        dtensor = nn.Parameter(as_dtensor(piece, p.data), requires_grad=p.requires_grad)
+        if p.grad is not None:
+            dtensor.grad = as_dtensor(piece, p.grad)
+        set_module_tensor(info.module, info.param_name, dtensor)
+        shown.append(dtensor)
+    for sinfo in fp._shared_param_infos:
+        tied = shown[sinfo.prim_param_index]
+        if tied is not None:
+            set_module_tensor(sinfo.module, sinfo.param_name, tied)
+    return shown
+
+
+def _unshow_pieces(item: _Summoned, writeback: bool) -> None:
+    """Give the slots of the tensor-parallel pieces their plain parameters back; ``writeback``:
+    first take each shown ``DTensor``'s local tensor into the piece if it is not the piece's
+    memory (``from_local`` moved it to the mesh's device)."""
+    group, fp = item.group, item.group.flat_param
+    for p, tied, info in zip(group.orig_params, item.shown, fp._param_infos):
+        if not isinstance(tied, DTensor):  # a plain parameter, shown as itself
+            continue
+        with torch.no_grad():
+            local = tied.to_local()
+            if writeback and local.data_ptr() != p.data.data_ptr():
+                p.data.copy_(local)
+        set_module_tensor(info.module, info.param_name, p)
+    for sinfo in fp._shared_param_infos:
+        if item.shown[sinfo.prim_param_index] is not None:
+            set_module_tensor(sinfo.module, sinfo.param_name, group.orig_params[sinfo.prim_param_index])
+    item.shown = []
 
 
 def _restore(item: _Summoned, writeback: bool) -> None:
     group, handle, fp = item.group, item.handle, item.group.flat_param
+    if item.shown:
+        _unshow_pieces(item, writeback)
     if writeback and group.orig_params and item.offloaded:
         # Edits landed in the CPU copy: bring them back into the gathered buffer first.
         full_cpu = torch.cat([p.data.reshape(-1) for p in group.orig_params])

@@ -33,7 +33,8 @@ Example (``torchrun --nproc-per-node 2 train.py``; ``examples/lightning_train.py
   gradients), but synchronizes every accumulated micro-batch (Lightning turns gradient sync off
   only for DDP) and its checkpoints cannot be resumed: it saves through torch's state-dict API
   (exact for our models) but loads only into models with ``DTensor`` parameters, so it is refused
-  at save, naming these strategies (``model_state_dict.torch_request``). These strategies replace:
+  at save and at load, naming these strategies ([Note: Lightning's ModelParallelStrategy]). These
+  strategies replace:
   accumulate  ``block_backward_sync`` (Trainer) / ``no_backward_sync`` (Fabric):
               ``set_requires_gradient_sync(False)`` on every managed module, so gradients are
               reduced once per optimizer step, on the last micro-batch.
@@ -48,6 +49,27 @@ Example (``torchrun --nproc-per-node 2 train.py``; ``examples/lightning_train.py
               norm on sharded gradients ([Note: torch's clip_grad_norm_ on sharded gradients]).
   precision   ``"bf16-mixed"``/``"16-mixed"`` (autocast) work; ``"bf16-true"`` would cast the
               shards themselves and is refused: use ``fully_shard(mixed_precision=...)``.
+
+[Note: Lightning's ModelParallelStrategy]  (Lightning 2.6 read; Trainer and Fabric, the unified
+  ``lightning`` package and the standalone ``pytorch_lightning`` / ``lightning_fabric``)
+  It trains a model this library sharded exactly, but its checkpoints of it cannot be resumed:
+  its loader (``_load_checkpoint``) accepts only models with ``DTensor`` parameters, and Fabric's
+  saver (``_save_checkpoint``) refuses the same way with a message that blames the caller. So its
+  checkpoint calls raise, before anything is written or loaded, naming the strategies that work.
+  :func:`check_caller` does it (in ``_lightning_checks.py``, which imports no Lightning, so a
+  standalone ``pytorch_lightning`` install without the unified package loads it too), entered
+  under the entry-point group ``composable_shard.caller_checks`` for the prefixes ``lightning``,
+  ``pytorch_lightning`` and ``lightning_fabric`` ([Note: Caller checks] in ``_base/callers.py``),
+  so it refuses also for a user who never imports this module. Where Lightning reaches the model:
+    Trainer save   ``lightning_module_state_dict`` / ``optimizer_state`` call torch's
+                   ``get_model_state_dict`` / ``get_optimizer_state_dict``: point ``"traverse"``
+                   (torch walks the modules first), else ``"state_dict"``
+    Trainer load   ``load_checkpoint`` -> ``_load_checkpoint`` looks for ``DTensor`` parameters
+                   (``module.parameters()``): ``"traverse"``
+    Fabric save    ``save_checkpoint`` -> ``_save_checkpoint``, the same look: ``"traverse"``
+    Fabric load    ``load_checkpoint`` -> ``_load_checkpoint``: ``"traverse"``
+  A function of those modules is known by its name alone (``_CHECKPOINT_CALLS``): Lightning's
+  checkpoint methods and the module-level ``_save_checkpoint`` / ``_load_checkpoint``.
 """
 
 from __future__ import annotations
@@ -75,9 +97,10 @@ except ImportError as e:
                       ) from e
 
 from .. import StateDictType, load_checkpoint, save_checkpoint, state_dict_type
+from ._lightning_checks import check_caller
 from ._shared import gradient_sync_off, managed_modules
 
-__all__ = ["ShardedStrategy", "ShardedFabricStrategy"]
+__all__ = ["ShardedStrategy", "ShardedFabricStrategy", "check_caller"]
 
 _DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default process-group timeout
 

@@ -1,5 +1,6 @@
 """torch's pipeline parallelism (``torch.distributed.pipelining``) with stages whose modules this
-library manages: :class:`PipelineStage`, used in place of torch's.
+library manages: :class:`PipelineStage`, used in place of torch's, and :func:`check_caller`, which
+refuses torch's own stage and the zero-bubble schedules over fully sharded modules.
 
 [Note: Pipelined stages]
   torch's schedules run a stage's micro-batches through ``stage.forward_one_chunk`` and
@@ -7,37 +8,72 @@ library manages: :class:`PipelineStage`, used in place of torch's.
   stage module that is an FSDP2 module (``isinstance`` against torch's ``FSDPModule``, which
   ours are) torch's stage turns gradient sync and resharding after backward off for every
   micro-batch and finishes the step through FSDP2's internal state, which our modules do not
-  have; so ``fully_shard`` refuses torch's own stage (``interop.refuse_pipelining``). This
-  stage keeps torch's micro-batch code and replaces the two seams:
+  have. This stage keeps torch's micro-batch code and replaces the two seams:
     every backward  fully sharded modules of the stage accumulate without communicating and keep
-                    their parameters unsharded (FSDP2's settings under torch's stage); replicated
-                    ones accumulate too
-    end of step     fully sharded modules reduce the sum once (``reduce_accumulated_gradients``:
-                    one reduce-scatter per flat group, as FSDP2's ``post_backward``) and reshard;
-                    replicated ones reduce during the last micro-batch's backward (one
-                    all-reduce per bucket per step); then torch's gradient scaling by the
-                    number of micro-batches.
-  Schedules that split a backward into an input pass and a weight pass (zero bubble:
-  ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``) compute
+                    their parameters unsharded (FSDP2's settings under torch's stage); what each
+                    was configured with (``reshard_after_backward``: True, or False under NO_SHARD
+                    or the user's ``set_reshard_after_backward(False)``) is recorded once per
+                    step, at its first micro-batch; replicated ones accumulate too
+    end of step     the recorded settings restored; fully sharded modules reduce the sum once
+                    (``reduce_accumulated_gradients``: one reduce-scatter per flat group, as
+                    FSDP2's ``post_backward``; gradient sync on again) and reshard as
+                    configured; replicated ones reduce during the last micro-batch's backward
+                    (one all-reduce per bucket per step) and sync again; then torch's gradient
+                    scaling by the number of micro-batches.
+  So after a step every module is as a plain step leaves it: parameters sharded again (or kept
+  unsharded where the user asked), the same bytes held, sync on.
+
+[Note: Which stage drives a module]
+  The library's runtime asks :func:`check_caller` (entry point ``composable_shard.caller_checks``,
+  [Note: Caller checks] in ``_base/callers.py``) while code of ``torch.distributed.pipelining`` is
+  running, with the names of its running functions (never their locals):
+    "first_forward"        a fully sharded root's first forward (torch 2.13: the stage's metadata
+                           inference at the schedule's first step; with static shapes its first
+                           micro-batch). Refused unless a :class:`PipelineStage` of ours was built
+                           over it: ours marks every fully sharded module of its stage module at
+                           construction (``_DRIVEN``, in the module's ``__dict__``; so
+                           ``fully_shard`` comes first, as torch asks of FSDP2). So torch's own
+                           stage is refused there, before any collective, whether its module is
+                           our fully sharded root or a plain module holding fully sharded blocks.
+    "set_is_last_backward" called from torch's stage's ``backward_maybe_with_nosync`` or
+                           ``perform_reduce_grad``, where torch's stage drives an FSDP2 module
+                           (ours never reaches them with one: it shows torch's code a plain view
+                           during backward and replaces ``perform_reduce_grad``). Refused before
+                           the backward runs: this catches torch's stage over a module whose first
+                           forward ran elsewhere, or that a stage of ours once marked.
+    "traverse"             a zero-bubble schedule's ``__init__`` walks the stage modules
+                           (torch 2.13: ``_check_torch_compile_compatibility``, its first
+                           statement) and reaches a fully sharded module: refused, with either
+                           stage, before the schedule or the stages changed (recognised by the
+                           running function's qualified name, ``ScheduleZBVZeroBubble.__init__``:
+                           Python 3.11+).
+  Zero-bubble schedules split a backward into an input pass and a weight pass
+  (``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``) and compute
   weight gradients with ``torch.autograd.grad`` on ``stage.submod.parameters()``, our 1-D views of
-  the shards, which the sharded forward never used: they are refused when the schedule is built
-  (it assigns ``stage_index_to_group_rank``) and, for a schedule given as an action list, at its
-  first split backward.
+  the shards, which the sharded forward never used. Built by name they are refused at
+  construction (above); a schedule given as an action list (``_load_csv``), or one built where
+  the qualified name is not known (Python < 3.11, a torch that walks nothing there), is refused
+  by this stage at its first split backward, before that backward computes anything: on the
+  ranks that reach one; a rank waiting for another's gradient then waits, as after any error
+  inside a step.
 """
 
 from __future__ import annotations
 
-import inspect
-from typing import Any, Dict, List, Set, Tuple
+from typing import Any, Dict, List, Sequence, Set, Tuple
 
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 
 from .. import FSDPModule, ReplicateModule
 
-__all__ = ["PipelineStage"]
+__all__ = ["PipelineStage", "check_caller"]
 
 _SPLIT_BACKWARD_SCHEDULES = ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+_SPLIT_SCHEDULE_INITS = {f"{name}.__init__": name for name in _SPLIT_BACKWARD_SCHEDULES}
+# torch's stage methods that call set_is_last_backward on an FSDP2 stage module ([Note: Which stage drives a module])
+_TORCH_STAGE_FSDP_SEAMS = frozenset({"backward_maybe_with_nosync", "perform_reduce_grad"})
+_DRIVEN = "_cs_driven_by_pipeline_stage"  # key in a fully sharded module's __dict__: a stage of ours drives it
 
 
 def _refusal(what: str) -> NotImplementedError:
@@ -48,11 +84,65 @@ def _refusal(what: str) -> NotImplementedError:
         "Schedule1F1B, ScheduleInterleaved1F1B or ScheduleLoopedBFS, or replicate the stage's modules.")
 
 
+def _torch_stage_refusal(module: nn.Module) -> RuntimeError:
+    return RuntimeError(
+        f"torch.distributed.pipelining on a stage whose modules fully_shard manages ({type(module).__name__}): "
+        "torch's schedules finish each step through torch FSDP2's internal state (gradient sync is off for "
+        "every micro-batch until then), which composable_shard modules do not have, and their zero-bubble "
+        "weight pass asks the original parameters for gradients, which the sharded forward never used: "
+        "gradients would go unreduced or missing. Build the stage with "
+        "composable_shard.integrations.pipelining.PipelineStage (same arguments) instead of torch's.")
+
+
+def check_caller(subject: Any, point: str, functions: Sequence[Any]) -> None:
+    """Refuse torch's own pipelining stage driving a fully sharded module, and zero-bubble
+    schedules over fully sharded modules, before anything changed. See [Note: Which stage drives
+    a module]; the library calls it (entry point ``composable_shard.caller_checks``, [Note: Caller
+    checks] in ``composable_shard/_base/callers.py``), a user never needs to.
+
+    Example::
+
+        check_caller(model, "first_forward", [])     # nothing of torch's pipelining running: returns
+
+    Args:
+        subject: the managed module that was reached; only fully sharded ones are checked.
+        point: where it was reached: ``"first_forward"``, ``"set_is_last_backward"`` and
+            ``"traverse"`` are checked, other points return.
+        functions: the running functions of ``torch.distributed.pipelining``, innermost first,
+            each with ``module``, ``name`` and ``qualname``; only their names are read.
+
+    Raises:
+        RuntimeError: torch's stage (not :class:`PipelineStage`) runs the module's first forward
+            or calls its ``set_is_last_backward``.
+        NotImplementedError: a zero-bubble schedule is being built over the module.
+    """
+    if not functions or not isinstance(subject, FSDPModule):
+        return
+    if point == "traverse":
+        schedule = next((_SPLIT_SCHEDULE_INITS[f.qualname] for f in functions if f.qualname in _SPLIT_SCHEDULE_INITS),
+                        None)
+        if schedule is not None:
+            raise _refusal(schedule)
+    elif _torch_stage_drives(subject, point, functions):
+        raise _torch_stage_refusal(subject)
+
+
+def _torch_stage_drives(subject: Any, point: str, functions: Sequence[Any]) -> bool:
+    """Does torch's own stage (not :class:`PipelineStage`) drive ``subject`` here? See [Note: Which
+    stage drives a module]."""
+    if point == "first_forward":
+        return not subject.__dict__.get(_DRIVEN, False)
+    if point == "set_is_last_backward":
+        return any(f.name in _TORCH_STAGE_FSDP_SEAMS for f in functions)
+    return False
+
+
 class PipelineStage(_TorchPipelineStage):
     """torch's ``PipelineStage`` for a stage module this library manages (``fully_shard`` per
     block and on the stage root, ``replicate``, or both), with the same arguments. Gradients are
     reduced once per step; the numbers are those of single-process training on the combined
-    batch. Zero-bubble schedules are refused when built. See [Note: Pipelined stages].
+    batch, and after each step the modules are as a plain step leaves them. Zero-bubble
+    schedules are refused when built. See [Note: Pipelined stages].
 
     Example::
 
@@ -62,21 +152,14 @@ class PipelineStage(_TorchPipelineStage):
         schedule.step(x) / schedule.step(target=y); optimizer.step()
     """
 
-    _composable_shard_stage = True  # lets fully_shard's pipelining check through ([Note: FSDP2 drop-in])
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "stage_index_to_group_rank":  # assigned by every multi-stage schedule's __init__
-            frame = inspect.currentframe()
-            caller = frame.f_back if frame is not None else None
-            schedule = caller.f_locals.get("self") if caller is not None else None
-            names = {c.__name__ for c in type(schedule).__mro__} if schedule is not None else set()
-            split = names.intersection(_SPLIT_BACKWARD_SCHEDULES)
-            if split and self._manages_fully_sharded():
-                raise _refusal(sorted(split)[0])
-        super().__setattr__(name, value)
-
-    def _manages_fully_sharded(self) -> bool:
-        return any(isinstance(m, FSDPModule) for m in self.submod.modules())
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """torch's arguments. Marks the stage module's fully sharded modules as driven by this
+        stage, so their first forward under the schedule is let through ([Note: Which stage
+        drives a module]): apply ``fully_shard`` before building the stage."""
+        super().__init__(*args, **kwargs)
+        for module in self.submod.modules():
+            if isinstance(module, FSDPModule):
+                module.__dict__[_DRIVEN] = True
 
     def _managed(self) -> Tuple[List[FSDPModule], List[ReplicateModule], List[FSDPModule]]:
         """The stage's fully sharded modules, its replicated ones, and the outermost fully sharded
@@ -118,8 +201,9 @@ class PipelineStage(_TorchPipelineStage):
             self.submod = plain
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
-        """End of the step: the fully sharded modules' accumulated gradients reduced once and
-        resharded; then torch's scaling by the number of micro-batches."""
+        """End of the step: the fully sharded modules' recorded ``reshard_after_backward``
+        restored, their accumulated gradients reduced once and resharded as configured, gradient
+        sync on again everywhere; then torch's scaling by the number of micro-batches."""
         _, replicated, outermost = self._managed()
         for state, value in self.__dict__.pop("_cs_reshard_after_backward", {}).values():
             state.reshard_after_backward = value  # as configured (NO_SHARD keeps)

@@ -29,8 +29,10 @@ those gradients against float32 training to 5% of the largest element.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
+import pickle
 import types
 from typing import Any, Callable, Dict, Iterator, List, Set, Tuple
 
@@ -42,7 +44,6 @@ from torch.overrides import TorchFunctionMode
 from composable_shard import (CPUOffload, MixedPrecision, ShardingStrategy, clip_grad_norm_, fully_shard,
                               replicate)
 from composable_shard._runtime.collectives import record_collectives
-from composable_shard._runtime.interop import _CLIP_MODULE
 from tests._harness import run_distributed, run_subtests
 from tests._models import (Named, assert_grads_relative, assert_params_close, batch, full_grads, local_rows,
                            loss_fn, make_model, zip_same)
@@ -272,10 +273,13 @@ def test_clip_grad_norm_is_one_process_on_every_mix_4() -> None:
 
 # ------------------------------------------------------------------- norms outside clipping
 def _norms_outside_clipping() -> None:
-    """Norms of sharded gradients that torch's clipping did not ask for stay this rank's and
-    issue no collective, under modes too: rank 0 alone takes them with a mode active, and inside
-    a generator of parameters that torch's clip_grad_norm_ consumes (the generator's frame sits
-    between torch's clipping code and the norm, as a mode's would)."""
+    """Norms of sharded gradients that torch's total-norm recipe does not combine stay this rank's
+    and issue no collective, under modes too: rank 0 alone takes them with a mode active, uses
+    them in arithmetic, stacks and sums them, pickles and copies one, and inside a generator of
+    parameters that torch's clip_grad_norm_ consumes; only the vector norm of the stacked norms
+    (torch's recipe, every rank) combines, with one all-reduce. Without this a logging
+    ``p.grad.norm()`` on rank 0 would wait for ranks that never take it (a hang), or a norm used
+    for anything else would silently be another rank's number."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = make_model(num_blocks=NUM_BLOCKS)
     for block in model.blocks:
@@ -299,14 +303,26 @@ def _norms_outside_clipping() -> None:
                 under_device = [torch.linalg.vector_norm(g) for g in grads]
             with _PassingMode():
                 under_user_mode = [torch.linalg.vector_norm(g, 1.0) for g in grads]
-            assert all(type(n) is torch.Tensor for n in under_device + under_user_mode)
             assert all(torch.equal(a, torch.linalg.vector_norm(b)) for a, b in zip_same(under_device, plain))
             assert all(torch.equal(a, torch.linalg.vector_norm(b, 1.0)) for a, b in zip_same(under_user_mode, plain))
+            used = [under_device[0] * 2, under_device[0].item(), torch.stack(under_device).sum(),
+                    torch.stack(under_device).max(), torch.stack(under_device).norm()]
+            expected = torch.stack([torch.linalg.vector_norm(b) for b in plain])
+            assert type(used[0]) is torch.Tensor and torch.equal(used[0], expected[0] * 2)
+            assert used[1] == expected[0].item()
+            assert torch.equal(used[2], expected.sum()) and torch.equal(used[3], expected.max())
+            assert torch.equal(used[4], expected.norm()) and type(used[4]) is torch.Tensor
+            for copied in (copy.deepcopy(under_device[1]), pickle.loads(pickle.dumps(under_device[1]))):
+                assert type(copied) is torch.Tensor and torch.equal(copied, expected[1])
+        # every rank: a norm of one logged norm, and of a 2-element slice of a stack, are not torch's total
+        one = torch.linalg.vector_norm(grads[0])
+        assert torch.equal(torch.linalg.vector_norm(one), torch.linalg.vector_norm(plain[0]).abs())
+        pair = torch.stack([torch.linalg.vector_norm(g) for g in grads[:2]])
+        assert torch.equal(torch.linalg.vector_norm(pair[:2] * 1), torch.stack([b.norm() for b in plain[:2]]).norm())
         before = len(recorder.records)
         total = torch.nn.utils.clip_grad_norm_(parameters_logged(), 1e9)  # every rank: collective
-    assert all(type(n) is torch.Tensor for n in logged), [type(n) for n in logged]
+    assert before == 0, f"norms outside clipping issued {before} collectives"
     if rank == 0:
-        assert before == 0, f"norms outside clipping issued {before} collectives"
         assert all(torch.equal(a, torch.linalg.vector_norm(b)) for a, b in zip_same(logged, plain))
     assert len(recorder.records) - before == 1 and type(total) is torch.Tensor
 
@@ -315,7 +331,7 @@ def test_norms_outside_torch_clipping_stay_local_under_modes() -> None:
     run_distributed(_norms_outside_clipping, 2, timeout=60)
 
 
-# ----------------------------------------------------------------------- where torch clips
+# ----------------------------------------------------------------------- torch's total norm
 def _names_used(code: types.CodeType) -> Set[str]:
     """Every global and attribute name ``code`` and the code nested in it (comprehensions) use."""
     names = set(code.co_names)
@@ -325,16 +341,14 @@ def _names_used(code: types.CodeType) -> Set[str]:
     return names
 
 
-def test_torch_clipping_lives_where_the_frame_check_looks() -> None:
-    """The frame check recognises torch's clipping by the module its code runs in
-    (``interop._CLIP_MODULE``) and its norms by ``torch.linalg.vector_norm`` and
-    ``torch._foreach_norm``. A torch that moved ``clip_grad_norm_``/``get_total_norm`` to
-    another module, or took norms another way, would make torch's clip silently per-rank again
-    (the distributed tests above would fail too; this says why)."""
-    for name in ("clip_grad_norm_", "clip_grad_norm", "get_total_norm", "clip_grads_with_norm_"):
-        function = inspect.unwrap(getattr(torch.nn.utils, name))
-        assert function.__globals__["__name__"] == _CLIP_MODULE, (name, function.__globals__["__name__"])
+def test_torch_total_norm_is_the_norm_of_stacked_norms() -> None:
+    """Sharded gradients combine their norms when torch's recipe takes the vector norm of the
+    stacked per-gradient norms (``torch.linalg.vector_norm`` or ``torch._foreach_norm`` per
+    gradient, then ``torch.stack`` and ``vector_norm``), the one place ``clip_grad_norm_`` and
+    ``get_total_norm`` compute the total. A torch that computed it another way (a sum of squares,
+    ``torch.norm``) would make its clip silently per-rank again (the distributed tests above would
+    fail too; this says why)."""
     total_norm = inspect.unwrap(torch.nn.utils.get_total_norm)
-    assert {"vector_norm", "_foreach_norm"} <= _names_used(total_norm.__code__), _names_used(total_norm.__code__)
+    assert {"vector_norm", "_foreach_norm", "stack"} <= _names_used(total_norm.__code__), _names_used(total_norm.__code__)
     clip = inspect.unwrap(torch.nn.utils.clip_grad_norm_)
     assert total_norm.__name__ in _names_used(clip.__code__), "clip_grad_norm_ no longer calls get_total_norm"

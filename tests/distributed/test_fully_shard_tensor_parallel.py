@@ -1,5 +1,5 @@
 """``fully_shard`` over tensor-parallel (``DTensor``) modules at W = 4 on a 2 (data-parallel) x 2
-(tensor-parallel) mesh: each handle flattens the local pieces and shards them over the
+(tensor-parallel) mesh (and at W = 8 with two tensor-parallel dimensions): each handle flattens the local pieces and shards them over the
 data-parallel group; the modules compute on ``DTensor`` views with their placements. Every number
 is compared with one process on the combined batch and with torch's FSDP2 + TP in the same script.
 Before (main until issue 46): ``fully_shard`` refused ``DTensor`` parameters (and before that
@@ -21,6 +21,14 @@ failed inside torch with "aten.cat.default got mixed torch.Tensor and DTensor").
   HYBRID_SHARD on a 2-D dp mesh, a checkpointed block, a frozen tensor-parallel layer beside
   uneven pieces (12 and 11 of 23), and a Hugging Face Llama parallelized with its config's
   ``base_model_tp_plan``: equal to one process.
+- ``unshard_params`` shows each tensor-parallel parameter as FSDP2's ``unshard()`` does (a
+  ``DTensor`` parameter with the same placements, mesh and local piece), beside ``replicate``'s
+  own ``DTensor``s; a no_grad forward inside it equals one process.
+- Two tp mesh dimensions (dp 2 x tp (2 x 2), 8 ranks): pieces split twice along one tensor
+  dimension (even and uneven), along two, and by one of the two; training, the sharded state
+  dict's boxes (worked out by hand, each element once per replica), loads of a full and of a
+  dcp-read sharded state dict, and ``unshard_params`` (DTensors with their placements, global
+  norms, an edit written back, writeback=False, rank0_only, with_grads) equal one process.
 - Refusals (a Partial placement, a piece that is not its placements' split, a group sharing ranks
   with the tp mesh) are ``test_tensor_parallel.py``'s.
 """
@@ -30,7 +38,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -41,12 +49,14 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                loss_parallel, parallelize_module)
 
 from composable_shard import (MixedPrecision, clip_grad_norm_, describe, fully_shard, get_model_state_dict, replicate,
-                              get_optimizer_state_dict, load_checkpoint, save_checkpoint, set_model_state_dict)
+                              get_optimizer_state_dict, load_checkpoint, save_checkpoint, set_model_state_dict,
+                              unshard_params)
 from composable_shard._runtime import collectives as _collectives
 from composable_shard._runtime.traversal import _get_fsdp_states
 from composable_shard._state import load_transaction
 from composable_shard._state.sharded_slice import ShardedSlice
 from tests._harness import run_distributed
+from tests._models import zip_same
 from tests.distributed.test_tensor_parallel import _assert_full_equal  # keys, plain tensors, 1e-5
 
 DP, TP = 2, 2
@@ -216,6 +226,31 @@ def _check_boxes(sharded: Dict[str, Any], full: Dict[str, torch.Tensor]) -> int:
     return count
 
 
+def _unshard_params_against_fsdp2(model: _Net, fsdp2: _Net, reference: _Net) -> None:
+    """Inside unshard_params each parameter is what FSDP2's unshard() shows: a tensor-parallel one a
+    DTensor parameter with the same placements, mesh and local piece, a plain one the full tensor;
+    a no_grad forward inside the context (evaluation, generate()) computes what one process does.
+    (Before: a plain tensor of this rank's piece, so p.norm() or an EMA saw one tp rank's piece and
+    the forward raised "mixed torch.Tensor and DTensor".)"""
+    fsdp2_modules = [*fsdp2.blocks, fsdp2]
+    for module in fsdp2_modules:
+        module.unshard()  # type: ignore[operator]  # an FSDPModule method
+    with unshard_params(model, writeback=False):
+        for (name, ours), (their_name, theirs) in zip_same(list(model.named_parameters()), list(fsdp2.named_parameters()),
+                                                          what="parameters inside unshard_params / FSDP2 unshard()"):
+            assert name == their_name and type(ours) is type(theirs), (name, their_name, type(ours), type(theirs))
+            if isinstance(theirs, DTensor):
+                assert (ours.placements, ours.device_mesh, ours.shape) == (theirs.placements, theirs.device_mesh, theirs.shape)
+                ours, theirs = ours.to_local(), theirs.to_local()
+            torch.testing.assert_close(ours.detach(), theirs.detach(), atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+        x = _batch(0)[0]
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), reference(x), atol=1e-5, rtol=0)
+    for module in fsdp2_modules:
+        module.reshard()  # type: ignore[operator]
+    assert all(type(p) is nn.Parameter and p.dim() == 1 for p in model.parameters())  # plain 1-D slices again
+
+
 def _train_and_checkpoint(directory: str) -> None:
     mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
     dp_rank = mesh["dp"].get_local_rank()
@@ -260,6 +295,7 @@ def _train_and_checkpoint(directory: str) -> None:
     _assert_full_equal(on_rank0, full if dist.get_rank() == 0 else {}, "rank0_only")
     _assert_full_equal(full, {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in fsdp2.state_dict().items()},
                         "parameters against FSDP2 + TP")
+    _unshard_params_against_fsdp2(model, fsdp2, reference)
     _assert_full_equal(_full_optim_state(model, optims[0]), _reference_optim_state(reference, optims[2]),
                         "AdamW state after 4 steps")
 
@@ -554,6 +590,22 @@ def _hybrid_and_checkpointed() -> None:
             ours, single = _train_step(model, optim, step, dp_rank, DP, _ours_clip), _reference_step(reference, reference_optim, step)
             assert all(abs(a - b) <= 1e-5 for a, b in zip(ours, single)), (how, step, ours, single)
         _assert_full_equal(get_model_state_dict(model), reference.state_dict(), how)
+        if how == "checkpointed":  # replicate's parameters stay DTensors; fully_shard's show DTensors here too
+            with unshard_params(model, writeback=False):
+                refs = dict(reference.named_parameters())
+                for name, p in model.named_parameters():
+                    layer = name.split(".")[-2] + "." + name.split(".")[-1]
+                    placements = {"up.weight": (Shard(0),), "up.bias": (Shard(0),), "down.weight": (Shard(1),),
+                                  "down.bias": (Replicate(),)}.get(layer)
+                    whole: torch.Tensor = p
+                    if placements is None:  # the norms and the head: plain tensors
+                        assert type(p) is nn.Parameter and p.shape == refs[name].shape, (name, type(p), p.shape)
+                    else:
+                        assert isinstance(p, DTensor) and p.placements == placements, (name, type(p))
+                        whole = p.full_tensor()
+                    torch.testing.assert_close(whole.detach(), refs[name].detach(), atol=1e-5, rtol=0)
+            assert [isinstance(p, DTensor) for p in model.blocks[1].parameters()] == [True] * 4 + [False] * 2
+            assert all(type(p) is nn.Parameter and p.dim() == 1 for p in model.blocks[0].parameters())
         if how == "uneven_frozen":  # the frozen layer never moved, and got no gradient
             _assert_full_equal({k: v for k, v in get_model_state_dict(model).items() if k.startswith("blocks.0.up.")},
                                 {k: v for k, v in _plain_net().state_dict().items() if k.startswith("blocks.0.up.")},
@@ -569,3 +621,287 @@ def _sequence_parallel_and_llama() -> None:
 
 def test_fully_shard_over_sequence_loss_parallel_and_a_llama_plan_equals_fsdp2_and_one_process() -> None:
     run_distributed(_sequence_parallel_and_llama, DP * TP, timeout=240)
+
+
+# ---------------------------------------------------------------------------- two tp mesh dimensions
+# dp 2 x tp (2 x 2) = 8 ranks; parameters distributed by hand (parallelize_module's styles take a 1-D
+# mesh): two tp dimensions splitting one tensor dimension (Shard(0), Shard(0)), splitting two
+# (Shard(0), Shard(1)), and one of them only ((Replicate(), Shard(0)), (Shard(0), Replicate())).
+PLACEMENTS_2D = {"block.up.weight": (Shard(0), Shard(0)), "block.up.bias": (Shard(0), Shard(0)),
+                 "block.down.weight": (Shard(0), Shard(1)), "block.down.bias": (Replicate(), Shard(0)),
+                 "head.weight": (Shard(0), Shard(0)), "head.bias": (Shard(0), Replicate())}
+# how many ranks of the 8 hold each element of each tensor: the tp ranks of a dimension that does
+# not shard it (a plain parameter: all 4), never the dp ranks
+COPIES_2D = {"block.norm.weight": 4, "block.norm.bias": 4, "block.up.weight": 1, "block.up.bias": 1,
+             "block.down.weight": 1, "block.down.bias": 2, "head.weight": 1, "head.bias": 2}
+ROWS_2D = 3  # rows of the batch per dp rank
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+class _WholeLinear(nn.Linear):
+    """Computes on the whole weight and bias (``full_tensor()`` of a ``DTensor`` on any mesh, the
+    tensor itself otherwise); full_tensor's backward gives each piece its rows of the gradient."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, _whole(self.weight), _whole(self.bias))
+
+
+class _Block2D(nn.Module):
+    """Flat order: norm (6 + 6), up (pieces of 4 x 6 + 4), down (3 x 8 + 3): 67 elements on every tp
+    rank, 34 per dp rank, so dp rank 0 ends inside row 3 of the up.weight piece (4 of its 6 columns)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(6)
+        self.up = _WholeLinear(6, 16)
+        self.down = _WholeLinear(16, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class _Net2D(nn.Module):
+    """The head (7 x 6, 7): uneven pieces, rows (2, 2, 2, 1) of head.weight on tp (0, 0), (0, 1),
+    (1, 0), (1, 1) (torch.chunk of 7 into 4 + 3, then of 4 into 2 + 2 and of 3 into 2 + 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = _Block2D()
+        self.head = _WholeLinear(6, 7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(x))
+
+
+def _plain_net_2d() -> _Net2D:
+    torch.manual_seed(0)
+    return _Net2D()
+
+
+def _tp_net_2d(tp_mesh: DeviceMesh) -> _Net2D:
+    model = _plain_net_2d()
+    modules = dict(model.named_modules())
+    for fqn, placements in PLACEMENTS_2D.items():
+        owner, _, name = fqn.rpartition(".")
+        whole = getattr(modules[owner], name).detach()
+        setattr(modules[owner], name, nn.Parameter(DTensor.from_local(_chunk_2d(whole, tp_mesh, placements).clone(), tp_mesh,
+                                                                      placements, shape=whole.shape, stride=whole.stride())))
+    return model
+
+
+def _chunk_2d(whole: torch.Tensor, tp_mesh: DeviceMesh, placements: Tuple[Any, ...]) -> torch.Tensor:
+    """This rank's piece of ``whole`` as DTensor documents it: torch.chunk by each mesh dimension
+    that shards it, in mesh-dimension order (no communication: distribute_tensor scatters)."""
+    local, coordinate = whole, tp_mesh.get_coordinate()
+    assert coordinate is not None  # every rank is in the mesh
+    for i, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            local = torch.chunk(local, tp_mesh.size(i), dim=placement.dim)[coordinate[i]]
+    return local
+
+
+def _batch_2d(step: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(400 + step)
+    return torch.randn(DP * ROWS_2D, 6, generator=generator), torch.randn(DP * ROWS_2D, 7, generator=generator)
+
+
+def _step_2d(model: nn.Module, optim: torch.optim.Optimizer, step: int, dp_rank: Optional[int],
+             dp_group: Any = None) -> Tuple[float, float]:
+    """One clipped SGD step on dp rank ``dp_rank``'s rows of the batch (``None``: one process on all
+    of it); returns (the batch's mean loss, the norm before clipping)."""
+    x, y = _batch_2d(step)
+    if dp_rank is not None:
+        x, y = x[dp_rank * ROWS_2D:(dp_rank + 1) * ROWS_2D], y[dp_rank * ROWS_2D:(dp_rank + 1) * ROWS_2D]
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    norm = (clip_grad_norm_(model, MAX_NORM) if dp_rank is not None
+            else torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
+    optim.step()
+    optim.zero_grad()
+    mean = loss.detach().clone()
+    if dp_rank is not None:
+        dist.all_reduce(mean, group=dp_group)
+        mean /= DP
+    return mean.item(), norm.item()
+
+
+_Boxes = Dict[str, List[Tuple[Tuple[int, ...], Tuple[int, ...]]]]
+
+
+def _expected_boxes_2d(dp_rank: int, c0: int, c1: int) -> _Boxes:
+    """This rank's boxes of each tensor, worked out by hand. up.weight (16 x 6): rows 8 c0 + 4 c1
+    .. + 4 (tp0 halves the rows, tp1 halves tp0's half); its piece is flat elements [12, 36) of the
+    block's 67, dp rank 0 holding [0, 34): rows 0-2 and 4 columns of row 3 of the piece. down.weight
+    (6 x 16): rows 3 c0 .. + 3, columns 8 c1 .. + 8. down.bias (6): 3 c1 .. + 3 (tp1 only). head
+    (one handle: weight piece, then bias piece; ceil(total / 2) per dp rank): see _Net2D."""
+    r = 8 * c0 + 4 * c1
+    block: _Boxes = ({"block.norm.weight": [((0,), (6,))], "block.norm.bias": [((0,), (6,))],
+              "block.up.weight": [((r, 0), (3, 6)), ((r + 3, 0), (1, 4))], "block.up.bias": [],
+              "block.down.weight": [], "block.down.bias": []} if dp_rank == 0 else
+             {"block.norm.weight": [], "block.norm.bias": [], "block.up.weight": [((r + 3, 4), (1, 2))],
+              "block.up.bias": [((r,), (4,))], "block.down.weight": [((3 * c0, 8 * c1), (3, 8))],
+              "block.down.bias": [((3 * c1,), (3,))]})
+    head_row, bias = 2 * (2 * c0 + c1), (4 * c0, 4 - c0)  # head.bias: rows 0-3 on c0 = 0, 4-6 on c0 = 1
+    head: _Boxes
+    if (c0, c1) != (1, 1):  # 2 rows (12) + 4 or 3 of bias: 8 per dp rank, the bias on dp rank 1
+        head = ({"head.weight": [((head_row, 0), (1, 6)), ((head_row + 1, 0), (1, 2))], "head.bias": []}
+                if dp_rank == 0 else {"head.weight": [((head_row + 1, 2), (1, 4))], "head.bias": [((bias[0],), (bias[1],))]})
+    else:  # row 6 alone (6) + 3 of bias = 9: 5 per dp rank
+        head = ({"head.weight": [((6, 0), (1, 5))], "head.bias": []} if dp_rank == 0 else
+                {"head.weight": [((6, 5), (1, 1))], "head.bias": [((4,), (3,))]})
+    return {**block, **head}
+
+
+def _two_tp_dimensions(directory: str) -> None:
+    """See test_fully_shard_over_two_tensor_parallel_mesh_dimensions."""
+    import torch.distributed.checkpoint as dcp
+
+    mesh = init_device_mesh("cpu", (DP, 2, 2), mesh_dim_names=("dp", "tp0", "tp1"))
+    tp_mesh, dp_group, dp_rank = mesh["tp0", "tp1"], mesh["dp"].get_group(), mesh["dp"].get_local_rank()
+    c0, c1 = mesh["tp0"].get_local_rank(), mesh["tp1"].get_local_rank()
+    model = _tp_net_2d(tp_mesh)
+    fully_shard(model.block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    reference = _plain_net_2d()
+    optim, reference_optim = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
+    head_numel = 9 if (c0, c1) == (1, 1) else 16 - c0
+    assert [g.flat_param.numel() for s in _get_fsdp_states(model) if s.handle for g in s.handle.groups] == \
+        [-(-head_numel // DP), -(-67 // DP)], "each handle: ceil(local pieces / dp) elements"
+    assert (f"block.up.weight: (16, 6), Shard(dim=0), Shard(dim=0) on ('tp0', 'tp1') -> this rank's piece (4, 6) "
+            f"at ({8 * c0 + 4 * c1}, 0)") in describe(model).tensor_parallel, describe(model).tensor_parallel
+
+    def step_both(step: int) -> None:
+        ours, single = _step_2d(model, optim, step, dp_rank, dp_group), _step_2d(reference, reference_optim, step, None)
+        assert single[1] > MAX_NORM and all(abs(a - b) <= 1e-5 for a, b in zip(ours, single)), (step, ours, single)
+
+    for step in range(2):
+        step_both(step)
+    full = get_model_state_dict(model)
+    _assert_full_equal(full, reference.state_dict(), "two tp dimensions: after 2 steps")
+
+    sharded = get_model_state_dict(model, full=False)
+    assert {k: [b[:2] for b in v.boxes] for k, v in sharded.items()} == _expected_boxes_2d(dp_rank, c0, c1), sharded
+    _check_boxes(sharded, full)  # each box holds the full tensor's values at its coordinates
+    everyone: List[Dict[str, List[Any]]] = [{}] * dist.get_world_size()
+    dist.all_gather_object(everyone, {k: [b[:2] for b in v.boxes] for k, v in sharded.items()})
+    for key, value in full.items():  # every element on exactly COPIES_2D[key] ranks' boxes
+        count = torch.zeros(value.shape, dtype=torch.int64)
+        for boxes in everyone:
+            for offsets, sizes in boxes[key]:
+                count[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))] += 1
+        assert bool((count == COPIES_2D[key]).all()), (key, count)
+
+    # a full state dict loads: this rank's piece taken out of it (the model moved on alone first)
+    saved = {k: v.clone() for k, v in reference.state_dict().items()}
+    _step_2d(model, optim, 2, dp_rank, dp_group)
+    set_model_state_dict(model, saved)
+    _assert_full_equal(get_model_state_dict(model), saved, "two tp dimensions: after loading a full state dict")
+    step_both(2)
+    # a sharded one: its boxes read from a checkpoint of the one-process model's (global coordinates)
+    path = os.path.join(directory, "two_tp_dims")
+    dcp.save(reference.state_dict(), checkpoint_id=path)
+    saved = {k: v.clone() for k, v in reference.state_dict().items()}
+    _step_2d(model, optim, 3, dp_rank, dp_group)
+    sharded = get_model_state_dict(model, full=False)
+    dcp.load(sharded, checkpoint_id=path)
+    set_model_state_dict(model, sharded)
+    _assert_full_equal(get_model_state_dict(model), saved, "two tp dimensions: after loading a sharded state dict")
+    step_both(3)
+    _assert_full_equal(get_model_state_dict(model), reference.state_dict(), "two tp dimensions: the step after")
+    _unshard_params_2d(model, reference, optim, reference_optim, tp_mesh, dp_rank, dp_group)
+
+
+def _assert_idle_as_before(model: nn.Module, before: List[Tuple[str, nn.Parameter, torch.Tensor]], what: str,
+                           values: bool = True) -> None:
+    """After unshard_params: the same parameter objects in the slots, each a plain 1-D slice of the
+    shard (``values``: the elements it held before), and every handle's gathered storage freed."""
+    after = list(model.named_parameters())
+    for (name, p, shard), (name_after, q) in zip_same(before, after, what=what):
+        assert name == name_after and q is p and type(q) is nn.Parameter and q.dim() == 1, (what, name, type(q), q.shape)
+        assert not values or torch.equal(q.detach(), shard), (what, name)
+    assert all(h.unsharded_storage_freed() for s in _get_fsdp_states(model) for h in [s.handle] if h is not None), what
+
+
+def _unshard_params_2d(model: nn.Module, reference: nn.Module, optim: torch.optim.Optimizer,
+                       reference_optim: torch.optim.Optimizer, tp_mesh: DeviceMesh, dp_rank: int, dp_group: Any) -> None:
+    """unshard_params over the two-tp-dimension model: each tensor-parallel parameter is a DTensor
+    parameter with its placements and mesh (as in forward): full_tensor() is the one-process
+    weight, p.norm() its global norm, a no_grad forward the one-process output; an EMA-like edit
+    (lerp_ of the DTensor) is written back and the next step equals one process edited the same
+    way; writeback=False discards, rank0_only shows DTensors on dp rank 0 only, with_grads shows
+    DTensor gradients equal to one process's. After each context the parameters are as before."""
+    refs = dict(reference.named_parameters())
+    x = _batch_2d(9)[0]
+    for options in ({"writeback": False}, {"writeback": False, "offload_to_cpu": True},
+                    {"writeback": False, "rank0_only": True}):
+        before = [(n, p, p.detach().clone()) for n, p in model.named_parameters()]
+        shown = dp_rank == 0 or not options.get("rank0_only")
+        with unshard_params(model, **options):
+            for name, p in model.named_parameters():
+                if not shown:  # rank0_only: the other dp ranks keep their plain slices
+                    assert type(p) is nn.Parameter and p.dim() == 1, (options, name, type(p), p.shape)
+                elif name in PLACEMENTS_2D:
+                    assert isinstance(p, DTensor) and isinstance(p, nn.Parameter), (options, name, type(p))
+                    assert p.placements == PLACEMENTS_2D[name] and p.device_mesh == tp_mesh, (options, name, p.placements)
+                    assert p.shape == refs[name].shape and p.requires_grad, (options, name, p.shape)
+                    torch.testing.assert_close(p.full_tensor(), refs[name].detach(), atol=1e-5, rtol=0)
+                    norm = p.norm()  # a DTensor op: the norm over every tp rank's piece
+                    assert isinstance(norm, DTensor), (name, type(norm))
+                    assert abs(norm.full_tensor().item() - refs[name].norm().item()) <= 1e-5, (name, norm, refs[name].norm())
+                else:
+                    assert type(p) is nn.Parameter and p.shape == refs[name].shape, (options, name, type(p), p.shape)
+                    torch.testing.assert_close(p.detach(), refs[name].detach(), atol=1e-5, rtol=0)
+            if shown:
+                with torch.no_grad():
+                    torch.testing.assert_close(model(x), reference(x), atol=1e-5, rtol=0)
+                    for p in model.parameters():
+                        p.mul_(0.0)  # discarded: writeback=False
+        _assert_idle_as_before(model, before, f"after unshard_params({options})")
+
+    # an EMA-like edit of every parameter, written back: the next forward of every rank sees it
+    before = [(n, p, p.detach().clone()) for n, p in model.named_parameters()]
+    with unshard_params(model), torch.no_grad():
+        for p in model.parameters():
+            p.lerp_(torch.full_like(p, 0.5), 0.25)  # a DTensor op on the tensor-parallel ones
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.lerp_(torch.full_like(p, 0.5), 0.25)
+    _assert_idle_as_before(model, before, "after the written-back edit", values=False)
+    _assert_full_equal(get_model_state_dict(model), reference.state_dict(), "after the written-back edit")
+    ours, single = _step_2d(model, optim, 10, dp_rank, dp_group), _step_2d(reference, reference_optim, 10, None)
+    assert all(abs(a - b) <= 1e-5 for a, b in zip(ours, single)), ("the step after the edit", ours, single)
+
+    # with_grads: the reduced gradients, as DTensors with the parameters' placements
+    x, y = _batch_2d(11)
+    nn.functional.mse_loss(model(x[dp_rank * ROWS_2D:(dp_rank + 1) * ROWS_2D]), y[dp_rank * ROWS_2D:(dp_rank + 1) * ROWS_2D]).backward()
+    nn.functional.mse_loss(reference(x), y).backward()
+    before = [(n, p, p.detach().clone()) for n, p in model.named_parameters()]
+    grads = [p.grad.clone() if p.grad is not None else None for p in model.parameters()]
+    with unshard_params(model, with_grads=True, writeback=False):
+        for name, p in model.named_parameters():
+            grad = p.grad
+            if name in PLACEMENTS_2D:
+                assert isinstance(grad, DTensor) and grad.placements == PLACEMENTS_2D[name], (name, type(grad))
+                grad = grad.full_tensor()
+            torch.testing.assert_close(grad, refs[name].grad, atol=1e-5, rtol=0)
+    _assert_idle_as_before(model, before, "after unshard_params(with_grads=True)")
+    for g, p in zip_same(grads, list(model.parameters())):
+        assert g is not None and p.grad is not None and torch.equal(p.grad, g)  # this rank's gradient slices back
+    optim.zero_grad()
+    reference_optim.zero_grad()
+
+
+def test_fully_shard_over_two_tensor_parallel_mesh_dimensions(tmp_path: Any) -> None:
+    """dp 2 x tp (2 x 2), 8 ranks: parameters split twice along one dimension ((Shard(0), Shard(0)),
+    even and uneven), along two, and along one tp dimension of the two, fully sharded over dp,
+    beside plain ones. Training (clipped SGD) equals one process; the sharded state dict's boxes
+    are the ones worked out by hand, hold the full tensor's values, and cover every element once
+    per tp replica; a full state dict and a sharded one (read by dcp from a one-process
+    checkpoint) load, and the next step equals one process. Without it: a piece's offset taken
+    from the last tp dimension alone (or from the wrong one, or the two in the other order) went
+    unseen by every test (each used one tp dimension), while a full load wrote each rank's piece
+    from the wrong rows, and checkpoints overlapped and left rows out."""
+    run_distributed(_two_tp_dimensions, 8, str(tmp_path), timeout=180)

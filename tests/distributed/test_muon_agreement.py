@@ -84,6 +84,8 @@ def _params(model: nn.Module, refuser: bool, case: str) -> Any:
         "group_lr": [{"params": MATRICES[:2]}, {"params": MATRICES[2:], "lr": -1.0}],
         "in_two_groups": [{"params": MATRICES}, {"params": MATRICES[:1]}],
         "fewer": MATRICES[:3],
+        "other_matrix": MATRICES[:3] + ["frozen.weight"],
+        "extra_group": [{"params": MATRICES[:2]}, {"params": MATRICES[2:]}],
         "other_groups": [{"params": MATRICES[:3]}, {"params": MATRICES[3:], "lr": 0.03}],
     }.get(case, MATRICES)
 
@@ -97,7 +99,9 @@ def _settings(refuser: bool, case: str) -> Dict[str, Any]:
 
 
 # case -> (exception type on every rank, what every rank's message says). The refusing rank's
-# own error names the parameter; the others name the refusing rank and quote its error.
+# own error names the parameter; the others name the refusing rank and quote its error. Where the
+# plans differ, every rank's message is the same and names the first setting or matrix that
+# differs, what each rank holds there ({others}: the ranks other than {refuser}, which differs).
 _CONSTRUCTION = {
     "unknown_fqn": ("ValueError", "'blocks.0.nope'"),
     "one_d": ("ValueError", "'blocks.0.fc1.bias' has shape (7,)"),
@@ -114,20 +118,32 @@ _CONSTRUCTION = {
     "momentum": ("ValueError", "momentum must be >= 0"),
     # no refusal, but the ranks' plans differ (a step would mix matrices or settings): every rank
     # raises naming the first difference
-    "fewer": ("RuntimeError", "rank 0 has 'blocks.1.fc2.weight' (6, 7) in param group 0, rank 1 has nothing"),
-    "other_groups": ("RuntimeError", "rank 0 has 'blocks.1.fc1.weight' (7, 6) in param group 1, rank 1 has "
-                     "'blocks.1.fc1.weight' (7, 6) in param group 0"),
-    "other_lr": ("RuntimeError", "rank 0 has param group 0: lr=0.001,"),
+    "fewer": ("RuntimeError", "first difference is in the matrices: 'blocks.1.fc2.weight' (6, 7) in param group 0 "
+              "on {others}; nothing on rank {refuser} (rank {refuser} differs from rank 0)"),
+    "other_matrix": ("RuntimeError", "first difference is in the matrices: 'blocks.1.fc2.weight' (6, 7) in param "
+                     "group 0 on {others}; 'frozen.weight' (6, 6) in param group 0 on rank {refuser} (rank {refuser} "
+                     "differs from rank 0)"),
+    "extra_group": ("RuntimeError", "first difference is in the number of param groups: 1 param group on {others}; "
+                    "2 param groups on rank {refuser} (rank {refuser} differs from rank 0)"),
+    "other_groups": ("RuntimeError", "first difference is in the matrices: 'blocks.1.fc1.weight' (7, 6) in param group "
+                     "1 on {others}; 'blocks.1.fc1.weight' (7, 6) in param group 0 on rank {refuser} (rank {refuser} "
+                     "differs from rank 0)"),
+    "other_lr": ("RuntimeError", "first difference is in a param group setting: param group 0's lr=0.001 on {others}; "
+                 "param group 0's lr=0.5 on rank {refuser} (rank {refuser} differs from rank 0)"),
 }
 
 
 def _check_outcomes(case: str, outcomes: List[Dict[str, Any]], expected: Dict[str, Any], refuser: int) -> None:
     kind, text = expected[case]
+    others = [r for r in range(len(outcomes)) if r != refuser]
+    text = text.format(refuser=refuser, others=(f"rank {others[0]}" if len(others) == 1 else
+                                                "ranks " + ", ".join(map(str, others))))
     for r, o in enumerate(outcomes):
-        assert o["error"] == kind and text in o["message"], (case, r, o)
+        assert o["error"] == kind and text in o["message"], (case, r, o, text)
         assert o["seconds"] < SECONDS, (case, r, o)
-        if kind == "RuntimeError":  # the plans differ: every rank names both
-            assert "rank 0" in o["message"] and f"rank {refuser}" in o["message"], (case, r, o)
+        if kind == "RuntimeError":  # the plans differ: every rank raises the same message, naming the ranks
+            assert o["message"] == outcomes[0]["message"], (case, r, o, outcomes[0])
+            assert o["message"].startswith("Muon") and "none applied" in o["message"], (case, r, o)
         elif r != refuser:  # the others' message names it
             assert f"rank {refuser} refused" in o["message"], (case, r, o)
         elif sys.version_info >= (3, 11):  # and the refusing rank's note (exception notes: Python >= 3.11)
@@ -158,7 +174,8 @@ _ADDED = {
     "lr": ({"params": MATRICES[2:], "lr": -1.0}, ("ValueError", "param group: lr must be >= 0")),
     "already_added": ({"params": MATRICES[1:]}, ("ValueError", "more than one parameter group")),
     "not_a_dict": (MATRICES[2:], ("TypeError", "a param group must be a dict")),
-    "other_lr": ({"params": MATRICES[2:], "lr": 0.5}, ("RuntimeError", "rank 1 has param group 1: lr=0.5,")),
+    "other_lr": ({"params": MATRICES[2:], "lr": 0.5}, ("RuntimeError", "param group 1's lr=0.02 on {others}; param "
+                                                       "group 1's lr=0.5 on rank {refuser} (rank {refuser} differs")),
 }
 
 
@@ -208,9 +225,12 @@ def test_refusal_on_one_rank_raises_on_every_rank_within_seconds(tmp_path: Path)
     error type in under 10 s, the refusing rank its own message (noting its rank), the others
     naming rank 1 and quoting its message; the model is unchanged, a refused group is added on
     no rank, and the ranks stay in step (the next add_param_group and step run together).
-    Valid but different plans (a matrix missing on one rank, in another param group, another
-    lr): every rank raises, naming both ranks' first difference. The agreement costs one 48-byte
-    exchange per call. Without it rank 0 waited in the plan exchange."""
+    Valid but different plans (a matrix missing on one rank, another matrix in its place, an
+    extra param group, a matrix in another param group, another lr): every rank raises the same
+    message, naming the first matrix (its FQN, shape and param group) or setting that differs,
+    what each rank holds there and the rank that differs (the agreement alone said only that the
+    ranks differ). The agreement costs one 48-byte exchange per call. Without it rank 0 waited
+    in the plan exchange."""
     run_distributed(_refusals, 2, str(tmp_path), timeout=TIMEOUT_S)
 
 
@@ -218,8 +238,8 @@ def _hybrid_refusals(directory: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     model = _sharded_model(init_device_mesh("cpu", (2, 2)))
-    run_subtests(_construction_refused, {"case": ["unknown_fqn", "other_lr"]}, model=model, directory=directory,
-                 refuser=3)
+    run_subtests(_construction_refused, {"case": ["unknown_fqn", "other_lr", "fewer"]}, model=model,
+                 directory=directory, refuser=3)
     run_subtests(_add_refused, {"case": ["one_d"]}, model=model, directory=directory, refuser=3)
 
 
@@ -227,5 +247,6 @@ def _hybrid_refusals(directory: str) -> None:
 def test_refusal_reaches_every_replica_of_a_hybrid_model(world_size: int, tmp_path: Path) -> None:
     """HYBRID_SHARD on a 2x2 mesh, rank 3 alone refuses: ranks 0 and 1 (another shard group,
     which Muon's step never talks to) raise too, within seconds, instead of training on until
-    their gradient all-reduce waits for ranks 2 and 3."""
+    their gradient all-reduce waits for ranks 2 and 3. Rank 3 alone holding another plan: every
+    rank names it alone as the one that differs, and what ranks 0, 1, 2 hold."""
     run_distributed(_hybrid_refusals, world_size, str(tmp_path), timeout=TIMEOUT_S)

@@ -7,15 +7,23 @@ mean loss over all rows, every parameter, 1e-5), and so do the parameters after 
 per step and stage, the fully sharded modules' all-gathers and reduce-scatters are no more than
 torch FSDP2's on the same stages and schedule (counted: ours by the library's recorder, FSDP2's
 by the c10d operators a dispatch mode sees), and ``replicate`` all-reduces once per bucket per
-step. Schedules that split backward into input and weight passes are refused when built: their
-weight pass asks the 1-D shard views for gradients. torch's own ``PipelineStage`` on a fully
-sharded stage is refused at the first forward (it would finish the step through FSDP2 internals).
+step. After each step every managed module is as a plain step leaves it: its
+``reshard_after_backward`` as the user configured it (also NO_SHARD and the user's
+``set_reshard_after_backward(False)``), gradient sync on, unsharded storage freed where it
+reshards, and the stage modules hold the same bytes as after a plain step (by hand too, for fully
+sharded stages): a stage that forgot what a module was configured with would keep every block
+unsharded, silently losing ZeRO-3's memory saving with every number still right. Schedules that
+split backward into input and weight passes are refused when built (our stage or torch's), and
+given as an action list at the first split backward: their weight pass asks the 1-D shard views
+for gradients. torch's own ``PipelineStage`` on a fully sharded module is refused at the first
+forward, or, where that ran before, at the first backward (it would finish the step through FSDP2
+internals), before any gradient.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple, cast
 
 import pytest
 import torch
@@ -23,11 +31,13 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from composable_shard import fully_shard, replicate, unshard_params
+from composable_shard import FSDPModule, ReplicateModule, ShardingStrategy, fully_shard, replicate, unshard_params
 from composable_shard._runtime.collectives import record_collectives
+from composable_shard._runtime.traversal import _get_fsdp_handles
+from composable_shard.replicate import _state_of as _replicate_state
 from tests._c10d_count import C10dCount
 from tests._harness import run_distributed, run_subtests
-from tests._models import Block
+from tests._models import Block, zip_same
 
 WIDTH, ROWS_PER_DP, MICROBATCHES, STAGES_PER_RANK = 6, 8, 4, 2
 
@@ -81,8 +91,35 @@ def _schedule(name: str, stages: List[Any]) -> Any:
     if name in ("GPipe", "1F1B"):
         cls = pp.ScheduleGPipe if name == "GPipe" else pp.Schedule1F1B
         return cls(stages[0], MICROBATCHES, loss_fn=_loss)
-    cls = {"Interleaved1F1B": pp.ScheduleInterleaved1F1B, "LoopedBFS": pp.ScheduleLoopedBFS}[name]
-    return cls(stages, MICROBATCHES, loss_fn=_loss)
+    multi = {"Interleaved1F1B": pp.ScheduleInterleaved1F1B, "LoopedBFS": pp.ScheduleLoopedBFS}[name]
+    return multi(stages, MICROBATCHES, loss_fn=_loss)
+
+
+def _block_order(model: nn.Sequential) -> Dict[int, int]:
+    """id of each Block of the full model -> its position (0..3; the last is the Head's)."""
+    return {id(block): k for k, block in enumerate([model[0], model[1], model[2], model[3].block])}
+
+
+def _apply(module: nn.Module, how: str, dp_mesh: Any, order: Dict[int, int]) -> None:
+    """``how`` over the dp pair: "fully_shard" (each block, then the stage module), "replicate"
+    (the stage module), or "configured": blocks at even positions NO_SHARD, at odd positions
+    FULL_SHARD with the user's ``set_reshard_after_backward(False)``, the stage module replicated
+    (each rank then holds both kinds of block under the single-stage schedules, one kind under
+    the looped ones)."""
+    if how == "replicate":
+        replicate(module, process_group=dp_mesh.get_group())
+        return
+    for block in [m for m in module.modules() if isinstance(m, Block)]:
+        if how == "configured" and order[id(block)] % 2 == 0:
+            fully_shard(block, mesh=dp_mesh, strategy=ShardingStrategy.NO_SHARD)
+            continue
+        fully_shard(block, mesh=dp_mesh)
+        if how == "configured":
+            cast(FSDPModule, block).set_reshard_after_backward(False)
+    if how == "configured":
+        replicate(module, process_group=dp_mesh.get_group())
+    else:
+        fully_shard(module, mesh=dp_mesh)
 
 
 def _build_stages(backend: str, schedule: str, how: str) -> Tuple[List[nn.Module], Any, List[nn.Module]]:
@@ -99,24 +136,16 @@ def _build_stages(backend: str, schedule: str, how: str) -> Tuple[List[nn.Module
     all_modules = _stage_modules(model, schedule)
     modules = [all_modules[i] for i in indices]
     for module in modules:
-        if backend == "ours" and how == "replicate":
-            replicate(module, process_group=dp_mesh.get_group())
-            continue
-        blocks = [m for m in module.modules() if isinstance(m, Block)]
-        for block in blocks:
-            if backend == "ours":
-                fully_shard(block, mesh=dp_mesh)
-            else:
-                from torch.distributed.fsdp import fully_shard as torch_fully_shard
-                torch_fully_shard(block, mesh=dp_mesh)
         if backend == "ours":
-            fully_shard(module, mesh=dp_mesh)
-        else:
-            from torch.distributed.fsdp import fully_shard as torch_fully_shard
-            torch_fully_shard(module, mesh=dp_mesh)
-            for m in module.modules():
-                if hasattr(m, "set_force_sum_reduction_for_comms"):
-                    m.set_force_sum_reduction_for_comms(True)  # gloo has no AVG
+            _apply(module, how, dp_mesh, _block_order(model))
+            continue
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+        for block in [m for m in module.modules() if isinstance(m, Block)]:
+            torch_fully_shard(block, mesh=dp_mesh)
+        torch_fully_shard(module, mesh=dp_mesh)
+        for m in module.modules():
+            if hasattr(m, "set_force_sum_reduction_for_comms"):
+                cast(Any, m).set_force_sum_reduction_for_comms(True)  # gloo has no AVG
     stage_cls = PipelineStage if backend == "ours" else TorchStage
     num_stages = 2 if schedule in ("GPipe", "1F1B") else 4
     stages = [stage_cls(m, i, num_stages, torch.device("cpu"), group=mesh["pp"].get_group())
@@ -140,12 +169,105 @@ def _step(schedule: Any, step: int) -> None:
 def _full_grads(module: nn.Module) -> List[Tuple[str, torch.Tensor]]:
     if any(hasattr(m, "_fsdp_state") for m in module.modules()):
         with unshard_params(module, with_grads=True, writeback=False):
-            return [(n, p.grad.clone()) for n, p in module.named_parameters()]
-    return [(n, p.grad.clone()) for n, p in module.named_parameters()]
+            return [(n, cast(torch.Tensor, p.grad).clone()) for n, p in module.named_parameters()]
+    return [(n, cast(torch.Tensor, p.grad).clone()) for n, p in module.named_parameters()]
+
+
+# (module name, kind, reshard_after_backward or None, gradient sync, unsharded storage freed or None,
+#  module slots hold unsharded views or None) of each managed module of this rank's stages
+_ModuleState = Tuple[str, str, Optional[bool], bool, Optional[bool], Optional[bool]]
+
+
+def _module_states(modules: List[nn.Module]) -> List[_ModuleState]:
+    found: List[_ModuleState] = []
+    for index, module in enumerate(modules):
+        for name, m in module.named_modules():
+            where = f"stage module {index} '{name}'"
+            if isinstance(m, FSDPModule):
+                state = m._fsdp_state()
+                handle = state.handle
+                found.append((where, "fully_shard", state.reshard_after_backward, state.sync_gradients,
+                               None if handle is None else handle.unsharded_storage_freed(),
+                               None if handle is None else handle.is_unsharded))
+            elif isinstance(m, ReplicateModule):
+                found.append((where, "replicate", None, _replicate_state(m).sync_gradients, None, None))
+    return found
+
+
+def _held_bytes(modules: List[nn.Module]) -> int:
+    """Bytes of the distinct storages the stage modules hold: parameters, gradients and every
+    handle's flat buffers (shard, unsharded buffer, accumulated and reduced gradients)."""
+    storages: Dict[int, int] = {}
+
+    def add(tensor: Optional[torch.Tensor]) -> None:
+        if tensor is not None and tensor.untyped_storage().nbytes() > 0:
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+
+    for module in modules:
+        for p in module.parameters():
+            add(p)
+            add(p.grad)
+        for handle in _get_fsdp_handles(module):
+            for group in handle.groups:
+                for tensor in (group.flat_param, group.padded_unsharded_flat, group.unreduced_grad, group.sharded_grad):
+                    add(tensor)
+    return sum(storages.values())
+
+
+def _after_plain_step(schedule_name: str, how: str) -> Tuple[List[_ModuleState], int]:
+    """Module states and held bytes after one plain (not pipelined) forward and backward of a
+    second copy of this rank's stage modules, managed the same way."""
+    mesh = _mesh()
+    model = _full_model()
+    all_modules = _stage_modules(model, schedule_name)
+    modules = [all_modules[i] for i in _stage_indices(schedule_name, mesh["pp"].get_local_rank())]
+    for module in modules:
+        _apply(module, how, mesh["dp"], _block_order(model))
+    for module in modules:
+        module(torch.randn(ROWS_PER_DP, WIDTH, generator=torch.Generator().manual_seed(7))).sum().backward()
+    return _module_states(modules), _held_bytes(modules)
+
+
+def _assert_as_after_plain_step(modules: List[nn.Module], unsharded: List[nn.Module],
+                                plain: Tuple[List[_ModuleState], int], schedule_name: str, how: str, step: int) -> None:
+    """After a pipelined step every managed module is as a plain step leaves it: flags as the user
+    configured them (worked out from ``_apply``: reshard after backward unless NO_SHARD or
+    ``set_reshard_after_backward(False)``; gradient sync on), unsharded storage freed where the
+    module reshards, and the same bytes held as after a plain step (``unsharded``: the same stage
+    modules unmanaged, for their shapes)."""
+    what = f"{schedule_name}/{how} after step {step}"
+    states = _module_states(modules)
+    for where, kind, reshard, sync, freed, is_unsharded in states:
+        assert sync, f"{what}: {where} ({kind}) left with gradient sync off"
+        if kind == "fully_shard":
+            assert reshard is (how != "configured"), \
+                f"{what}: {where} reshard_after_backward={reshard}, configured {how != 'configured'}"
+        if kind == "fully_shard" and how == "fully_shard" and freed is not None:
+            assert freed and not is_unsharded, f"{what}: {where} kept its unsharded parameters (ZeRO-3 saves nothing)"
+    plain_states, plain_bytes = plain
+    for got, want in zip_same(states, plain_states, what=f"{what}: managed modules"):
+        assert got == want, f"{what}: {got} after the pipelined step, {want} after a plain step"
+    held = _held_bytes(modules)
+    assert held == plain_bytes, f"{what}: the stage modules hold {held} bytes, {plain_bytes} after a plain step"
+    if how == "fully_shard":  # by hand: shard of every handle's parameters and of its gradient, float32, W = 2
+        expected = 2 * 4 * sum(-(-numel // 2) for numel in _owned_numels(unsharded))
+        assert held == expected, f"{what}: the stage modules hold {held} bytes, {expected} by hand"
+
+
+def _owned_numels(modules: List[nn.Module]) -> List[int]:
+    """Elements each fully sharded module owns under "fully_shard": each block's, and the stage
+    module's own (the Head's output layer), from the shapes."""
+    numels: List[int] = []
+    for module in modules:
+        blocks = [sum(p.numel() for p in m.parameters()) for m in module.modules() if isinstance(m, Block)]
+        rest = sum(p.numel() for p in module.parameters()) - sum(blocks)
+        numels += blocks + ([rest] if rest else [])
+    return numels
 
 
 def _parity(schedule_name: str, how: str) -> None:
-    """Gradients of every parameter equal one process's after each of two SGD steps; our
+    """Gradients of every parameter equal one process's after each of two SGD steps; after each
+    step the modules are as a plain step leaves them (``_assert_as_after_plain_step``); our
     collectives per step no more than FSDP2's on the same stages (fully sharded stages)."""
     modules, schedule, reference_stages = _build_stages("ours", schedule_name, how)
     indices = _stage_indices(schedule_name, _mesh()["pp"].get_local_rank())
@@ -153,15 +275,17 @@ def _parity(schedule_name: str, how: str) -> None:
     optims = [torch.optim.SGD([p for m in modules for p in m.parameters()], lr=0.1),
               torch.optim.SGD(reference.parameters(), lr=0.1)]
     counts: List[Counter] = []
+    plain = _after_plain_step(schedule_name, how)
     for step in range(2):
         with record_collectives() as recorder:
             _step(schedule, step)
         counts.append(Counter(r.kind for r in recorder.records))
+        _assert_as_after_plain_step(modules, [reference_stages[i] for i in indices], plain, schedule_name, how, step)
         x, y = _batch(step)
         _loss(reference(x), y).backward()
-        for module, index in zip(modules, indices):
+        for module, index in zip_same(modules, indices, what="stage modules"):
             expected = [(n, p.grad) for n, p in reference_stages[index].named_parameters()]
-            for (name, got), (_, want) in zip(_full_grads(module), expected):
+            for (name, got), (_, want) in zip_same(_full_grads(module), expected, what=f"stage {index} gradients"):
                 diff = (got - want).abs().max().item()
                 assert diff <= 1e-5, f"{schedule_name}/{how} step {step} stage {index} {name}: |grad diff| {diff:.3g}"
         for optim in optims:
@@ -171,6 +295,8 @@ def _parity(schedule_name: str, how: str) -> None:
         # per stage module and step, none per micro-batch: its one (small) bucket, and replicate's agreement on
         # the optimizer steps (describe counts both: buckets + 1)
         assert counts[1]["all_reduce"] == 2 * len(modules), (schedule_name, counts[1])
+        return
+    if how == "configured":
         return
     fsdp2 = _fsdp2_counts(schedule_name)
     for kind in ("all_gather", "reduce_scatter"):
@@ -188,42 +314,114 @@ def _fsdp2_counts(schedule_name: str) -> Counter:
 
 
 def _refusals() -> None:
-    """Zero-bubble schedules are refused when built over fully sharded stages; torch's own stage
-    on a fully sharded module is refused at its first forward, naming ours."""
+    """Zero-bubble schedules over fully sharded modules are refused when built, with our stage
+    (sharded stage roots) and with torch's (plain stage modules holding sharded blocks), before the
+    stages change; one given as an action list at its first split backward, before any gradient;
+    torch's own stage over a fully sharded root at its first forward, and, where that forward ran
+    before, at its first backward (``set_is_last_backward``) before any gradient, naming ours."""
     from torch.distributed import pipelining as pp
 
     from composable_shard.integrations.pipelining import PipelineStage
 
     mesh = _mesh()
-    pp_rank, dp_mesh = mesh["pp"].get_local_rank(), mesh["dp"]
+    pp_rank, dp_mesh, pp_group = mesh["pp"].get_local_rank(), mesh["dp"], mesh["pp"].get_group()
+    v_indices = (pp_rank, 3 - pp_rank)  # V placement: ranks hold 0,3 and 1,2
     model = _full_model()
-    modules = [nn.Sequential(model[i]) for i in ((pp_rank, 3 - pp_rank))]  # V placement: ranks hold 0,3 and 1,2
+    modules = [nn.Sequential(model[i]) for i in v_indices]
     for module in modules:
         fully_shard(module, mesh=dp_mesh)
-    stages = [PipelineStage(m, i, 4, torch.device("cpu"), group=mesh["pp"].get_group())
-              for m, i in zip(modules, (pp_rank, 3 - pp_rank))]
+    stages: List[Any] = [PipelineStage(m, i, 4, torch.device("cpu"), group=pp_group)
+                         for m, i in zip_same(modules, v_indices)]
     for cls in (pp.ScheduleZBVZeroBubble, pp.ScheduleDualPipeV):
         with pytest.raises(NotImplementedError, match=f"{cls.__name__} splits each backward.*Schedule1F1B"):
             cls(stages, MICROBATCHES, loss_fn=_loss)
+        for stage in stages:  # refused before the schedule set its V mapping on the stages
+            assert stage.stage_index_to_group_rank == {i: i % 2 for i in range(4)}, stage.stage_index_to_group_rank
     fresh = _full_model()
     loop = [nn.Sequential(fresh[i]) for i in (pp_rank, pp_rank + 2)]
     for module in loop:
         fully_shard(module, mesh=dp_mesh)
+    looped: List[Any] = [PipelineStage(m, i, 4, torch.device("cpu"), group=pp_group)
+                         for m, i in zip_same(loop, (pp_rank, pp_rank + 2))]
     with pytest.raises(NotImplementedError, match="ScheduleInterleavedZeroBubble splits each backward"):
-        pp.ScheduleInterleavedZeroBubble([PipelineStage(m, i, 4, torch.device("cpu"), group=mesh["pp"].get_group())
-                                          for m, i in zip(loop, (pp_rank, pp_rank + 2))], MICROBATCHES, loss_fn=_loss)
-    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]  # a one-stage pipeline per rank
-    solo = nn.Sequential(_full_model()[0])
-    fully_shard(solo, mesh=dp_mesh)
-    gpipe = pp.ScheduleGPipe(pp.PipelineStage(solo, 0, 1, torch.device("cpu"), group=groups[dist.get_rank()]),
-                             MICROBATCHES, loss_fn=_loss)
+        pp.ScheduleInterleavedZeroBubble(looped, MICROBATCHES, loss_fn=_loss)
+    plain_model = _full_model()
+    plain_modules = [nn.Sequential(plain_model[i]) for i in v_indices]  # plain stage modules, sharded blocks
+    for block in [m for module in plain_modules for m in module.modules() if isinstance(m, Block)]:
+        fully_shard(block, mesh=dp_mesh)
+    torch_stages: List[Any] = [pp.PipelineStage(m, i, 4, torch.device("cpu"), group=pp_group)
+                               for m, i in zip_same(plain_modules, v_indices)]
+    with pytest.raises(NotImplementedError, match="ScheduleZBVZeroBubble splits each backward"):
+        pp.ScheduleZBVZeroBubble(torch_stages, MICROBATCHES, loss_fn=_loss)
+    solo_group = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]  # one-rank pipelines
+    _split_backward_refused_first(solo_group)
+    _torch_stage_refused(solo_group)
+
+
+def _untouched(module: nn.Module, shards: List[torch.Tensor], what: str) -> None:
+    """No gradient anywhere in ``module`` and its shards equal ``shards``."""
+    groups = [g for h in _get_fsdp_handles(module) for g in h.groups]
+    assert groups and shards, f"{what}: no fully sharded handle found"
+    assert all(p.grad is None for p in module.parameters()), f"{what}: a gradient was written"
+    assert all(g.unreduced_grad is None and g.sharded_grad is None for g in groups), f"{what}: a gradient accumulated"
+    for got, want in zip_same([g.flat_param.detach() for g in groups], shards, what=f"{what}: shards"):
+        assert torch.equal(got, want), f"{what}: a shard changed"
+
+
+def _split_backward_refused_first(solo_group: Any) -> None:
+    """ZBV's action list run by torch's generic runtime over our two stages (one rank each): the
+    first 'input' backward raises before computing anything."""
+    from torch.distributed import pipelining as pp
+
+    from composable_shard.integrations.pipelining import PipelineStage
+
+    cpu = torch.device("cpu")
+    stand_ins: List[Any] = [pp.PipelineStage(nn.Linear(WIDTH, WIDTH), i, 2, cpu, group=solo_group) for i in (0, 1)]
+    actions = pp.ScheduleZBVZeroBubble(stand_ins, MICROBATCHES, loss_fn=_loss).pipeline_order
+    model = _full_model()
+    modules = [nn.Sequential(model[0]), nn.Sequential(model[1], nn.Linear(WIDTH, 3))]
+    for module in modules:
+        fully_shard(module, mesh=_mesh()["dp"])
+    shards = [g.flat_param.detach().clone() for m in modules for h in _get_fsdp_handles(m) for g in h.groups]
+    runtime = pp.schedules._PipelineScheduleRuntime(
+        [PipelineStage(m, i, 2, cpu, group=solo_group) for i, m in enumerate(modules)], MICROBATCHES, loss_fn=_loss)
+    runtime._prepare_schedule_with_comms(actions)
     x, y = _batch(0)
-    with pytest.raises(RuntimeError, match="pipelining.*composable_shard.integrations.pipelining.PipelineStage"):
-        gpipe.step(x, target=y)
+    with pytest.raises(NotImplementedError, match="'input' backward pass"):
+        runtime.step(x, target=y)
+    _untouched(nn.ModuleList(modules), shards, "split backward refused")
+
+
+_TORCH_STAGE_REFUSED = "pipelining.*composable_shard.integrations.pipelining.PipelineStage"
+
+
+def _torch_stage_refused(solo_group: Any) -> None:
+    """torch's stage over our fully sharded root, or over a plain module holding a fully sharded
+    block: refused at the first forward, before any collective; over a root whose first forward
+    a plain step had run, at the first micro-batch's backward; each before any gradient."""
+    from torch.distributed import pipelining as pp
+
+    x, _ = _batch(0)
+    y = torch.zeros_like(x)  # the stage ends with a block: WIDTH outputs
+    for case in ("root", "block", "root after a plain step"):
+        solo = nn.Sequential(_full_model()[0])
+        fully_shard(solo[0] if case == "block" else solo, mesh=_mesh()["dp"])
+        if case == "root after a plain step":
+            solo(x).sum().backward()
+            for p in solo.parameters():
+                p.grad = None
+        shards = [g.flat_param.detach().clone() for h in _get_fsdp_handles(solo) for g in h.groups]
+        gpipe = pp.ScheduleGPipe(pp.PipelineStage(solo, 0, 1, torch.device("cpu"), group=solo_group),
+                                 MICROBATCHES, loss_fn=_loss)
+        with record_collectives() as recorder, pytest.raises(RuntimeError, match=_TORCH_STAGE_REFUSED):
+            gpipe.step(x, target=y)
+        if case != "root after a plain step":
+            assert not recorder.records, f"torch's stage over the {case}: {len(recorder.records)} collectives first"
+        _untouched(solo, shards, f"torch's stage over the {case}")
 
 
 def _cases(schedules: List[str], refusals: bool) -> None:
-    run_subtests(_parity, {"schedule_name": schedules, "how": ["fully_shard", "replicate"]})
+    run_subtests(_parity, {"schedule_name": schedules, "how": ["fully_shard", "replicate", "configured"]})
     if refusals:
         _refusals()
 

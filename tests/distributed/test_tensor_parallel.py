@@ -359,9 +359,63 @@ def _replicated(how: str, directory: str) -> None:
     resharded = replicate(_plain_net())  # (dp 4, tp 1): the pieces are read into whole tensors
     load_checkpoint(path, resharded, torch.optim.AdamW(resharded.parameters(), lr=0.01))
     _assert_full_equal(get_model_state_dict(resharded), saved, f"{how}: loaded at dp 4 x tp 1")
+    if how == "whole":
+        _buckets_hold_the_pieces(mesh)
+
+
+# Worked out by hand for _buckets_hold_the_pieces: fp32 pieces at tp 2, in reverse registration order
+# (replicate's bucket order; the gradient-ready order it rebuilds from after the first backward is the same):
+# 2.bias 256 (Replicate) = 1,024 B, 2.weight 256 x 512 = 524,288 B, 0.bias 512 = 2,048 B, 0.weight
+# 512 x 256 = 524,288 B; 1,051,648 B in all. A bucket closes once it reaches bucket_cap_mb, the first
+# already at min(bucket_cap_mb, replicate's _FIRST_BUCKET_BYTES = 1 MiB = 1,048,576 B):
+# - bucket_cap_mb 25: the first closes only with the last piece: one bucket. (Sized by the global tensors,
+#   2.bias + 2.weight = 1,049,600 B would close it after two: two bucket all-reduces.)
+# - bucket_cap_mb 513/1024 (525,312 B, exactly 2.bias + 2.weight): a bucket per Linear, 525,312 B and
+#   526,336 B (a first bucket closing at 1 MiB would hold all; one closing only above the cap, three pieces).
+# Then the used flags: 4 B per parameter (4) and the step agreement's 8.
+_PIECES_BYTES = 1024 + 524288 + 2048 + 524288
+_BUCKETS_BY_CAP = {25.0: [_PIECES_BYTES], 513 / 1024: [1024 + 524288, 2048 + 524288]}
+_USED_FLAGS_BYTES = 4 * (4 + 2)
+
+
+def _buckets_hold_the_pieces(mesh: DeviceMesh) -> None:
+    """replicate (dp) over ColwiseParallel Linear(256, 1024) -> RowwiseParallel Linear(1024, 256)
+    (tp), fp32, and a frozen LayerNorm(256), at two bucket caps: each backward (the first, which
+    rebuilds the buckets, and the next) all-reduces the buckets of the pieces' bytes worked out
+    above and the used flags, counted by the library's recorder and by c10d's operators, and
+    ``describe`` reports that count and those bytes; the replicate row's gradient is the
+    pieces' bytes and its AdamW state 2 x those + 4 B per parameter; the frozen norm has neither."""
+    from tests._c10d_count import C10dCount
+
+    for bucket_cap_mb, buckets in _BUCKETS_BY_CAP.items():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256), nn.LayerNorm(256))
+        model[3].requires_grad_(False)
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        replicate(model, process_group=mesh["dp"].get_group(), bucket_cap_mb=bucket_cap_mb)
+        d = describe(model)
+        assert (d.collective_count("all_reduce"), d.collective_bytes("all_reduce")) == \
+            (len(buckets) + 1, _PIECES_BYTES + _USED_FLAGS_BYTES), (bucket_cap_mb, d)
+        row, frozen = d.rows
+        assert (row.api, 4 * row.shard_numel, row.grad_bytes, row.adamw_bytes) == \
+            ("replicate", _PIECES_BYTES, _PIECES_BYTES, 2 * _PIECES_BYTES + 4 * 4), row
+        assert (frozen.fqn, frozen.numel, frozen.grad_bytes, frozen.adamw_bytes) == ("(not managed)", 512, 0, 0), frozen
+        expected = [(f"replicate::bucket{k}", nbytes, DP) for k, nbytes in enumerate(buckets)]
+        for step in range(2):
+            loss = model(torch.randn(2, 256, generator=torch.Generator().manual_seed(step))).sum()
+            with _collectives.record_collectives() as rec, C10dCount() as c10d:
+                loss.backward()
+            reduced = [(r.tag, r.nbytes, r.group_size) for r in rec.records if r.kind == "all_reduce"]
+            assert reduced == expected + [("replicate::used_params", _USED_FLAGS_BYTES, DP)], (bucket_cap_mb, step, reduced)
+            assert c10d.counts["all_reduce"] == len(buckets) + 1, (bucket_cap_mb, step, c10d.counts)
+            model.zero_grad()
 
 
 def test_replicate_over_tensor_parallel_modules_is_one_process(tmp_path: Any) -> None:
+    """Without it (besides the training parity): replicate's buckets sized by the global
+    tensors instead of this rank's pieces close early, one all-reduce more per backward, and
+    ``describe`` of a replicated tensor-parallel model counting AdamW state or gradients for
+    frozen parameters, all silently."""
     for how in ("whole", "blocks"):
         run_distributed(_replicated, DP * TP, how, str(tmp_path), timeout=180)
 

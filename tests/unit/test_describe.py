@@ -84,6 +84,27 @@ def test_strategies_mixed_precision_and_ignored() -> None:
     assert [(r.fqn, r.api, r.numel) for r in ignored.rows] == [("", "fully_shard", 115), ("(not managed)", "none", 18)]
 
 
+def test_frozen_parameters_hold_no_gradient_or_adamw_state() -> None:
+    """Sequential(Linear(8, 8), Linear(8, 8)) at W=2, the second Linear frozen and ignored (not
+    managed, held in full: 72 elements, 288 B, no gradient, no AdamW state); the first managed
+    by the root, 72 elements, 36 per rank: 144 B of parameters and of gradient, AdamW
+    2 moments x 36 x 4 B + a 4 B step per parameter (2) = 296 B. Freezing its bias too (8
+    elements, a frozen group of 4 per rank) leaves the weight's 32 per rank: gradient 128 B,
+    AdamW 2 x 32 x 4 + 4 = 260 B, parameters still 144 B. Without it: AdamW state or gradients
+    counted for frozen parameters (unmanaged, or a handle's frozen group) oversize the job."""
+    for bias_frozen, grad, adamw in ((False, 144, 296), (True, 128, 260)):
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        model[1].requires_grad_(False)
+        model[0].bias.requires_grad_(not bias_frozen)
+        d = describe(model, world_size=2, ignored_modules=[model[1]])
+        root, unmanaged = d.rows
+        assert (root.fqn, root.numel, root.shard_numel, root.param_bytes, root.grad_bytes, root.adamw_bytes) == \
+            ("", 72, 36, 144, grad, adamw), (bias_frozen, root)
+        assert (unmanaged.fqn, unmanaged.api, unmanaged.numel, unmanaged.param_bytes, unmanaged.grad_bytes,
+                unmanaged.adamw_bytes, unmanaged.collectives) == ("(not managed)", "none", 72, 288, 0, 0, {}), unmanaged
+        assert (d.param_bytes, d.grad_bytes, d.adamw_bytes) == (144 + 288, grad, adamw), (bias_frozen, d)
+
+
 def test_describe_errors() -> None:
     with pytest.raises(TypeError, match="nn.Module"):
         describe("model")  # type: ignore[arg-type]  # the wrong type on purpose
