@@ -68,7 +68,7 @@ PG_TIMEOUT_SLACK_S = 60.0  # gloo times out after the harness, so the harness re
 # gloo's errors when a peer's sockets close (its tcp/pair.cc); see _lost_a_peer.
 _PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
 # Imported once by the forkserver, so that ranks start without importing them.
-_PRELOAD = ["torch", "torch.distributed", "composable_shard", "tests._harness", "tests._models"]
+_PRELOAD = ["torch", "torch.distributed", "composable_shard", "tests._harness", "tests._models", "tests._preload"]
 # Room for str(dtype) of every dtype this torch has (the same torch on every rank).
 _DTYPE_NAME_BYTES = max(len(str(v)) for v in vars(torch).values() if isinstance(v, torch.dtype))
 

@@ -265,15 +265,26 @@ def _subtest(way: str, api: str, strategy: ShardingStrategy, mixed: bool, return
     _compare(actual_params, expected_params, 1e-5, f"{what} parameters")  # type: ignore[arg-type]
 
 
-_STRATEGIES = [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD]
+# At W = 2, beside FULL_SHARD in float32, each way runs under one of the other (strategy, bf16)
+# pairs, in turn, so that every pair meets two different ways: the way decides what is
+# recomputed and when, the pair how the parameters are gathered and cast for it.
+_OTHER_PAIRS = [(ShardingStrategy.SHARD_GRAD_OP, False), (ShardingStrategy.NO_SHARD, False),
+                (ShardingStrategy.FULL_SHARD, True), (ShardingStrategy.SHARD_GRAD_OP, True),
+                (ShardingStrategy.NO_SHARD, True)]
+
+
+def _way_under_another_pair(index: int) -> None:
+    way = list(_WAYS)[index]
+    strategy, mixed = _OTHER_PAIRS[index % len(_OTHER_PAIRS)]
+    _subtest(way, "fully_shard", strategy, mixed)
 
 
 def _all_ways(full: bool) -> None:
-    strategies = _STRATEGIES if full else [ShardingStrategy.FULL_SHARD]
-    run_subtests(_subtest, {"way": list(_WAYS), "api": ["fully_shard"], "strategy": strategies,
-                            "mixed": [False, True] if full else [False]})
+    run_subtests(_subtest, {"way": list(_WAYS), "api": ["fully_shard"], "strategy": [ShardingStrategy.FULL_SHARD],
+                            "mixed": [False]})
     if not full:
         return
+    run_subtests(_way_under_another_pair, {"index": list(range(len(_WAYS)))})
     run_subtests(_subtest, {"way": list(_WAYS), "api": ["replicate"], "strategy": [ShardingStrategy.FULL_SHARD],
                             "mixed": [False]})
     non_reentrant = [w for w in _WAYS if not w.endswith("_reentrant") or w.startswith("stack")]
@@ -284,6 +295,7 @@ def _all_ways(full: bool) -> None:
 @pytest.mark.parametrize("world_size", world_sizes())
 def test_every_way_of_checkpointing_matches_training_without(world_size: int) -> None:
     """Each way of applying activation checkpointing x fully_shard FULL_SHARD (every W); at W=2
-    also SHARD_GRAD_OP and NO_SHARD, bf16, replicate, and mapping outputs: gradients at every
-    step and final parameters equal training without checkpointing."""
+    also each way under one more of SHARD_GRAD_OP, NO_SHARD and bf16 (``_OTHER_PAIRS``, every
+    pair on two ways), replicate, and mapping outputs: gradients at every step and final
+    parameters equal training without checkpointing."""
     run_distributed(_all_ways, world_size, world_size == 2, timeout=300)

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 
 from composable_shard import (get_model_state_dict, get_optimizer_state_dict, latest_checkpoint,
                               load_checkpoint, save_checkpoint)
-from tests._harness import RankError, run_distributed
+from tests._harness import RankError, run_distributed, run_subtests
 from tests._models import make_model, sharded_adamw_run, zip_same
 
 WORLD_SIZE = 2
@@ -104,10 +104,11 @@ def _save_killed(root: str, steps: int, victim: int, point: str) -> None:
     save_checkpoint(_step_dir(root, steps), model, optim)
 
 
-def _check_after_killed_save(root: str, tmp: str) -> None:
+def _check_after_killed_save(root_tmp: Tuple[str, str]) -> None:
     """The killed save of step 4 loads neither under its name (there is none) nor from its
     temporary directory (never published: no checksums), each error naming what is missing;
     step 2 still resumes exactly."""
+    root, tmp = root_tmp
     killed = _step_dir(root, 4)
     for path, missing in ((killed, f"no checkpoint at {killed}"), (tmp, os.path.join(tmp, "checksums.json"))):
         message = _load_error(path)
@@ -119,6 +120,11 @@ def _check_after_killed_save(root: str, tmp: str) -> None:
     load_checkpoint(latest[1], model, optim)
     wrong = _differences(model, optim, steps=2)
     assert not wrong, f"the published step-2 checkpoint changed: {wrong}"
+
+
+def _check_after_killed_saves(killed: List[Tuple[str, str]]) -> None:
+    """:func:`_check_after_killed_save` for each ``(root, tmp)``, in one process group."""
+    run_subtests(_check_after_killed_save, {"root_tmp": killed})
 
 
 def _record_loads(paths: List[str], out_dir: str) -> None:
@@ -195,24 +201,26 @@ def damaged_loads(published: str, tmp_path_factory: pytest.TempPathFactory) -> _
 
 
 # ---------------------------------------------------------------------------- tests
-@pytest.mark.parametrize("victim,point", [(1, "before_data"), (0, "before_metadata")])
-def test_killed_save_publishes_nothing(published: str, tmp_path: Path, victim: int, point: str) -> None:
+def test_killed_save_publishes_nothing(published: str, tmp_path: Path) -> None:
     """A rank SIGKILLed inside ``dcp.save`` (rank 1 before its data file; rank 0 with every data
-    file written, before ``.metadata``): the save fails, ``step_000004`` does not exist, loading
-    it or its temporary directory fails naming what is missing, and the previous
-    checkpoint is untouched: ``latest_checkpoint`` picks it and it resumes exactly."""
-    root = str(tmp_path / "ckpt")
-    shutil.copytree(published, root)
-    with pytest.raises(RankError, match="SIGKILL") as failure:
-        run_distributed(_save_killed, WORLD_SIZE, root, 4, victim, point, timeout=TIMEOUT_S)
-    assert failure.value.rank == victim, str(failure.value)
-    assert not os.path.exists(_step_dir(root, 4)), f"a killed save published {_step_dir(root, 4)}"
-    leftovers = glob.glob(_step_dir(root, 4) + ".tmp-*")
-    assert len(leftovers) == 1, sorted(os.listdir(root))
-    tmp = leftovers[0]
-    expected_files = ["__0_0.distcp"] if point == "before_data" else ["__0_0.distcp", "__1_0.distcp"]
-    assert sorted(os.listdir(tmp)) == expected_files, "the save was not killed where intended"
-    run_distributed(_check_after_killed_save, WORLD_SIZE, root, tmp, timeout=TIMEOUT_S)
+    file written, before ``.metadata``), each in a copy of the published root: the save fails,
+    ``step_000004`` does not exist, loading it or its temporary directory fails naming what is
+    missing, and the previous checkpoint is untouched: ``latest_checkpoint`` picks it and it
+    resumes exactly (both roots checked in one process group)."""
+    killed: List[Tuple[str, str]] = []
+    for victim, point in ((1, "before_data"), (0, "before_metadata")):
+        root = str(tmp_path / point)
+        shutil.copytree(published, root)
+        with pytest.raises(RankError, match="SIGKILL") as failure:
+            run_distributed(_save_killed, WORLD_SIZE, root, 4, victim, point, timeout=TIMEOUT_S)
+        assert failure.value.rank == victim, (point, str(failure.value))
+        assert not os.path.exists(_step_dir(root, 4)), f"a killed save published {_step_dir(root, 4)}"
+        leftovers = glob.glob(_step_dir(root, 4) + ".tmp-*")
+        assert len(leftovers) == 1, (point, sorted(os.listdir(root)))
+        expected_files = ["__0_0.distcp"] if point == "before_data" else ["__0_0.distcp", "__1_0.distcp"]
+        assert sorted(os.listdir(leftovers[0])) == expected_files, f"the save was not killed where intended ({point})"
+        killed.append((root, leftovers[0]))
+    run_distributed(_check_after_killed_saves, WORLD_SIZE, killed, timeout=TIMEOUT_S)
 
 
 def test_save_refuses_to_overwrite(published: str, tmp_path: Path) -> None:
@@ -290,43 +298,53 @@ def _tamper_entry(checkpoint: str, sentinel: str) -> str:
     return str(info.relative_path)
 
 
-def _load_tampered(path: str, out: str) -> None:
-    model, optim = _trained(0)
-    try:
-        load_checkpoint(path, model, optim)
-        outcome = "loaded"
-    except RuntimeError as e:
-        outcome = f"raised:{e}"
-    assert not _differences(model, optim, steps=0), "a refused load changed the model or optimizer"
-    Path(f"{out}.rank{dist.get_rank()}").write_text(outcome)
+def _load_tampered(paths: List[str], out: str) -> None:
+    """For each path, write ``raised:<message>`` or ``loaded`` to ``out/<i>.rank<r>``."""
+    for i, path in enumerate(paths):
+        model, optim = _trained(0)
+        try:
+            load_checkpoint(path, model, optim)
+            outcome = "loaded"
+        except RuntimeError as e:
+            outcome = f"raised:{e}"
+        assert not _differences(model, optim, steps=0), f"a refused load of {path} changed the model or optimizer"
+        Path(out, f"{i}.rank{dist.get_rank()}").write_text(outcome)
 
 
-@pytest.mark.parametrize("where", ["metadata", "entry"])
-def test_tampered_checkpoint_runs_nothing(published: str, tmp_path: Path, where: str) -> None:
+def test_tampered_checkpoint_runs_nothing(published: str, tmp_path: Path) -> None:
     """A ``.metadata`` that unpickles to ``os.system(...)``, or an optimizer entry that does
-    (with checksums rewritten to match): load_checkpoint raises on every rank naming the file,
-    the command never runs, model and optimizer stay as they were. Plain ``dcp.load`` runs it."""
-    checkpoint, sentinel = str(tmp_path / "ckpt"), str(tmp_path / "pwned")
-    shutil.copytree(_step_dir(published, 2), checkpoint)
-    if where == "metadata":
-        _tamper_metadata(checkpoint, sentinel)
-        named = os.path.join(checkpoint, ".metadata")
-    else:
-        named = _tamper_entry(checkpoint, sentinel)
-    run_distributed(_load_tampered, WORLD_SIZE, checkpoint, str(tmp_path / "outcome"), timeout=TIMEOUT_S)
-    assert not os.path.exists(sentinel), "loading the checkpoint ran the attacker's command"
-    for rank in range(WORLD_SIZE):
-        outcome = (tmp_path / f"outcome.rank{rank}").read_text()
-        assert outcome.startswith("raised:") and named in outcome and "refused" in outcome, f"rank {rank}: {outcome}"
-    # the positive control: DCP's defaults execute the same file (and may or may not fail after)
-    try:
-        run_distributed(_plain_dcp_load, 1, checkpoint, timeout=TIMEOUT_S)
-    except RankError:
-        pass
-    assert os.path.exists(sentinel), "the tampered file was not dangerous to begin with"
+    (with checksums rewritten to match), each in its own copy: load_checkpoint raises on every
+    rank naming the file, the command never runs, model and optimizer stay as they were. Plain
+    ``dcp.load`` runs it."""
+    checkpoints, sentinels, named = [], [], []
+    for where in ("metadata", "entry"):
+        checkpoint, sentinel = str(tmp_path / where), str(tmp_path / f"pwned-{where}")
+        shutil.copytree(_step_dir(published, 2), checkpoint)
+        if where == "metadata":
+            _tamper_metadata(checkpoint, sentinel)
+            named.append(os.path.join(checkpoint, ".metadata"))
+        else:
+            named.append(_tamper_entry(checkpoint, sentinel))
+        checkpoints.append(checkpoint)
+        sentinels.append(sentinel)
+    run_distributed(_load_tampered, WORLD_SIZE, checkpoints, str(tmp_path), timeout=TIMEOUT_S)
+    for i, (sentinel, name) in enumerate(zip_same(sentinels, named)):
+        assert not os.path.exists(sentinel), f"loading {checkpoints[i]} ran the attacker's command"
+        for rank in range(WORLD_SIZE):
+            outcome = (tmp_path / f"{i}.rank{rank}").read_text()
+            assert outcome.startswith("raised:") and name in outcome and "refused" in outcome, f"rank {rank}: {outcome}"
+    # the positive control: DCP's defaults execute the same files (and may or may not fail after)
+    run_distributed(_plain_dcp_loads, 1, checkpoints, timeout=TIMEOUT_S)
+    missing = [sentinel for sentinel in sentinels if not os.path.exists(sentinel)]
+    assert not missing, f"the tampered files were not dangerous to begin with: {missing}"
 
 
-def _plain_dcp_load(path: str) -> None:
-    model, optim = _trained(0)
-    dcp.load({"model": get_model_state_dict(model, full=False), "optim": get_optimizer_state_dict(model, optim, full=False)},
-             checkpoint_id=path)
+def _plain_dcp_loads(paths: List[str]) -> None:
+    """``dcp.load`` with DCP's defaults of each path; an error after unpickling is expected."""
+    for path in paths:
+        model, optim = _trained(0)
+        try:
+            dcp.load({"model": get_model_state_dict(model, full=False),
+                      "optim": get_optimizer_state_dict(model, optim, full=False)}, checkpoint_id=path)
+        except (Exception, CheckpointException):  # (a BaseException) whatever follows the command is not the point
+            pass

@@ -13,7 +13,7 @@ import contextlib
 import os
 import warnings
 from datetime import timedelta
-from typing import Any, List
+from typing import Any, Callable, Dict, List
 
 import pytest
 import torch
@@ -97,15 +97,6 @@ def _order_differs_in_first_iteration(same_shapes: bool) -> None:
             assert p.grad is not None and q.grad is not None and torch.equal(p.grad, q.grad)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_different_handle_order_raises_in_first_iteration(world_size: int) -> None:
-    """Blocks run in a different order on rank 0 (same shapes: used to return wrong outputs
-    and hang; different shapes: used to abort in gloo): every rank raises naming both blocks
-    and the ranks, and the model trains normally afterwards."""
-    run_distributed(run_subtests, world_size, _order_differs_in_first_iteration,
-                    {"same_shapes": [True, False]}, timeout=90)
-
-
 # ---------------------------------------------------------------------------- later iterations
 def _order_changes_later() -> None:
     model = _routed(True)
@@ -155,13 +146,6 @@ def _later() -> None:
     run_subtests(_debug_mode, {"case": ["order", "no_sync on one rank", "failed backward on one rank"]})
 
 
-def test_debug_mode_checks_every_iteration() -> None:
-    """After the first iteration an order change warns once (no communication); with
-    COMPOSABLE_SHARD_DEBUG=1 a divergent order, gradient sync switched off on one rank, or a
-    backward that raised on one rank raises on every rank instead of hanging."""
-    run_distributed(_later, 2, timeout=120)
-
-
 # ---------------------------------------------------------------------------- what only times out
 def _routed_with_short_timeout(forward_prefetch: bool = False) -> _Routed:
     """``_Routed(True)`` sharded on a process group whose collectives time out after 3 s."""
@@ -193,14 +177,6 @@ def _timeout_names_the_collective() -> None:
     dist.barrier()  # on the default group: rank 0 waits here until rank 1 has seen its error
 
 
-def test_unagreed_divergence_times_out_naming_the_collective() -> None:
-    """Without debug mode, gradient sync switched off on one rank leaves a reduce-scatter
-    unmatched: once it has waited ``STUCK_WARNING_AFTER_S`` a warning (one) names the collective
-    and points to COMPOSABLE_SHARD_DEBUG, and its wait fails after the process group's timeout
-    with a message naming the collective and the handle, and pointing there too."""
-    run_distributed(_timeout_names_the_collective, 2, timeout=90)
-
-
 def _order_diverges_later(forward_prefetch: bool) -> None:
     rank = dist.get_rank()
     model = _routed_with_short_timeout(forward_prefetch)
@@ -218,15 +194,6 @@ def _order_diverges_later(forward_prefetch: bool) -> None:
 
 def _orders_diverging_later() -> None:
     run_subtests(_order_diverges_later, {"forward_prefetch": [False, True]})
-
-
-def test_order_diverging_after_the_first_iteration_times_out_instead_of_mixing_shards() -> None:
-    """Blocks of equal shapes run in a different order on one rank after the first iteration,
-    without debug mode: each gather waits for the peers' gather of the same handle (the handle
-    rides in gloo's point-to-point tag), so every rank fails after the process group's timeout
-    naming its handle. Before, rank 0's gather of 'blocks.0' paired with rank 1's of 'blocks.1':
-    both ranks finished the step on parameters assembled from two different blocks, silently."""
-    run_distributed(_orders_diverging_later, 2, timeout=120)
 
 
 def _called_on_rank_0_only(call: str) -> None:
@@ -257,16 +224,39 @@ def _called_on_rank_0_only(call: str) -> None:
     dist.barrier()  # on the default group: rank 1 waits here until rank 0 has seen its error
 
 
-def test_collective_call_made_on_one_rank_says_so() -> None:
-    """``if rank == 0: model.state_dict()`` (what ``save_pretrained`` does) and the other calls
-    that gather or reduce across ranks, made on rank 0 alone: a warning names the call as
-    collective and says what to do instead once it has waited ``STUCK_WARNING_AFTER_S``, and
-    the process group's timeout raises saying the same. Before, the error blamed the training
-    step (ranks running different handles) and nothing was said until the timeout.
-    ``get_optimizer_state_dict`` gives the same advice; it starts with an exchange on the
-    default group, whose timeout is too long to wait for here."""
-    run_distributed(run_subtests, 2, _called_on_rank_0_only,
-                    {"call": ["state_dict", "get_model_state_dict", "unshard_params", "clip_grad_norm_"]}, timeout=120)
+_TIMEOUTS: Dict[str, Callable[[], None]] = {
+    "sync off on one rank": _timeout_names_the_collective, "order diverging later": _orders_diverging_later,
+    "collective call made on one rank": lambda: run_subtests(_called_on_rank_0_only, {
+        "call": ["state_dict", "get_model_state_dict", "unshard_params", "clip_grad_norm_"]})}
+
+
+def _timeout_case(case: str) -> None:
+    _TIMEOUTS[case]()
+
+
+def test_unagreed_divergence_times_out_naming_the_collective() -> None:
+    """What no agreement catches, without debug mode, times out on a 3 s process group naming
+    the collective; at 2 ranks, in one process group (each failure names its case):
+
+    sync off on one rank: gradient sync switched off on one rank leaves a reduce-scatter
+    unmatched: once it has waited ``STUCK_WARNING_AFTER_S`` a warning (one) names the collective
+    and points to COMPOSABLE_SHARD_DEBUG, and its wait fails after the process group's timeout
+    with a message naming the collective and the handle, and pointing there too.
+
+    order diverging later: blocks of equal shapes run in a different order on one rank after
+    the first iteration: each gather waits for the peers' gather of the same handle (the handle
+    rides in gloo's point-to-point tag), so every rank fails after the process group's timeout
+    naming its handle. Before, rank 0's gather of 'blocks.0' paired with rank 1's of 'blocks.1':
+    both ranks finished the step on parameters assembled from two different blocks, silently.
+
+    collective call made on one rank: ``if rank == 0: model.state_dict()`` (what
+    ``save_pretrained`` does) and the other calls that gather or reduce across ranks, made on
+    rank 0 alone: a warning names the call as collective and says what to do instead once it
+    has waited ``STUCK_WARNING_AFTER_S``, and the process group's timeout raises saying the
+    same. Before, the error blamed the training step (ranks running different handles) and
+    nothing was said until the timeout. ``get_optimizer_state_dict`` gives the same advice; it
+    starts with an exchange on the default group, whose timeout is too long to wait for here."""
+    run_distributed(run_subtests, 2, _timeout_case, {"case": list(_TIMEOUTS)}, timeout=180)
 
 
 # ---------------------------------------------------------------------------- optimizer steps
@@ -329,22 +319,49 @@ def _steps_on_some_ranks(api: str, cause: str) -> None:
     _step(model)
 
 
-def test_optimizer_stepped_on_some_ranks_raises() -> None:
-    """An optimizer step skipped on one rank (``torch.amp.GradScaler`` seeing an overflow in that
-    rank's gradient slices; a per-rank condition) used to leave that rank's slices behind (or,
-    under replicate, the replicas apart) silently: the next synced backward now raises on every
-    rank saying why and what to use instead, from the used-parameter all-reduce (no extra
-    collective). torch's ``ShardedGradScaler`` (skipping on every rank) and an optimizer of a
-    rank's own model are not reported."""
-    run_distributed(run_subtests, 2, _steps_on_some_ranks,
-                    {"api": ["fully_shard", "replicate"],
-                     "cause": ["rank_condition", "grad_scaler", "sharded_grad_scaler"]}, timeout=120)
+# ---------------------------------------------------------------------------- entry
+_AGREED: Dict[str, Callable[[], None]] = {
+    "different handle order in the first iteration": lambda: run_subtests(
+        _order_differs_in_first_iteration, {"same_shapes": [True, False]}),
+    "debug mode checks every iteration": _later,
+    "optimizer stepped on some ranks": lambda: run_subtests(_steps_on_some_ranks, {
+        "api": ["fully_shard", "replicate"], "cause": ["rank_condition", "grad_scaler", "sharded_grad_scaler"]}),
+}
+_AGREED_AT_4: Dict[str, Callable[[], None]] = {  # more than two ranks agreeing; a real hybrid mesh
+    "different handle order in the first iteration": _AGREED["different handle order in the first iteration"],
+    "optimizer stepped on some ranks": lambda: run_subtests(_steps_on_some_ranks, {
+        "api": ["hybrid"], "cause": ["rank_condition"]}),
+}
 
 
-def test_optimizer_stepped_on_some_ranks_raises_under_hybrid_sharding() -> None:
-    """The same at W=4 on a 2 x 2 mesh: the agreement sums over both groups."""
-    run_distributed(run_subtests, 4, _steps_on_some_ranks, {"api": ["hybrid"], "cause": ["rank_condition"]},
-                    timeout=120)
+def _agreed_case(case: str) -> None:
+    (_AGREED_AT_4 if dist.get_world_size() == 4 else _AGREED)[case]()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_disagreement_raises_on_every_rank(world_size: int) -> None:
+    """What the agreement catches raises on every rank, in one process group per world size
+    (each failure names its case):
+
+    different handle order in the first iteration (2 and 4 ranks): blocks run in a different
+    order on rank 0 (same shapes: used to return wrong outputs and hang; different shapes: used
+    to abort in gloo): every rank raises naming both blocks and the ranks, and the model trains
+    normally afterwards.
+
+    debug mode checks every iteration (2 ranks): after the first iteration an order change
+    warns once (no communication); with COMPOSABLE_SHARD_DEBUG=1 a divergent order, gradient
+    sync switched off on one rank, or a backward that raised on one rank raises on every rank
+    instead of hanging.
+
+    optimizer stepped on some ranks: an optimizer step skipped on one rank
+    (``torch.amp.GradScaler`` seeing an overflow in that rank's gradient slices; a per-rank
+    condition) used to leave that rank's slices behind (or, under replicate, the replicas
+    apart) silently: the next synced backward now raises on every rank saying why and what to
+    use instead, from the used-parameter all-reduce (no extra collective). torch's
+    ``ShardedGradScaler`` (skipping on every rank) and an optimizer of a rank's own model are
+    not reported (2 ranks). At 4 ranks on a 2 x 2 mesh: the agreement sums over both groups."""
+    cases = _AGREED_AT_4 if world_size == 4 else _AGREED
+    run_distributed(run_subtests, world_size, _agreed_case, {"case": list(cases)}, timeout=150)
 
 
 _ = List  # typing re-export guard for older interpreters

@@ -14,7 +14,6 @@ import collections
 import dataclasses
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -106,18 +105,20 @@ def _failed_backward(strategy: ShardingStrategy) -> None:
     assert_params_close(_full_params(model), list(reference.named_parameters()), what=f"[{strategy.name}] params")
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_failed_backward_leaks_nothing_into_the_next_step(world_size: int) -> None:
+def test_failed_backward_leaks_nothing_into_the_next_step() -> None:
     """A backward raising after some handles' gradients were reduce-scattered (on every rank),
-    then zero_grad and a clean step: exactly the clean step's gradients and SGD update."""
-    run_distributed(_all_world_sizes_entry, world_size, "failed_backward", timeout=180)
+    then zero_grad and a clean step: exactly the clean step's gradients and SGD update. Every
+    strategy at 2 ranks; the hybrid ones on a 2 x 2 mesh in test_hybrid_sharding_at_four_ranks."""
+    run_distributed(_all_world_sizes_entry, 2, "failed_backward", timeout=180)
 
 
 # ---------------------------------------------------------------------------- stale parameters
 def _eval_forward_then_step(strategy: ShardingStrategy, edit: str, mp: bool) -> None:
     """Each step: train forward/backward, an eval forward with grad on (loss discarded), then
     the update (optimizer step, or an in-place edit of the parameters); the next forward must
-    compute on the updated values."""
+    compute on the updated values. Two steps: the second step's forward and the final one each
+    read shards updated after an eval forward, with forward prefetch on (it starts at the
+    second forward), so a third step repeats what they show."""
     kwargs = _strategy_kwargs(strategy)
     if mp:
         kwargs["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16)
@@ -128,7 +129,7 @@ def _eval_forward_then_step(strategy: ShardingStrategy, edit: str, mp: bool) -> 
     optims = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=(edit == "fused")) for m, _ in models]
     rank = dist.get_rank()
     losses: Dict[int, List[float]] = {0: [], 1: [], 2: []}
-    for step in range(3):
+    for step in range(2):
         for i, ((m, eval_forward), optim) in enumerate(zip_same(models, optims)):
             loss = _global_step(m, step) if eval_forward is None else _local_step(m, step)
             if eval_forward:
@@ -143,12 +144,12 @@ def _eval_forward_then_step(strategy: ShardingStrategy, edit: str, mp: bool) -> 
                 optim.step()
             optim.zero_grad()
             losses[i].append(loss.item())
-    out = {i: m(local_rows(batch(3, dist.get_world_size())[0], rank)) for i, (m, e) in enumerate(models) if e is not None}
+    out = {i: m(local_rows(batch(2, dist.get_world_size())[0], rank)) for i, (m, e) in enumerate(models) if e is not None}
     what = f"[{strategy.name}/{edit}/mp={mp}]"
     assert torch.equal(out[0], out[1]), f"{what} eval forwards changed what the next forward computes"
     assert_params_close(_full_params(model), _full_params(twin), atol=0.0, what=what)
     if not mp:
-        expected = reference(batch(3, dist.get_world_size())[0])[rank * 2:(rank + 1) * 2]
+        expected = reference(batch(2, dist.get_world_size())[0])[rank * 2:(rank + 1) * 2]
         assert (out[0] - expected).abs().max().item() < 1e-5, what
 
 
@@ -193,12 +194,12 @@ def _freeze_unfreeze(strategy: ShardingStrategy) -> None:
     assert_params_close(_full_params(model), list(reference.named_parameters()), what=what)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_freeze_and_unfreeze_after_fully_shard(world_size: int) -> None:
+def test_freeze_and_unfreeze_after_fully_shard() -> None:
     """requires_grad changed after fully_shard (a block, one parameter, a group built frozen)
     is honoured from the next forward: frozen parameters get .grad None and are not updated,
-    unfrozen ones train; gradients equal local training at every step."""
-    run_distributed(_all_world_sizes_entry, world_size, "freeze", timeout=240)
+    unfrozen ones train; gradients equal local training at every step. Every strategy at 2
+    ranks; the hybrid ones on a 2 x 2 mesh in test_hybrid_sharding_at_four_ranks."""
+    run_distributed(_all_world_sizes_entry, 2, "freeze", timeout=240)
 
 
 # ---------------------------------------------------------------------------- unused parameters
@@ -260,11 +261,11 @@ def _unused_parameters(strategy: ShardingStrategy, sometimes_on: str) -> None:
     assert_params_close(_full_params(model), list(reference.named_parameters()), what=f"[{strategy.name}]")
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_parameters_without_gradient_keep_grad_none(world_size: int) -> None:
+def test_parameters_without_gradient_keep_grad_none() -> None:
     """A parameter no rank used keeps .grad None (AdamW's weight decay leaves it alone, as
-    locally); one used on some ranks only gets the averaged gradient on every rank."""
-    run_distributed(_all_world_sizes_entry, world_size, "unused", timeout=180)
+    locally); one used on some ranks only gets the averaged gradient on every rank. Every
+    strategy at 2 ranks; the hybrid ones on a 2 x 2 mesh in test_hybrid_sharding_at_four_ranks."""
+    run_distributed(_all_world_sizes_entry, 2, "unused", timeout=180)
 
 
 def _partial_grad_reset() -> None:
@@ -449,16 +450,6 @@ def _model_changed_after_fully_shard(change: str) -> None:
         raise AssertionError(f"{change}: the next forward must raise")
 
 
-def test_model_changes_after_fully_shard_raise_at_next_forward() -> None:
-    """A parameter reassigned, or a submodule with parameters added, after fully_shard would
-    be silently left out of training, and so would a parameter whose ``.data`` was replaced (a
-    plain submodule cast with ``.half()``, ``p.data = ...``, torch's ``vector_to_parameters``:
-    the forward kept computing on the flat shard, the optimizer updated the new tensor): the
-    next forward raises naming the FQN. Wrapping a managed module in a container without
-    parameters is allowed."""
-    run_distributed(_all_world_sizes_entry, 2, "changes", timeout=120)
-
-
 # ---------------------------------------------------------------------------- casts and moves
 def _snapshot_tensors(model: nn.Module) -> List[Tuple[str, int, torch.Tensor, Optional[torch.Tensor], int]]:
     """Per parameter and buffer: name, object, value, .grad and storage address."""
@@ -515,11 +506,6 @@ def _cast_or_move_after_fully_shard(call: str) -> None:
     assert_params_close(_full_params(model), list(reference.named_parameters()), what=f"[{call}] params")
 
 
-def test_casts_and_moves_after_fully_shard_are_refused_and_change_nothing() -> None:
-    """See ``_cast_or_move_after_fully_shard``."""
-    run_distributed(_all_world_sizes_entry, 2, "casts", timeout=120)
-
-
 # ---------------------------------------------------------------------------- process groups
 def _groups_released_when_destroyed() -> None:
     """After ``dist.destroy_process_group(group)`` the library holds no reference to the group,
@@ -561,10 +547,6 @@ def _groups_released_when_destroyed() -> None:
         raise AssertionError("a forward on destroyed groups did not raise")
 
 
-def test_destroyed_process_groups_are_released() -> None:
-    run_distributed(_groups_released_when_destroyed, 4)
-
-
 # ---------------------------------------------------------------------------- entry
 _GRIDS: Dict[str, Callable[[], None]] = {
     "failed_backward": lambda: run_subtests(_failed_backward, {"strategy": _STRATEGIES}),
@@ -584,11 +566,34 @@ _GRIDS: Dict[str, Callable[[], None]] = {
         "vector_to_parameters"]}),
     "casts": lambda: run_subtests(_cast_or_move_after_fully_shard, {"call": [
         "half", "double", "bfloat16", "to(float64)", "block.half", "to_empty"]}),
+    "hooks": lambda: run_subtests(_hooks_on_parameters, {"kind": ["register_hook", "post_accumulate_grad"]}),
 }
 
 
 def _all_world_sizes_entry(name: str) -> None:
     _GRIDS[name]()
+
+
+_HYBRID = _STRATEGIES[3:]
+_AT_FOUR: Dict[str, Callable[[], None]] = {
+    "failed backward": lambda: run_subtests(_failed_backward, {"strategy": _HYBRID}),
+    "freeze and unfreeze": lambda: run_subtests(_freeze_unfreeze, {"strategy": _HYBRID}),
+    "parameters without gradient": lambda: run_subtests(_unused_parameters, {
+        "strategy": _HYBRID, "sometimes_on": ["all", "none", "rank0"]}),
+    "destroyed process groups released": _groups_released_when_destroyed,  # last: it destroys groups
+}
+
+
+def _at_four(case: str) -> None:
+    _AT_FOUR[case]()
+
+
+def test_hybrid_sharding_at_four_ranks() -> None:
+    """What 4 ranks add, in one process group (each failure names its case): a failed backward,
+    freezing and unfreezing, and parameters without a gradient (the tests above, at 2 ranks,
+    where a hybrid mesh is 1 x 2) under HYBRID_SHARD and _HYBRID_SHARD_ZERO2 on a 2 x 2 mesh,
+    so gradients cross a real replicate group; and ``_groups_released_when_destroyed``."""
+    run_distributed(run_subtests, 4, _at_four, {"case": list(_AT_FOUR)}, timeout=300)
 
 
 # ---------------------------------------------------------------------------- hooks on parameters
@@ -620,11 +625,21 @@ def _hooks_on_parameters(kind: str) -> None:
     _assert_grads_equal(model, reference, kind)
 
 
-def test_hooks_on_original_parameters_are_refused() -> None:
-    """``p.register_hook(fn)`` and ``p.register_post_accumulate_grad_hook(fn)`` on an original
-    parameter never ran under fully_shard (the forward computes on views of the gathered flat
-    buffer, so autograd never reaches it): a gradient mask or an optimizer-in-backward was
-    skipped, silently. The next forward now raises naming the parameter, changes nothing, and
-    the model trains normally once the hook is removed."""
-    run_distributed(run_subtests, 2, _hooks_on_parameters, {"kind": ["register_hook", "post_accumulate_grad"]},
-                    timeout=60)
+def test_changes_after_fully_shard_are_refused() -> None:
+    """At 2 ranks, in one process group (each failure names its case):
+
+    changes: a parameter reassigned, or a submodule with parameters added, after fully_shard
+    would be silently left out of training, and so would a parameter whose ``.data`` was
+    replaced (a plain submodule cast with ``.half()``, ``p.data = ...``, torch's
+    ``vector_to_parameters``: the forward kept computing on the flat shard, the optimizer
+    updated the new tensor): the next forward raises naming the FQN. Wrapping a managed module
+    in a container without parameters is allowed.
+
+    casts: see ``_cast_or_move_after_fully_shard`` (refused at the call, nothing changed).
+
+    hooks: ``p.register_hook(fn)`` and ``p.register_post_accumulate_grad_hook(fn)`` on an
+    original parameter never ran under fully_shard (the forward computes on views of the
+    gathered flat buffer, so autograd never reaches it): a gradient mask or an
+    optimizer-in-backward was skipped, silently. The next forward now raises naming the
+    parameter, changes nothing, and the model trains normally once the hook is removed."""
+    run_distributed(run_subtests, 2, _all_world_sizes_entry, {"name": ["changes", "casts", "hooks"]}, timeout=180)

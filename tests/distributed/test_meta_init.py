@@ -28,7 +28,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import transformers  # the [hf] extra, which the README's test command installs
 
 from composable_shard import FSDPModule, ModuleWrapPolicy, ShardingStrategy, fully_shard, replicate, unshard_params
 from composable_shard._runtime.collectives import record_collectives
@@ -253,24 +252,6 @@ def _whole_subtree_param_init_fn(init: str) -> None:
     _train_against_reference(model, _reference_from(initial, model), steps=2, sgd=True, grads=False)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_policy_meta_equals_cpu(world_size: int) -> None:
-    """(a) One call with a policy, reset_parameters fallback: a model built on meta with the
-    same seed equals the CPU-built one bit for bit after fully_shard, and trains the same (3
-    steps). Guards the working path: materialization in ``.modules()`` order, each module's
-    draws once, tied weights initialized once."""
-    run_distributed(_policy_reset_parameters, world_size, timeout=60)
-
-
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_parent_reset_keeps_sharded_children(world_size: int) -> None:
-    """(b) Hand annotation with a parent whose reset_parameters() re-initializes its children:
-    the root's fully_shard leaves the blocks' sharded parameters as their own fully_shard left
-    them (it used to re-draw weights and zero biases in the flat shards), initializes the
-    root's own parameters, and one step matches a plain model with the same initial values."""
-    run_distributed(_parent_reset_reinits_children, world_size, timeout=60)
-
-
 def _raising_param_init_fn() -> None:
     """The root's param_init_fn raises after ``to_empty`` swapped the blocks' ``.data``: the
     error reaches the caller and the blocks are as their own fully_shard left them."""
@@ -304,22 +285,39 @@ def _added_param_still_reported() -> None:
         raise AssertionError("a parameter added to a sharded block should raise")
 
 
-def _whole_subtree_param_init_fns() -> None:
-    run_subtests(_whole_subtree_param_init_fn, {"init": ["to_empty_model_init", "replace"]})
-    _raising_param_init_fn()
-    _added_param_still_reported()
+_MATERIALIZATIONS: Dict[str, Callable[[], None]] = {
+    "(a) policy": _policy_reset_parameters, "(b) parent reset": _parent_reset_reinits_children,
+    "(c) to_empty_model_init": lambda: _whole_subtree_param_init_fn("to_empty_model_init"),
+    "(c) replace": lambda: _whole_subtree_param_init_fn("replace"), "(c) raising": _raising_param_init_fn,
+    "(c) added parameter": _added_param_still_reported}
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_whole_subtree_param_init_fn_keeps_sharded_children(world_size: int) -> None:
-    """(c) Hand annotation with a param_init_fn that reaches the whole subtree (``to_empty``
+def _materialization(case: str) -> None:
+    _MATERIALIZATIONS[case]()
+
+
+def test_meta_materialization_equals_cpu_and_keeps_sharded_children() -> None:
+    """At 2 ranks, in one process group (each failure names its case); nothing here depends on
+    the world size beyond the shard arithmetic, which 2 ranks make uneven already.
+
+    (a) One call with a policy, reset_parameters fallback: a model built on meta with the
+    same seed equals the CPU-built one bit for bit after fully_shard, and trains the same (3
+    steps). Guards the working path: materialization in ``.modules()`` order, each module's
+    draws once, tied weights initialized once.
+
+    (b) Hand annotation with a parent whose reset_parameters() re-initializes its children:
+    the root's fully_shard leaves the blocks' sharded parameters as their own fully_shard left
+    them (it used to re-draw weights and zero biases in the flat shards), initializes the
+    root's own parameters, and one step matches a plain model with the same initial values.
+
+    (c) Hand annotation with a param_init_fn that reaches the whole subtree (``to_empty``
     then re-initialize everything, or register new Parameters everywhere): after the root's
     call the blocks' parameters are the same objects, still views of their flat shards (same
     data_ptr), with the same values, and 2 SGD steps match a plain model with the same
     initial values (a block cut loose from its flat shard by ``to_empty`` would not train,
     silently: its optimizer updates storage the forward never reads). A function that raises
     leaves the blocks as they were; one that adds a parameter to a block is still reported."""
-    run_distributed(_whole_subtree_param_init_fns, world_size, timeout=60)
+    run_distributed(run_subtests, 2, _materialization, {"case": list(_MATERIALIZATIONS)}, timeout=120)
 
 
 # ---------------------------------------------------------------------------- (d) the FSDP1 meta-device idiom
@@ -351,6 +349,11 @@ class _BufferedParity(ParityModel):
 
 
 def _llama() -> nn.Module:
+    # Imported here, not at the top: every rank of every process group of this file imports the
+    # file, and transformers takes a second of CPU per rank; only the llama idiom needs it. It is
+    # the [hf] extra, which the README's test command installs.
+    import transformers
+
     config = transformers.LlamaConfig(vocab_size=LLAMA_VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
                                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=LLAMA_SEQ,
                                       tie_word_embeddings=True, bos_token_id=0, eos_token_id=0)
@@ -365,7 +368,10 @@ def _build(kind: str, meta: bool) -> nn.Module:
 
 
 def _layers(model: nn.Module) -> List[nn.Module]:
-    return list(model.model.layers) if isinstance(model, transformers.LlamaForCausalLM) else list(model.blocks)
+    if isinstance(model, ParityModel):
+        return list(model.blocks)
+    llama: Any = model  # a LlamaForCausalLM of _llama(), whose module this file does not import at the top
+    return list(llama.model.layers)
 
 
 def _shard(model: nn.Module, annotation: str, **kwargs: object) -> None:
@@ -465,7 +471,10 @@ def _same_calls_as_torch_fsdp1(annotation: str) -> None:
 
 
 def _idioms() -> None:
-    run_subtests(_same_calls_as_torch_fsdp1, {"annotation": ["policy", "manual"]})
+    if dist.get_world_size() == 4:  # what 4 ranks add: rank 0's values broadcast to three ranks on meta
+        run_subtests(_idiom, {"kind": ["parity"], "annotation": ["policy", "manual"]})
+        return
+    run_subtests(_same_calls_as_torch_fsdp1, {"annotation": ["policy", "manual"]})  # which calls: rank-local
     run_subtests(_idiom, {"kind": ["llama", "parity"], "annotation": ["policy", "manual"]})
 
 
@@ -479,7 +488,8 @@ def test_meta_idiom_trains_as_rank0(world_size: int) -> None:
     and 3 AdamW steps give the losses and parameters of rank 0's model trained in one process
     on the combined batch. param_init_fn is called on exactly the modules torch FSDP1 calls it
     on, in its order (it used to be called once per fully sharded module, so ranks != 0 raised
-    with meta tensors left)."""
+    with meta tensors left). At 4 ranks ParityModel alone: the Llama adds Hugging Face's
+    modules (rotary buffers, tied embedding), not ranks, and 2 ranks run it."""
     run_distributed(_idioms, world_size, timeout=120)
 
 

@@ -37,6 +37,11 @@ from tests._harness import run_distributed, run_subtests
 from tests._models import Block, Scale, distributed_training, global_mean, loss_fn, make_model, reference_training
 
 CONFIGS = ["manual", "policy", "submodules", "mixed_strategy", "frozen_block", "replicate_mixed", "bf16"]
+# At 4 ranks every handle's shards are uneven (at 2 the root's tied 78 and frozen 42 elements
+# split evenly) and the one-element scale is padding on three ranks: "manual" covers that shard
+# arithmetic and "mixed_strategy" the kept (ZeRO-2) and unsharded (NO_SHARD) layouts. The other
+# configs change which modules are wrapped or the compute dtype, not the arithmetic: W=2 runs them.
+CONFIGS_AT_4 = ["manual", "mixed_strategy"]
 
 
 def _shard(model: nn.Module, config: str) -> nn.Module:
@@ -130,11 +135,6 @@ def _full_parity(config: str) -> None:
     _assert_state_dicts_equal(resumed.state_dict(), model.state_dict(), f"{config}: after the step")
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_full_state_dict_is_the_plain_models(world_size: int) -> None:
-    run_distributed(run_subtests, world_size, _full_parity, {"config": CONFIGS}, timeout=300)
-
-
 def _full_options() -> None:
     """rank0_only: rank 0 gets the full dict, the others {} (having taken part); offload: CPU."""
     plain, model = make_model(), _shard(make_model(), "manual")
@@ -152,11 +152,6 @@ def _full_options() -> None:
             pass
     with pytest.raises(ValueError, match="rank0_only=True needs full=True"):
         get_model_state_dict(model, full=False, rank0_only=True)
-
-
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_full_state_dict_options(world_size: int) -> None:
-    run_distributed(_full_options, world_size)
 
 
 # ---------------------------------------------------------------------------- sharded state dicts
@@ -191,11 +186,6 @@ def _sharded_is_local() -> None:
         sd["blocks.0.fc1.weight"] + 1
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_sharded_state_dict_is_local(world_size: int) -> None:
-    run_distributed(_sharded_is_local, world_size)
-
-
 def _large_tensors_cut_like_torch_chunk() -> None:
     """A tensor above UNCUT_NUMEL is described to DCP in boxes that each lie inside one part of
     torch.chunk(tensor, W) rows (the flat layout puts the whole embedding on rank 0 at W=2, so
@@ -223,11 +213,6 @@ def _large_tensors_cut_like_torch_chunk() -> None:
         else:
             assert len(value.boxes) <= 3, (name, value.boxes)  # one contiguous range: at most 3 boxes
     assert sum(1 for name in values if values[name].shape == (1024, 512)) == 3  # weight, exp_avg, exp_avg_sq
-
-
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_large_tensors_are_saved_in_chunk_sized_boxes(world_size: int) -> None:
-    run_distributed(_large_tensors_cut_like_torch_chunk, world_size)
 
 
 # ---------------------------------------------------------------------------- DCP resume and resharding
@@ -359,39 +344,6 @@ def _resume_run(path: str, layout: str, api: str) -> None:
                                        msg=lambda m: f"{layout}: optimizer {fqn}.{name}: {m}")
 
 
-def test_resume_in_place(tmp_path: Any) -> None:
-    """Plain dcp.save / dcp.load with our sharded state dicts."""
-    run_distributed(_save_run, 2, str(tmp_path), "FULL_SHARD", "dcp")
-    run_distributed(_resume_run, 2, str(tmp_path), "FULL_SHARD", "dcp")
-
-
-@pytest.fixture(scope="module")
-def saved_at_4(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """One FULL_SHARD run at 4 ranks, saved by save_checkpoint (read-only for the resumes)."""
-    path = str(tmp_path_factory.mktemp("saved_at_4"))
-    run_distributed(_save_run, 4, path, "FULL_SHARD", "library")
-    return path
-
-
-@pytest.mark.parametrize("world_size,layout", [(4, "HYBRID_SHARD"), (2, "SHARD_GRAD_OP"), (2, "NO_SHARD"), (1, "plain")])
-def test_resume_at_another_world_size_and_strategy(saved_at_4: str, world_size: int, layout: str) -> None:
-    """Saved FULL_SHARD at 4 ranks by save_checkpoint; resumed by load_checkpoint (verified,
-    safe) at 4 (hybrid 2x2), 2 (ZeRO-2, no-shard) and 1 (plain)."""
-    run_distributed(_resume_run, world_size, saved_at_4, layout, "library")
-
-
-@pytest.mark.parametrize("saved,world_size,resumed,api", [
-    ("replicated_root", 2, "replicated_root", "dcp"), ("replicated_block", 4, "FULL_SHARD", "library"),
-    ("replicate", 1, "plain", "library"), ("FULL_SHARD", 2, "replicated_block", "dcp")])
-def test_resume_mixed_compositions(tmp_path: Any, saved: str, world_size: int, resumed: str, api: str) -> None:
-    """fully_shard and replicate mixed on one model (and replicate alone): saved at 2 ranks,
-    resumed in the same composition, at another world size into another one, or into a plain
-    model; the resumed run's losses, parameters and optimizer state equal the uninterrupted
-    run's."""
-    run_distributed(_save_run, 2, str(tmp_path), saved, api)
-    run_distributed(_resume_run, world_size, str(tmp_path), resumed, api)
-
-
 # ---------------------------------------------------------------------------- several optimizers, extra state
 def _two_optimizers(model: nn.Module) -> Tuple[torch.optim.Optimizer, torch.optim.Optimizer, Any]:
     """AdamW on the blocks, SGD with momentum (and a step-decay schedule) on the rest."""
@@ -449,14 +401,71 @@ def _resume_two(path: str) -> None:
     _assert_state_dicts_equal(get_model_state_dict(model), expected["model"], "resumed model", atol=1e-5)
 
 
-def test_several_optimizers_and_extra_state(tmp_path: Any) -> None:
-    """save_checkpoint/load_checkpoint of a model with two optimizers (AdamW on the blocks, SGD
-    with momentum and an LR schedule on the rest) and ``extra`` state (the step, the
-    scheduler): saved at 2 ranks, resumed at 4, the uninterrupted run's losses and parameters.
-    Without it a second optimizer's moments (e.g. Muon with AdamW) had no checkpoint at all, and
-    a loop's own state lived outside the checked, atomic directory."""
-    run_distributed(_save_two, 2, str(tmp_path))
-    run_distributed(_resume_two, 4, str(tmp_path))
+# Every checkpoint the resumes read: name -> (world size, layout, api), saved by _save_run
+# ("two_optimizers": _save_two) into <tmp>/<name>, one process group per world size.
+SAVES = {"FULL_SHARD@2/dcp": (2, "FULL_SHARD", "dcp"), "replicated_root@2/dcp": (2, "replicated_root", "dcp"),
+         "replicated_block@2/library": (2, "replicated_block", "library"),
+         "replicate@2/library": (2, "replicate", "library"), "two_optimizers@2": (2, "FULL_SHARD", "library"),
+         "FULL_SHARD@4/library": (4, "FULL_SHARD", "library")}
+# Per world size, each resume: (checkpoint, layout it resumes into). The api is the save's.
+RESUMES = {
+    1: [("FULL_SHARD@4/library", "plain"), ("replicate@2/library", "plain")],
+    2: [("FULL_SHARD@2/dcp", "FULL_SHARD"), ("FULL_SHARD@4/library", "SHARD_GRAD_OP"),
+        ("FULL_SHARD@4/library", "NO_SHARD"), ("replicated_root@2/dcp", "replicated_root"),
+        ("FULL_SHARD@2/dcp", "replicated_block")],
+    4: [("FULL_SHARD@4/library", "HYBRID_SHARD"), ("replicated_block@2/library", "FULL_SHARD"),
+        ("two_optimizers@2", "FULL_SHARD")],
+}
+
+
+def _save_one(save: str, path: str) -> None:
+    directory = os.path.join(path, save.replace("/", "-"))
+    os.makedirs(directory, exist_ok=True)
+    _, layout, api = SAVES[save]
+    if save == "two_optimizers@2":
+        _save_two(directory)
+    else:
+        _save_run(directory, layout, api)
+
+
+def _save_all(path: str) -> None:
+    """Every checkpoint of SAVES made at this world size."""
+    saves = [name for name, (world_size, _, _) in SAVES.items() if world_size == dist.get_world_size()]
+    run_subtests(_save_one, {"save": saves}, path=path)
+
+
+def _resume_one(resume: Tuple[str, str], path: str) -> None:
+    save, layout = resume
+    directory = os.path.join(path, save.replace("/", "-"))
+    if save == "two_optimizers@2":
+        _resume_two(directory)
+    else:
+        _resume_run(directory, layout, SAVES[save][2])
+
+
+def _resume_all(path: str) -> None:
+    run_subtests(_resume_one, {"resume": RESUMES[dist.get_world_size()]}, path=path)
+
+
+def test_resume_equals_the_uninterrupted_run(tmp_path: Any) -> None:
+    """A differently initialised model and a fresh optimizer resume each checkpoint of SAVES
+    (one process group per world size saves them all, another per world size resumes,
+    RESUMES) and train on: losses, parameters and optimizer state equal the uninterrupted
+    run's. Covered: plain dcp.save/dcp.load of our sharded state dicts, in place; FULL_SHARD
+    saved at 4 ranks by save_checkpoint, resumed by load_checkpoint (verified, safe) at 4
+    (hybrid 2x2), 2 (ZeRO-2, no-shard) and 1 (plain); fully_shard and replicate mixed on one
+    model (and replicate alone) saved at 2, resumed in the same composition, at another world
+    size into another one, or into a plain model; a model with two optimizers (AdamW on the
+    blocks, SGD with momentum and an LR schedule on the rest) and ``extra`` state (the step,
+    the scheduler) saved at 2, resumed at 4 (one of the two optimizers alone is refused,
+    nothing loaded; an ``extra`` that cannot be written is refused on every rank, nothing
+    published). Without it a checkpoint could not change world size or composition, a second
+    optimizer's moments (e.g. Muon with AdamW) had no checkpoint at all, and a loop's own
+    state lived outside the checked, atomic directory."""
+    run_distributed(_save_all, 2, str(tmp_path), timeout=300)
+    run_distributed(_save_all, 4, str(tmp_path), timeout=300)
+    for world_size in (2, 4, 1):
+        run_distributed(_resume_all, world_size, str(tmp_path), timeout=300)
 
 
 class _Opaque:
@@ -467,6 +476,8 @@ class _Opaque:
 
 
 def _extra_weights_only(path: str) -> None:
+    """``extra`` is unpickled with ``weights_only=True``: a class torch does not rebuild raises,
+    naming the file and the class, unless the caller allows it (``safe_globals``)."""
     model = _build("FULL_SHARD", seed=0)
     save_checkpoint(f"{path}/ckpt", model, extra={"opaque": _Opaque(3)})
     with pytest.raises(RuntimeError, match=r"extra\.pt: refused to unpickle it with weights_only=True \(.*_Opaque"):
@@ -475,10 +486,6 @@ def _extra_weights_only(path: str) -> None:
         assert load_checkpoint(f"{path}/ckpt", model)["opaque"].value == 3  # type: ignore[index]
 
 
-def test_extra_state_is_read_weights_only(tmp_path: Any) -> None:
-    """``extra`` is unpickled with ``weights_only=True``: a class torch does not rebuild raises,
-    naming the file and the class, unless the caller allows it (``safe_globals``)."""
-    run_distributed(_extra_weights_only, 2, str(tmp_path))
 
 
 # ---------------------------------------------------------------------------- strict loading
@@ -524,11 +531,6 @@ def _strict() -> None:
             assert torch.equal(torch.as_tensor(osd["state"][fqn][name]), torch.as_tensor(value)), (fqn, name)
     with pytest.raises(RuntimeError, match="get_model_state_dict"):
         copy.deepcopy(model)
-
-
-@pytest.mark.parametrize("world_size", [2])
-def test_strict_loading_changes_nothing_on_error(world_size: int) -> None:
-    run_distributed(_strict, world_size)
 
 
 # ---------------------------------------------------------------------------- memory
@@ -609,10 +611,6 @@ def _memory(path: str) -> None:
         assert model_bytes <= full_rank0 <= model_bytes + 2 * handle_bytes, (full_rank0, model_bytes, handle_bytes)
 
 
-def test_checkpoint_memory(tmp_path: Any) -> None:
-    run_distributed(_memory, 2, str(tmp_path / "ckpt"))
-
-
 # ---------------------------------------------------------------------------- interoperability
 def _torch_fsdp2_interop(path: str) -> None:
     """The checkpoint is plain DCP: torch's FSDP2 loads ours, and ours loads FSDP2's."""
@@ -642,6 +640,36 @@ def _torch_fsdp2_interop(path: str) -> None:
     _assert_state_dicts_equal(get_model_state_dict(ours), expected, "ours loading FSDP2's")
 
 
+# ---------------------------------------------------------------------------- entry
+_CHECKS: Dict[str, Callable[[str], None]] = {  # check -> fn(a directory of its own)
+    "memory": _memory, "full_options": lambda path: _full_options(), "sharded_is_local": lambda path: _sharded_is_local(),
+    "large_tensors_in_chunk_sized_boxes": lambda path: _large_tensors_cut_like_torch_chunk(),
+    "strict_loading": lambda path: _strict(), "extra_read_weights_only": _extra_weights_only,
+    "interoperate_with_torch_fsdp2": _torch_fsdp2_interop}
+_CHECKS_AT_4 = ["full_options", "sharded_is_local", "large_tensors_in_chunk_sized_boxes", "interoperate_with_torch_fsdp2"]
+
+
+def _one_check(check: str, path: str) -> None:
+    directory = os.path.join(path, check)
+    os.makedirs(directory, exist_ok=True)
+    _CHECKS[check](directory)
+
+
+def _state_dicts(path: str) -> None:
+    four = dist.get_world_size() == 4
+    run_subtests(_one_check, {"check": _CHECKS_AT_4 if four else list(_CHECKS)}, path=path)
+    run_subtests(_full_parity, {"config": CONFIGS_AT_4 if four else CONFIGS})
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_checkpoints_interoperate_with_torch_fsdp2(tmp_path: Any, world_size: int) -> None:
-    run_distributed(_torch_fsdp2_interop, world_size, str(tmp_path))
+def test_state_dicts(tmp_path: Any, world_size: int) -> None:
+    """Every state-dict check of this file but the resumes, in one process group per world
+    size (each failure names its check or config): the full state dict is the plain model's
+    (``_full_parity``, every config at 2 ranks, CONFIGS_AT_4 at 4) and its options
+    (``_full_options``); the sharded one is local and cut like torch.chunk
+    (``_sharded_is_local``, ``_large_tensors_cut_like_torch_chunk``); checkpoints interoperate
+    with torch's FSDP2 both ways (``_torch_fsdp2_interop``); and at 2 ranks only (nothing in
+    them depends on the world size beyond the shard arithmetic above): strict loading changes
+    nothing on error (``_strict``), ``extra`` is read weights_only (``_extra_weights_only``),
+    and what a save and a load allocate (``_memory``, measured first, in a fresh process)."""
+    run_distributed(_state_dicts, world_size, str(tmp_path), timeout=300)
