@@ -382,7 +382,7 @@ MUTANTS: List[Mutant] = [
        f"{_DIVERGENCE_TESTS}::test_unagreed_divergence_times_out_naming_the_collective"),
     _m("reentrant_arrival_reduced_early", "a reentrant recomputation's part of a handle's gradient is reduced on its own",
        _RUNTIME, "    if group.forward_grad_due:  # a reentrant", "    if False:  # a reentrant",
-       "tests/distributed/test_hf_models.py::test_hf_decoders[activation_checkpointing]"),
+       "tests/distributed/test_hf_models.py::test_hf_decoders"),
     # ---------------------------------------------------------------- misuse between steps
     _m("called_while_sharded_unchecked", "a module called while its owner is sharded computes on 1-D slices",
        _RUNTIME, "            if all(holder is not m for m in members):",

@@ -174,6 +174,10 @@ def _training(kind: str, how: str, strategy: ShardingStrategy) -> None:
     _train(_shard(_build(kind), how, strategy=strategy), _build(kind), 3, f"[{kind}/{how}/{strategy.name}]")
 
 
+def _training_case(case: Tuple[str, str, ShardingStrategy]) -> None:
+    _training(*case)
+
+
 def _freeze(kind: str, api: str) -> None:
     """fully_shard: embedding and first block frozen after sharding for two steps, then
     unfrozen. replicate: frozen when replicate runs, unfrozen, frozen and unfrozen again, so
@@ -639,9 +643,11 @@ _SCENARIOS: Dict[str, Callable[[], None]] = {
         run_subtests(_generate_and_export, {"kind": ["gpt2", "llama"]}),
         run_subtests(_root_only_checkpointing, {"kind": ["gpt2", "llama"], "layers": [1, 2],
                                                 "way": ["hf_reentrant_after", "hf_nonreentrant_before"]})),
-    "training": lambda: (run_subtests(_training, {"kind": ["gpt2", "llama"], "how": ["manual", "policy"],
-                                                  "strategy": [ShardingStrategy.FULL_SHARD,
-                                                               ShardingStrategy.SHARD_GRAD_OP]}),
+    # each decoder under both annotations and both strategies, paired (the annotation decides the
+    # units, the strategy what they keep: independent)
+    "training": lambda: (run_subtests(_training_case, {"case": [
+                             ("gpt2", "manual", ShardingStrategy.FULL_SHARD), ("gpt2", "policy", ShardingStrategy.SHARD_GRAD_OP),
+                             ("llama", "manual", ShardingStrategy.SHARD_GRAD_OP), ("llama", "policy", ShardingStrategy.FULL_SHARD)]}),
                          run_subtests(_accumulation_bf16_against_fsdp2, {"kind": ["gpt2", "llama"]})),
     "lifecycle": lambda: (run_subtests(_freeze, {"kind": ["gpt2", "llama"], "api": ["fully_shard", "replicate"]}),
                           run_subtests(_failed_backward, {"kind": ["gpt2", "llama"]}),
