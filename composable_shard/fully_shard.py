@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from ._setup import apply_guard as _apply_guard
+from ._setup import init_draws as _init_draws
 from ._runtime.module_state import FSDP_API_NAME, _FSDPState
 from ._runtime.flat_param import norm_groups, take_pending_init_values
 from ._setup.data_parallel import check_set_requires_gradient_sync
@@ -124,6 +125,7 @@ class FSDPModule(ForeignWrapperGuard, _NoCopyMixin, _apply_guard.GuardedApply, F
                 raise ValueError(f"{type(self).__name__}.to_empty(device={device!r}): fully_shard already placed "
                                  f"{s.describe()}'s shards on {where}; pass that device (device_id= at fully_shard "
                                  "chooses it).")
+        _init_draws.give_back_draws(self)  # see [Note: Initial weights and the global RNG]
         slots = [(m, name, g.orig_params[i], g.orig_params[i].data) for s in states for g in s.handle.groups  # type: ignore[union-attr]  # filtered above
                  for m, _, name, i in g.registrations()]
         with _apply_guard.applying_during_init():

@@ -66,7 +66,7 @@ import time
 import types
 import warnings
 from collections import Counter
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -81,6 +81,7 @@ INSTALL_HINT = ('install the [torchtitan] test extra and torchtitan itself, as t
 SEQ_LEN = 64
 LOCAL_BATCH = 2
 STEPS = 10
+UNSEEDED_STEPS = 2
 SAVE_AT = 5  # checkpoint interval: the uninterrupted run saves at 5 (and 10, its last step)
 SEED = 7
 VOCAB_WORDS = 1000  # the model's vocabulary is 2048; 3 special tokens + these words
@@ -276,8 +277,11 @@ def classify(ops: List[tuple]) -> Dict[str, int]:
 
 
 # ---------------------------------------------------------------------------- a run (rank)
-def _config(assets: Dict[str, str], dump: str, seed_path: Optional[str], create_seed: bool = False) -> Any:
-    """torchtitan's own command line for the llama3 debug recipe (see [Note: The CPU harness])."""
+def _config(assets: Dict[str, str], dump: str, seed_path: Optional[str], create_seed: bool = False,
+            extra: Sequence[str] = (), steps: int = STEPS, saves: bool = True) -> Any:
+    """torchtitan's own command line for the llama3 debug recipe (see [Note: The CPU harness]);
+    ``extra``: more of its options (the parallelisms); ``saves=False``: the seed checkpoint is
+    loaded and nothing is saved (``--checkpoint.load_only``)."""
     from torchtitan.config import ConfigManager
     from torchtitan.models.common.attention import ScaledDotProductAttention
 
@@ -285,11 +289,14 @@ def _config(assets: Dict[str, str], dump: str, seed_path: Optional[str], create_
             "--parallelism.spmd_backend", "partial_dtensor",
             "--training.mixed_precision_param", "float32",
             "--training.seq_len", str(SEQ_LEN), "--training.local_batch_size", str(LOCAL_BATCH),
-            "--training.steps", str(STEPS),
+            "--training.steps", str(steps),
             "--debug.seed", str(SEED),
             "--hf_assets_path", assets["tokenizer"], "--dataloader.dataset_path", assets["dataset"],
             "--dump_folder", dump,
             "--checkpoint.enable", "--checkpoint.interval", str(SAVE_AT)]
+    if not saves:
+        args += ["--checkpoint.load_only"]
+    args += list(extra)
     if create_seed:
         args += ["--checkpoint.create_seed_checkpoint"]
     if seed_path is not None:
@@ -332,17 +339,42 @@ def seed_path(tmp: str) -> str:
 
 
 def _use_backend(backend: str) -> None:
+    """The one-line swap (and, for pipelining, the second line: the stage torchtitan builds)."""
     import torch.distributed.fsdp as torch_fsdp
+    import torch.distributed.pipelining as torch_pipelining
     import torchtitan.distributed.fsdp as titan_fsdp
+    import torchtitan.distributed.pipeline_parallel as titan_pp
 
     if backend == "fsdp2":
         titan_fsdp.fully_shard = torch_fsdp.fully_shard
+        titan_pp.PipelineStage = torch_pipelining.PipelineStage
     elif backend == "composable_shard":
         import composable_shard
+        import composable_shard.integrations.pipelining
 
         titan_fsdp.fully_shard = composable_shard.fully_shard
+        titan_pp.PipelineStage = composable_shard.integrations.pipelining.PipelineStage
     else:
         raise ValueError(backend)
+
+
+def _schedule_step_shim(trainer: Any) -> None:
+    """torchtitan 0.3.0 calls ``pp_schedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)``
+    with micro-batches it split itself; torch 2.13's ``step`` takes the whole batch (FSDP2 fails
+    the same way). The shim does what torch's ``step`` does around its micro-batches (stage flags,
+    per-step state cleared) and runs them through the schedule's own ``_step_microbatches``."""
+    schedule = getattr(trainer, "pp_schedule", None)
+    if schedule is None:
+        return
+
+    def step(*, arg_mbs: Any = None, kwarg_mbs: Any = None, target_mbs: Any = None, losses: Any = None,
+             return_outputs: bool = True, loss_kwargs: Any = None) -> None:
+        for stage in schedule._stages if hasattr(schedule, "_stages") else [schedule._stage]:
+            stage.has_backward = schedule._has_backward
+            stage.clear_runtime_states()
+        schedule._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs)
+
+    schedule.step = step
 
 
 def _force_sum_on_fsdp2(model: torch.nn.Module) -> int:
@@ -388,11 +420,14 @@ def _fsdp_module_counts(model: torch.nn.Module) -> Dict[str, List[str]]:
 
 
 def train_once(tmp: str, assets: Dict[str, str], backend: str, name: str,
-               resume_from: Optional[str] = None) -> Dict[str, Any]:
-    """One ``trainer.train()`` at this world size: from the seed checkpoint, or resumed from
-    ``resume_from``'s step-``SAVE_AT`` checkpoint (copied into this run's own folder, where
-    torchtitan's checkpointer finds it and restores model, optimizer, LR schedule, dataloader
-    and step). Returns per-step figures (rank-local counts; loss and norm are global)."""
+               resume_from: Optional[str] = None, extra: Sequence[str] = (), steps: int = STEPS,
+               saves: bool = True, seeded: bool = True, count: bool = True) -> Dict[str, Any]:
+    """One ``trainer.train()`` at this world size: from the seed checkpoint (``seeded``; else
+    from torchtitan's own init), or resumed from ``resume_from``'s step-``SAVE_AT`` checkpoint
+    (copied into this run's own folder, where torchtitan's checkpointer finds it and restores
+    model, optimizer, LR schedule, dataloader and step); ``extra``, ``steps``, ``saves``: see
+    :func:`_config`; ``count``: record each step's collectives. Returns per-step figures
+    (rank-local counts; loss and norm are global)."""
     _rank_env(tmp)
     import_torchtitan()
     _use_backend(backend)
@@ -401,7 +436,7 @@ def train_once(tmp: str, assets: Dict[str, str], backend: str, name: str,
         src = os.path.join(tmp, resume_from, "checkpoint", f"step-{SAVE_AT}")
         shutil.copytree(src, os.path.join(dump, "checkpoint", f"step-{SAVE_AT}"))
     dist.barrier()
-    config = _config(assets, dump, seed_path(tmp))
+    config = _config(assets, dump, seed_path(tmp) if seeded else None, extra=extra, steps=steps, saves=saves)
     record: Dict[str, Any] = {"backend": backend, "name": name, "steps": [], "loss": [], "grad_norm": [],
                               "collectives": [], "ops": [], "rank": dist.get_rank()}
     t0 = time.monotonic()
@@ -409,9 +444,14 @@ def train_once(tmp: str, assets: Dict[str, str], backend: str, name: str,
         trainer = config.build()
     record["build_s"] = time.monotonic() - t0
     try:
-        model = trainer.model_parts[0]
-        record["fsdp2_modules_forced_sum"] = _force_sum_on_fsdp2(model) if backend == "fsdp2" else 0
-        record["fsdp_modules"] = _fsdp_module_counts(model)
+        parts = trainer.model_parts
+        record["fsdp2_modules_forced_sum"] = sum(_force_sum_on_fsdp2(m) for m in parts) if backend == "fsdp2" else 0
+        counts = [_fsdp_module_counts(m) for m in parts]
+        record["fsdp_modules"] = {k: [n for c in counts for n in c[k]] for k in ("torch", "composable_shard")}
+        schedule = getattr(trainer, "pp_schedule", None)
+        stages = [] if schedule is None else getattr(schedule, "_stages", None) or [schedule._stage]
+        record["stages"] = sorted({f"{type(st).__module__}.{type(st).__name__}" for st in stages})
+        _schedule_step_shim(trainer)
         log = trainer.metrics_processor.log
 
         def logged(step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
@@ -425,6 +465,8 @@ def train_once(tmp: str, assets: Dict[str, str], backend: str, name: str,
         train_step = trainer.train_step
 
         def counted(*args: Any, **kwargs: Any) -> Any:
+            if not count:
+                return train_step(*args, **kwargs)
             with C10dCounter() as counter:
                 out = train_step(*args, **kwargs)
             record["collectives"].append(classify(counter.ops))
@@ -436,7 +478,8 @@ def train_once(tmp: str, assets: Dict[str, str], backend: str, name: str,
         with _naming_torchtitans_call(backend, "trainer.train()"):
             trainer.train()
         record["train_s"] = time.monotonic() - t0
-        record["checkpoints"] = sorted(os.listdir(os.path.join(dump, "checkpoint")))
+        saved = os.path.join(dump, "checkpoint")
+        record["checkpoints"] = sorted(os.listdir(saved)) if os.path.isdir(saved) else []
     finally:
         trainer.close()
     return record
@@ -459,7 +502,50 @@ def run_backend(tmp: str, assets: Dict[str, str], backend: str) -> None:
     write_json(out, results)
     results["resumed"] = train_once(tmp, assets, backend, f"{backend}_resumed", resume_from=f"{backend}_full")
     write_json(out, results)
+    # from torchtitan's own init, no seed checkpoint: the seed checkpoint holds the unsharded
+    # model's weights for the same seed (made at W = 1), which a drop-in gives too (issue 55)
+    if backend == "composable_shard":
+        results["unseeded"] = train_once(tmp, assets, backend, f"{backend}_unseeded", steps=UNSEEDED_STEPS, saves=False,
+                                         seeded=False, count=False)
+        write_json(out, results)
     dist.barrier()
     if dist.get_rank() == 0:  # 72 MB each (step 5, step 10 of both runs); kept when a run failed
         for name in (f"{backend}_full", f"{backend}_resumed"):
             shutil.rmtree(os.path.join(tmp, name, "checkpoint"))
+
+
+# The configurations beyond 1-D data parallelism (issue 55), each at W = 4 from the seed checkpoint,
+# nothing saved: torchtitan's own options for each.
+PARALLELISMS: Dict[str, List[str]] = {
+    "tp2": ["--parallelism.tensor_parallel_degree", "2"],
+    "pp2_1F1B": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B",
+                 "--training.disable_cuda_graphs"],
+    "pp2_Interleaved1F1B": ["--parallelism.pipeline_parallel_degree", "2",
+                            "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+                            "--training.disable_cuda_graphs"],
+    "pp2_ZBVZeroBubble": ["--parallelism.pipeline_parallel_degree", "2",
+                          "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble",
+                          "--training.disable_cuda_graphs"],
+}
+PARALLEL_STEPS = 6
+
+
+def run_parallelisms(tmp: str, assets: Dict[str, str], names: List[str]) -> None:
+    """In each rank (W = 4): for each configuration of ``names``, FSDP2 then this library, each
+    ``PARALLEL_STEPS`` steps from the seed checkpoint; each rank writes
+    ``{tmp}/results/parallel.rank{r}.json`` (``{name: {backend: record}}``) after each run, so a
+    failure keeps what ran before it. A run that raises is recorded as ``{"error": message}``
+    and the next one still runs (the ranks stay matched: every rank of a failed run raised)."""
+    out = os.path.join(tmp, "results", f"parallel.rank{dist.get_rank()}.json")
+    results: Dict[str, Dict[str, Any]] = {}
+    for name in names:
+        results[name] = {}
+        for backend in ("fsdp2", "composable_shard"):
+            try:
+                results[name][backend] = train_once(tmp, assets, backend, f"{name}_{backend}", extra=PARALLELISMS[name],
+                                                    steps=PARALLEL_STEPS, saves=False, count=name == "tp2")
+            except TorchtitanCallFailed as e:
+                results[name][backend] = {"error": str(e)}
+                raise
+            finally:
+                write_json(out, results)

@@ -107,6 +107,9 @@ _FS_TP = ("tests/distributed/test_fully_shard_tensor_parallel.py::"
           "test_fully_shard_over_tensor_parallel_blocks_trains_and_checkpoints_exactly")
 _FSDP2 = f"{PACKAGE}/_setup/fsdp2_compat.py"
 _DROPIN = "tests/distributed/test_fsdp2_dropin.py::test_fsdp2_dropin"
+_META_INIT = "tests/distributed/test_meta_init.py::test_meta_materialization_equals_cpu_and_keeps_sharded_children"
+_FS_TP_META = ("tests/distributed/test_fully_shard_tensor_parallel.py::"
+               "test_fully_shard_over_sequence_loss_parallel_and_a_llama_plan_equals_fsdp2_and_one_process")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -520,9 +523,6 @@ MUTANTS: List[Mutant] = [
        "    return value.reshape(-1)[start:end]", _FS_TP),
     _m("fs_tp_piece_shape_unchecked", "fully_shard flattens a piece that is not its placements' split",
        f"{PACKAGE}/_base/pieces.py", "    if local != sizes:", "    if False:", _TP_REFUSALS),
-    _m("fs_tp_meta_pieces_deferred", "a meta-device DTensor is left for to_empty's init, which writes pieces as wholes",
-       _INIT, "        if pieces:  # an init written for whole parameters", "        if False:  # an init written for whole parameters",
-       _TP_REFUSALS),
     _m("fs_tp_overlapping_group_accepted", "fully_shard shards over a group holding the tensor-parallel peers",
        _INIT, "                          dp_groups or [None], flattened=True)", "                          [], flattened=True)",
        _TP_REFUSALS),
@@ -884,6 +884,29 @@ MUTANTS: List[Mutant] = [
     _m('stranger2_neighbour_replicate_bucket_closes_above_cap', 'a replicate bucket closes only above its cap, not at it: one parameter more per bucket',
        f"{PACKAGE}/replicate.py", 'if nbytes >= (state.bucket_cap_bytes if closed else min(state.bucket_cap_bytes, _FIRST_BUCKET_BYTES)):',
        'if nbytes > (state.bucket_cap_bytes if closed else min(state.bucket_cap_bytes, _FIRST_BUCKET_BYTES)):', _TP_REPLICATE_TESTS),
+    # issue 55: 2-D from the meta device; the initial weights and the global RNG
+    _m("meta_rng_not_given_back", "to_empty never gives back fully_shard's reset_parameters() draws (the init after it draws other numbers)",
+       f"{PACKAGE}/fully_shard.py", "        _init_draws.give_back_draws(self)  # see", "        pass  # see",
+       f"{_META_INIT}", _FS_TP_META),
+    _m("meta_rng_chain_restarts", "consecutive calls' draws not chained: to_empty gives back only the last call's",
+       f"{PACKAGE}/_setup/init_draws.py", "        if _record is None or not _same(_record.after, self.before):",
+       "        if True:", f"{_META_INIT}", _FS_TP_META),
+    _m("meta_rng_given_back_after_a_draw", "the draws given back although something drew since (that draw repeats, silently)",
+       f"{PACKAGE}/_setup/init_draws.py",
+       "    if len(mine) == len(record.modules) and _same(record.after, _states(_device(record))):",
+       "    if len(mine) == len(record.modules):", f"{_META_INIT}"),
+    _m("meta_tp_piece_initialized_as_whole", "a meta DTensor's reset_parameters() runs on the DTensor (each tp piece the same draws, fans of the piece)",
+       _INIT, "                    empty = torch.empty(t.shape, dtype=t.dtype, device=plan.compute_device) if isinstance(",
+       "                    empty = _empty_on(t, plan.compute_device) if isinstance(", _FS_TP_META),
+    _m("meta_tp_piece_of_whole_offset", "the piece kept from a whole tensor-parallel init is the first rank's",
+       f"{PACKAGE}/_base/pieces.py", "    index = tuple(slice(o, o + s) for o, s in zip(piece.offsets, piece.sizes))",
+       "    index = tuple(slice(0, s) for o, s in zip(piece.offsets, piece.sizes))", _FS_TP_META, _FS_TP_2D),
+    _m("meta_tp_to_empty_piece_not_taken", "after to_empty + init, a tensor-parallel parameter's piece is not taken from the whole tensor",
+       _FLAT, "                        piece.view(shape).copy_(take_piece(tp, p.data))",
+       "                        pass", _FS_TP_META),
+    _m("meta_tp_deferred_local_shape", "a deferred meta DTensor materialized with its global shape as its local piece",
+       _INIT, "        local = torch.empty(t.to_local().shape, dtype=t.dtype, device=device)",
+       "        local = torch.empty(t.shape, dtype=t.dtype, device=device)", _FS_TP_META),
 ]
 
 

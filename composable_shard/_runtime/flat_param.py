@@ -110,7 +110,7 @@ from . import shard_math as _shard_math
 from .interop import ShardedGrad, as_sharded_grad
 from . import watch as _watch
 from .streams import Streams
-from .._base.pieces import Piece, as_dtensor, piece_of, shard_groups
+from .._base.pieces import Piece, as_dtensor, piece_of, shard_groups, take_piece
 from .._base.torch_compat import has_grad_hooks, is_view_of, set_module_tensor, tensor_version
 
 __all__ = ["FlatParameter", "FlatParamHandle", "HandleTrainingState", "TRANSITIONS", "ParamInfo", "SharedParamInfo", "FlatGroup", "set_grad_of_any_shape",
@@ -551,8 +551,10 @@ class FlatParamHandle:
             fp = group.flat_param
             full = torch.empty(group.padded_numel, dtype=fp.dtype, device=fp.device)
             pieces = torch.split(full, group.split_sizes)
-            for p, piece, shape in zip(group.orig_params, pieces, fp._shapes):
-                p.data = piece.view(shape)
+            for p, piece, shape, tp in zip(group.orig_params, pieces, fp._shapes, fp._pieces):
+                # a tensor-parallel parameter is initialized whole (its global shape: the unsharded
+                # model's fans and draws); take_init_values keeps this rank's piece of it
+                p.data = piece.view(shape) if tp is None else torch.empty(tp.shape, dtype=fp.dtype, device=fp.device)
             buffers.append(full)
         self.init_buffers = buffers
         _PENDING_INIT.add(self)
@@ -564,6 +566,11 @@ class FlatParamHandle:
             return
         with torch.no_grad():
             for group, full in zip(self.groups, self.init_buffers):
+                pieces = torch.split(full, group.split_sizes)
+                for p, piece, shape, tp in zip(group.orig_params, pieces, group.flat_param._shapes,
+                                               group.flat_param._pieces):
+                    if tp is not None:
+                        piece.view(shape).copy_(take_piece(tp, p.data))
                 group.flat_param.data.copy_(full.view(self.world_size, -1)[self.rank])
                 self._point_params_at_shard(group)
         self.init_buffers = None

@@ -73,6 +73,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from . import apply_guard as _apply_guard
+from . import init_draws
 from .._runtime.module_state import _FSDPState, _is_fsdp_flattened
 from .data_parallel import (_expand_ignored_modules, _ignored_params, _join, _managed_modules, agreed, agreement_groups,
                             broadcast_from_rank0, check_composition, normalize_device)
@@ -81,6 +82,7 @@ from .._runtime.mixed_precision import full_precision_classes
 from .._runtime.traversal import _get_fsdp_states
 from ..api import CPUOffload, MixedPrecision, ShardingStrategy
 from ..contract import _check_fqns_unchanged, _fqn_snapshot, _get_module_state
+from .._base.pieces import Piece, as_dtensor, piece_of, take_piece
 from .._base.tree import local_piece
 from .validation import check_config, check_dense_gradients, check_fully_shard_arguments, check_tensor_parallel
 from ..wrap import _as_policy
@@ -151,14 +153,6 @@ def plan_fully_shard(root: nn.Module, kwargs: Dict[str, Any]) -> Plan:
                           "a flat parameter can neither hold nor reduce")
     _check_not_inside_initialized_root(root)
     if plan.param_init_fn is None and _uninitializable(plan):
-        pieces = [n for n, p in root.named_parameters() if id(p) in managed and isinstance(p, DTensor) and p.is_meta]
-        if pieces:  # an init written for whole parameters would write each piece as if it were one
-            raise NotImplementedError(
-                f"fully_shard({type(root).__name__}): {pieces[0]!r} is a tensor-parallel (DTensor) parameter on the "
-                "meta device, and its module has no reset_parameters(): initializing after to_empty would write "
-                "this rank's piece as a whole tensor (the same values on every tensor-parallel rank, fans of the "
-                "piece). Initialize the DTensors before fully_shard (model.to_empty(device=...) and the model's "
-                "init), or pass param_init_fn=....")
         plan.deferred = True
         if plan.sync_module_states:
             raise ValueError(f"fully_shard({type(root).__name__}): sync_module_states=True on a model left on the meta "
@@ -447,25 +441,59 @@ def _defer_meta_params(plan: Plan) -> None:
         for name, p in list(module.named_parameters(recurse=False, remove_duplicate=False)):
             if p.is_meta and p not in plan.ignored_params:
                 if id(p) not in replaced:
-                    replaced[id(p)] = nn.Parameter(torch.empty_like(p, device=plan.compute_device),
-                                                   requires_grad=p.requires_grad)
+                    replaced[id(p)] = nn.Parameter(_empty_on(p, plan.compute_device), requires_grad=p.requires_grad)
                 setattr(module, name, replaced[id(p)])
 
 
+def _empty_on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Uninitialized storage for the meta tensor ``t`` on ``device``; a tensor-parallel one stays
+    a ``DTensor`` of the same mesh and placements, holding this rank's piece."""
+    if isinstance(t, DTensor):
+        local = torch.empty(t.to_local().shape, dtype=t.dtype, device=device)
+        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+    return torch.empty_like(t, device=device)
+
+
 def _reset_meta_modules(plan: Plan) -> None:
+    """``reset_parameters()`` of each managed module with meta tensors of its own, in
+    ``.modules()`` order, on empty tensors of the compute device. A tensor-parallel (``DTensor``)
+    parameter is initialized whole, as a plain tensor of its global shape (fans and draws those
+    of the unsharded model), and then becomes the ``DTensor`` of this rank's piece. The draws
+    are recorded (see [Note: Initial weights and the global RNG] in ``init_draws.py``)."""
     replaced: Dict[int, torch.Tensor] = {}  # id(meta tensor) -> what replaced it (keeps ties)
+    pieces: Dict[int, Tuple[torch.Tensor, Piece]] = {}  # id(whole stand-in) -> (its meta DTensor, where the piece lies)
+    with init_draws.drawing(plan.compute_device) as draws:
+        for fqn, module in _managed_modules(plan.root, plan.ignored_modules):
+            fresh: Set[int] = set()  # ids of the tensors materialized for this module
+            for name, t in list(_direct_meta(module, plan.ignored_params)):
+                if id(t) not in replaced:
+                    empty = torch.empty(t.shape, dtype=t.dtype, device=plan.compute_device) if isinstance(
+                        t, DTensor) else torch.empty_like(t, device=plan.compute_device)
+                    is_param = isinstance(t, nn.Parameter)
+                    replaced[id(t)] = nn.Parameter(empty, requires_grad=t.requires_grad) if is_param else empty
+                    fresh.add(id(replaced[id(t)]))
+                    if isinstance(t, DTensor):
+                        pieces[id(replaced[id(t)])] = (t, piece_of(t))
+                setattr(module, name, replaced[id(t)])
+            if fresh:
+                reset: Callable[[], None] = getattr(module, "reset_parameters")  # presence checked at plan time
+                _init_keeping_initialized(reset, module, plan, just_materialized=fresh)
+                draws.ran(fqn, module)
+    if pieces:
+        _pieces_of_whole(plan, pieces)
+
+
+def _pieces_of_whole(plan: Plan, pieces: Dict[int, Tuple[torch.Tensor, Piece]]) -> None:
+    """Register, in place of each whole stand-in, the ``DTensor`` of this rank's piece of it."""
+    made: Dict[int, torch.Tensor] = {}
     for _, module in _managed_modules(plan.root, plan.ignored_modules):
-        fresh: Set[int] = set()  # ids of the tensors materialized for this module
-        for name, t in list(_direct_meta(module, plan.ignored_params)):
-            if id(t) not in replaced:
-                empty = torch.empty_like(t, device=plan.compute_device)
-                is_param = isinstance(t, nn.Parameter)
-                replaced[id(t)] = nn.Parameter(empty, requires_grad=t.requires_grad) if is_param else empty
-                fresh.add(id(replaced[id(t)]))
-            setattr(module, name, replaced[id(t)])
-        if fresh:
-            reset: Callable[[], None] = getattr(module, "reset_parameters")  # presence checked at plan time
-            _init_keeping_initialized(reset, module, plan, just_materialized=fresh)
+        for name, t in list(module.named_parameters(recurse=False, remove_duplicate=False)):
+            if id(t) in pieces:
+                if id(t) not in made:
+                    meta, piece = pieces[id(t)]
+                    local = take_piece(piece, t.detach()).clone()
+                    made[id(t)] = nn.Parameter(as_dtensor(piece, local), requires_grad=t.requires_grad)
+                setattr(module, name, made[id(t)])
 
 
 @dataclass(eq=False)

@@ -613,8 +613,132 @@ def _hybrid_and_checkpointed() -> None:
             assert all(p.grad is None for n, p in model.named_parameters() if n.startswith("blocks.0.up."))
 
 
+# ---------------------------------------------------------------------------- from the meta device (issue 55)
+class _Rope(nn.Module):
+    """A RoPE-like cache: a non-persistent buffer of a module with no ``reset_parameters()``,
+    written by the model's own init (torchtitan's ``RoPE.cache``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.full((8,), 5.0), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.cache
+
+
+class _MetaBlock(_Block):
+    """``_Block`` plus, unless ``plain``, a parameter of its own (no ``reset_parameters``: the
+    call defers, FSDP2's flow) and a ``_Rope``."""
+
+    def __init__(self, plain: bool) -> None:
+        super().__init__()
+        self.gain = None if plain else nn.Parameter(torch.ones(8))
+        self.rope = nn.Identity() if plain else _Rope()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.down(torch.relu(self.up(self.norm(self.rope(x)))))
+        return x + (out if self.gain is None else out * self.gain)
+
+
+class _MetaNet(_Net):
+    def __init__(self, plain: bool) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_MetaBlock(plain) for _ in range(2)])
+
+    def init_weights(self) -> None:
+        """The model's own init (torchtitan's ``init_weights`` after ``to_empty``): fan-based
+        ``reset_parameters`` of the layers, a normal draw for the gains, the caches."""
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.LayerNorm)):
+                m.reset_parameters()
+            if isinstance(m, _MetaBlock) and m.gain is not None:
+                nn.init.normal_(m.gain, mean=1.0, std=0.5)
+            if isinstance(m, _Rope):
+                m.cache = torch.arange(8.0) / 8
+
+
+def _meta_net(plain: bool, tp_mesh: Optional[DeviceMesh]) -> _MetaNet:
+    """Seed 3, built on the meta device; column/row-wise blocks on ``tp_mesh`` if given."""
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        model = _MetaNet(plain)
+    if tp_mesh is not None:
+        for block in model.blocks:
+            parallelize_module(block, tp_mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    return model
+
+
+def _unsharded_flow(plain: bool, flow: str) -> Tuple[_MetaNet, torch.Tensor]:
+    """What one process gets from the same seed: built on meta, then ``to_empty`` and the init of
+    ``flow`` ("fsdp2": the model's ``init_weights``; "fsdp1": each module's ``reset_parameters``,
+    what fully_shard runs at the call); returns the model and the global RNG's next draw."""
+    model = _meta_net(plain, None)
+    model.to_empty(device="cpu")
+    if flow == "fsdp2":
+        model.init_weights()
+    else:
+        for m in model.modules():
+            if callable(getattr(m, "reset_parameters", None)):
+                m.reset_parameters()
+    return model, torch.rand(4)
+
+
+def _from_meta() -> None:
+    """2-D from the meta device, dp 2 x tp 2 (torchtitan's flow: build on meta, parallelize_module,
+    fully_shard each block and the root, to_empty, the model's own init). Without it fully_shard
+    refused the tensor-parallel parameters of a block that has a parameter of its own or a meta
+    buffer (a RoPE cache), and with every module having reset_parameters it initialized each
+    rank's piece as if it were the whole tensor (every tp rank the same draws, fans of the piece),
+    and it drew from the global RNG, so the init after to_empty drew other numbers. Checked:
+    the full parameters (tensor-parallel ones whole) and the next draw of the global RNG equal
+    one process's from the same seed, for both flows (FSDP1's: fully_shard initializes with
+    reset_parameters; FSDP2's: to_empty + init_weights) and with the call deferring (a block's own
+    parameter) or not; the cache is the init's; then 3 clipped AdamW steps from those weights
+    equal one process and FSDP2 + TP given the same weights."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard  # the reference only
+
+    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh["dp"].get_local_rank()
+    for plain, flow in ((False, "fsdp2"), (True, "fsdp2"), (True, "fsdp1")):
+        what = f"{'plain' if plain else 'own parameter + rope'} blocks, {flow} flow"
+        reference, reference_draw = _unsharded_flow(plain, flow)
+        model = _meta_net(plain, mesh["tp"])
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        if flow == "fsdp2":
+            model.to_empty(device="cpu")
+            model.init_weights()
+        draw = torch.rand(4)
+        assert torch.equal(draw, reference_draw), (what, "the global RNG's next draw", draw, reference_draw)
+        _assert_full_equal(get_model_state_dict(model), reference.state_dict(), what)
+        if not plain:
+            assert torch.equal(model.blocks[1].rope.cache, reference.blocks[1].rope.cache), what
+        if flow == "fsdp1":
+            continue  # trained below from the other flows' weights
+        fsdp2 = _meta_net(plain, mesh["tp"])
+        for block in fsdp2.blocks:
+            torch_fully_shard(block, mesh=mesh["dp"])
+        torch_fully_shard(fsdp2, mesh=mesh["dp"])
+        fsdp2.to_empty(device="cpu")
+        fsdp2.init_weights()  # on a CPU mesh every tp rank's piece gets the same draws: then the same weights
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict as torch_set_model_state_dict
+
+        torch_set_model_state_dict(fsdp2, reference.state_dict(), options=StateDictOptions(full_state_dict=True))
+        optims = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (model, fsdp2, reference)]
+        for step in range(3):
+            ours = _train_step(model, optims[0], step, dp_rank, DP, _ours_clip)
+            theirs = _train_step(fsdp2, optims[1], step, dp_rank, DP, _fsdp2_clip)
+            single = _reference_step(reference, optims[2], step)
+            for name, figures in (("FSDP2 + TP", theirs), ("one process", single)):
+                assert all(abs(a - b) <= 1e-5 for a, b in zip(ours, figures)), (what, step, name, ours, figures)
+        _assert_full_equal(get_model_state_dict(model), reference.state_dict(), what + ", trained")
+
+
 def _sequence_parallel_and_llama() -> None:
     _sequence_parallel_and_loss_parallel()
+    _from_meta()
     _hybrid_and_checkpointed()
     _hf_llama()
 

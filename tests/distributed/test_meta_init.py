@@ -292,6 +292,93 @@ _MATERIALIZATIONS: Dict[str, Callable[[], None]] = {
     "(c) added parameter": _added_param_still_reported}
 
 
+class _Stack(nn.Module):
+    """Embedding, two Blocks, a head: every module with parameters has ``reset_parameters()``,
+    so fully_shard initializes them at the call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+
+def _seeded_meta_stack() -> _Stack:
+    torch.manual_seed(11)
+    with torch.device("meta"):
+        return _Stack()
+
+
+def _model_init(model: nn.Module) -> None:
+    """A model's own init after ``to_empty`` (torchtitan's ``init_weights``): draws for every layer."""
+    for m in model.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.trunc_normal_(m.weight, std=0.2)
+        if isinstance(m, (nn.Linear, nn.LayerNorm)):
+            nn.init.normal_(m.bias, std=0.05)
+        if isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+
+
+def _shard_stack(model: _Stack, annotation: str) -> None:
+    """fully_shard by hand (blocks, then the root) or by a policy."""
+    if annotation == "manual":
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    else:
+        fully_shard(model, policy=ModuleWrapPolicy({Block}))
+
+
+def _reset_order(model: _Stack, annotation: str) -> List[nn.Module]:
+    """The modules whose reset_parameters() fully_shard runs, in its order: each call's in
+    ``.modules()`` order, the blocks' calls first by hand, one call under the policy."""
+    order = list(model.modules())
+    if annotation == "manual":
+        order = [m for b in model.blocks for m in b.modules()] + [model.emb, model.head]
+    return [m for m in order if list(m.parameters(recurse=False))]
+
+
+def _rng_of_both_flows() -> None:
+    """(f) Initial weights and the global RNG (issue 55). fully_shard on a meta-device model
+    whose modules all have reset_parameters() initializes them at the call (FSDP1's flow), which
+    draws from the global RNG; on FSDP2's flow (then ``to_empty`` and the model's own init) those
+    draws made the init draw other numbers than an unsharded model's (torchtitan: step-1 loss
+    8.1196 against 8.0596). Per annotation (by hand, blocks then root; a policy), against one
+    process from the same seed: FSDP2's flow gives the unsharded model's weights and the same
+    next draw; FSDP1's flow gives reset_parameters' weights and the same next draw as one
+    process running those reset_parameters (its draws are made, as an unsharded model's
+    constructor makes them); a draw between fully_shard and ``to_empty`` cannot be given back:
+    a warning names the module."""
+    for annotation in ("manual", "policy"):
+        for flow in ("fsdp2", "fsdp1", "drawn in between"):
+            what = f"{annotation} annotation, {flow}"
+            reference = _seeded_meta_stack()  # one process: seed, build on meta, to_empty, init, draw
+            reference.to_empty(device="cpu")
+            if flow == "fsdp1":
+                for m in _reset_order(reference, annotation):
+                    m.reset_parameters()
+            else:
+                _model_init(reference)
+            reference_draw = torch.rand(3)
+            model = _seeded_meta_stack()
+            _shard_stack(model, annotation)
+            if flow == "drawn in between":
+                torch.rand(1)
+                with pytest.warns(UserWarning, match=r"fully_shard initialized .*with reset_parameters\(\) when it"):
+                    model.to_empty(device="cpu")
+                continue
+            if flow == "fsdp2":
+                model.to_empty(device="cpu")
+                _model_init(model)
+            draw = torch.rand(3)
+            assert torch.equal(draw, reference_draw), (what, draw, reference_draw)
+            _assert_equal(_full_params(model), list(reference.named_parameters()), what)
+
+
+_MATERIALIZATIONS["(f) the RNG of both flows"] = _rng_of_both_flows
+
+
 def _materialization(case: str) -> None:
     _MATERIALIZATIONS[case]()
 
