@@ -101,6 +101,8 @@ _FSDP2_ARGS = "tests/distributed/test_fsdp2_arguments.py::test_fsdp2_arguments_h
 _MUON_AGREE2 = "tests/distributed/test_muon_agreement.py::test_refusal_on_one_rank_raises_on_every_rank_within_seconds"
 _MUON_AGREE4 = "tests/distributed/test_muon_agreement.py::test_refusal_reaches_every_replica_of_a_hybrid_model[4]"
 _PP = "tests/distributed/test_pipelining.py::test_schedules_match_one_process_and_fsdp2s_collectives"
+_PP_ZB = f"{_PP}[schedules0-zero_bubble0]"
+_TITAN_PARALLEL = "tests/distributed/test_torchtitan.py::test_torchtitan_llama3_tensor_and_pipeline_parallel_equal_fsdp2"
 _PIECES = f"{PACKAGE}/_base/pieces.py"
 _FS_TP_2D = "tests/distributed/test_fully_shard_tensor_parallel.py::test_fully_shard_over_two_tensor_parallel_mesh_dimensions"
 _FS_TP = ("tests/distributed/test_fully_shard_tensor_parallel.py::"
@@ -679,9 +681,9 @@ MUTANTS: List[Mutant] = [
        f"{PACKAGE}/integrations/pipelining.py", "            m.reduce_accumulated_gradients()",
        "            pass",
        "tests/distributed/test_pipelining.py::test_schedules_match_one_process_and_fsdp2s_collectives"),
-    _m("pipeline_zero_bubble_allowed", "zero-bubble schedules are built over fully sharded stages",
+    _m("pipeline_zero_bubble_allowed", "zero-bubble schedules are built over replicated stages",
        _PIPELINING, '_SPLIT_SCHEDULE_INITS = {f"{name}.__init__": name', '_SPLIT_SCHEDULE_INITS = {f"{name}.__call__": name',
-       f"{_PP}[schedules0]"),
+       f"{_PP}[schedules0-zero_bubble0]"),
     # issue 54: every FSDP2 argument and method checked for its effect; Muon names what differs
     _m('fsdp2_reduce_dtype_is_param_dtype', "mp_policy's reduce_dtype replaced by its param_dtype: gradients reduced in bf16",
        _FSDP2_COMPAT, '    return MixedPrecision(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype,',
@@ -743,29 +745,29 @@ MUTANTS: List[Mutant] = [
     # issue 54: the pipelined step leaves every module as a plain step does; torch's own stage refused by names
     _m("pipeline_reshard_setting_overwritten", "each micro-batch overwrites the recorded setting: blocks stay unsharded",
        _PIPELINING, "            saved.setdefault(id(state), (state, state.reshard_after_backward))",
-       "            saved[id(state)] = (state, state.reshard_after_backward)", f"{_PP}[schedules0]", f"{_PP}[schedules1]"),
+       "            saved[id(state)] = (state, state.reshard_after_backward)", f"{_PP}[schedules0-zero_bubble0]", f"{_PP}[schedules1-zero_bubble1]"),
     _m("pipeline_first_setting_restored_only", "only the first module's reshard setting is restored after a step",
        _PIPELINING, 'for state, value in self.__dict__.pop("_cs_reshard_after_backward", {}).values():',
-       'for state, value in list(self.__dict__.pop("_cs_reshard_after_backward", {}).values())[:1]:', f"{_PP}[schedules0]"),
+       'for state, value in list(self.__dict__.pop("_cs_reshard_after_backward", {}).values())[:1]:', f"{_PP}[schedules0-zero_bubble0]"),
     _m("pipeline_reshard_restored_true", "a user's set_reshard_after_backward(False) is lost after a pipelined step",
        _PIPELINING, "state.reshard_after_backward = value  # as configured",
-       "state.reshard_after_backward = True  # as configured", f"{_PP}[schedules0]"),
+       "state.reshard_after_backward = True  # as configured", f"{_PP}[schedules0-zero_bubble0]"),
     _m("pipeline_replicated_sync_left_off", "replicated stage modules are left with gradient sync off after a step",
        _PIPELINING, "            r.set_requires_gradient_sync(True)", "            r.set_requires_gradient_sync(False)",
-       f"{_PP}[schedules0]"),
+       f"{_PP}[schedules0-zero_bubble0]"),
     _m("pipeline_first_outermost_reduced_only", "only the first outermost fully sharded module reduces at the end of a step",
-       _PIPELINING, "        for m in outermost:", "        for m in outermost[:1]:", f"{_PP}[schedules0]"),
+       _PIPELINING, "        for m in outermost:", "        for m in outermost[:1]:", f"{_PP}[schedules0-zero_bubble0]"),
     _m("pipeline_torch_stage_first_forward_allowed", "torch's own stage runs a fully sharded module's first forward",
-       _PIPELINING, "        return not subject.__dict__.get(_DRIVEN, False)", "        return False", f"{_PP}[schedules0]"),
+       _PIPELINING, "        return not subject.__dict__.get(_DRIVEN, False)", "        return False", f"{_PP}[schedules0-zero_bubble0]"),
     _m("pipeline_stage_marks_nothing", "our stage does not mark its modules: its own first forward is refused",
-       _PIPELINING, "                module.__dict__[_DRIVEN] = True", "                pass", f"{_PP}[schedules0]"),
+       _PIPELINING, "            module.__dict__[_DRIVEN] = True", "            pass", f"{_PP}[schedules0-zero_bubble0]"),
     _m("pipeline_torch_stage_last_backward_allowed", "torch's stage turns sync off on a module whose first forward ran",
        _PIPELINING, "        return any(f.name in _TORCH_STAGE_FSDP_SEAMS for f in functions)", "        return False",
-       f"{_PP}[schedules0]"),
-    _m("pipeline_split_backward_allowed", "a split (input/weight) backward runs over fully sharded modules",
-       _PIPELINING, '        if backward_type != "full" and sharded:', "        if False:", f"{_PP}[schedules0]"),
+       f"{_PP}[schedules0-zero_bubble0]"),
+    _m("pipeline_split_backward_allowed", "a split (input/weight) backward runs over replicated modules",
+       _PIPELINING, '        if backward_type != "full" and replicated:', "        if False:", f"{_PP}[schedules0-zero_bubble0]"),
     _m("pipeline_traverse_point_misnamed", "the zero-bubble check never sees the schedule's walk of the stages",
-       _PIPELINING, '    if point == "traverse":', '    if point == "traversal":', f"{_PP}[schedules0]"),
+       _PIPELINING, '    if point == "traverse":', '    if point == "traversal":', f"{_PP}[schedules0-zero_bubble0]"),
     # issue 54: two tensor-parallel mesh dimensions splitting one tensor dimension; TP under unshard_params
     _m("tp_2d_offset_assigned", "a piece's offset along a dimension two mesh dims split is assigned, not accumulated",
        _PIECES, "        offsets[d] += start", "        offsets[d] = start", _FS_TP_2D),
@@ -907,6 +909,25 @@ MUTANTS: List[Mutant] = [
     _m("meta_tp_deferred_local_shape", "a deferred meta DTensor materialized with its global shape as its local piece",
        _INIT, "        local = torch.empty(t.to_local().shape, dtype=t.dtype, device=device)",
        "        local = torch.empty(t.shape, dtype=t.dtype, device=device)", _FS_TP_META),
+    # issue 55: zero-bubble schedules over fully sharded stages (weight passes), stages built before fully_shard
+    _m("zb_weight_pass_grads_dropped", "a completed weight pass's gradients dropped (the weight gradients never reach the reduction)",
+       _RUNTIME, "        if not completed:", "        if True:", _PP_ZB),
+    _m("zb_weight_pass_asks_shard_views", "the weight pass asks the 1-D shard views for gradients (the forward never used them)",
+       _PIPELINING, "self.submod = _PlainView(plain, self._computed_on(sharded))", "self.submod = _PlainView(plain, None)", _PP_ZB),
+    _m("zb_weight_pass_reduces_each_pass", "each weight pass reduce-scatters its gradients at once (a reduction per micro-batch)",
+       _RUNTIME, "handle.keep_unreduced(group, unsharded_grad, handle.reduce_dtype(group))  # type: ignore[arg-type]  # not None: checked above",
+       "handle.reduce(group, unsharded_grad)  # type: ignore[arg-type]", _PP_ZB),
+    _m("zb_pre_backward_left_off", "after a weight pass the handle's pre-backward stays off (the next input pass runs on freed storage)",
+       _RUNTIME, "    handle.needs_pre_backward = True\n\n\ndef finish_reductions", "    handle.needs_pre_backward = False\n\n\ndef finish_reductions", _PP_ZB),
+    _m("pp_stage_not_marked_at_first_forward", "a stage built before fully_shard (torchtitan's order) is not marked at its first forward",
+       _PIPELINING, "        _MarkAtFirstForward(self.submod)", "        None", _PP_ZB),
+    _m("zb_replicate_check_on_sharded", "the zero-bubble refusal checks fully sharded modules instead of replicated ones",
+       _PIPELINING, "        if isinstance(subject, ReplicateModule):", "        if isinstance(subject, FSDPModule):", _PP_ZB),
+    _m("zb_weight_pass_by_last_backward", "the weight pass recognised by last_backward instead of the backward type",
+       _PIPELINING, 'weight_pass = backward_type == "weight"', "weight_pass = last_backward", _PP_ZB, f"{_PP}[schedules0-zero_bubble0]"),
+    _m("pp_grouped_state_twice", "a group (fully_shard([norm, head])) driven twice per weight pass by the stage",
+       _PIPELINING, "                       and id(m._fsdp_state()) not in states and not states.add(id(m._fsdp_state()))]",
+       "                       and True]", _TITAN_PARALLEL),
 ]
 
 

@@ -88,7 +88,8 @@ from ..contract import _get_registry
 from ..api import BackwardPrefetch
 
 __all__ = ["register_runtime_hooks", "lazy_init", "wait_unshard", "issue_unshard", "reduce_accumulated",
-           "recover_interrupted_backward", "assert_internal"]
+           "recover_interrupted_backward", "assert_internal", "begin_weight_pass",
+           "end_weight_pass"]
 
 log = logging.getLogger("composable_shard")
 
@@ -723,6 +724,52 @@ def reduce_accumulated(root: _FSDPState) -> None:
     _reset_after_backward(root)
     if steps_disagree is not None:
         raise RuntimeError(steps_disagree)
+
+
+def begin_weight_pass(state: _FSDPState) -> None:
+    """[Note: Weight passes]  A schedule that splits each backward into an input pass and a
+    weight pass (torch's zero-bubble pipeline schedules) runs the weight pass as
+    ``torch.autograd.grad`` calls from nodes inside the graph (where the input pass stopped)
+    w.r.t. the unsharded flat buffers the forward computed on, and adds the results to those
+    buffers' ``.grad`` itself. Such a pass may start below every forward output that carries a
+    pre-backward hook, so no hook of ours need run in it: the handle is put into backward here
+    (its views unsharded, gathered again if a later forward freed the storage; a recomputation
+    of activation checkpointing inside the pass computes on them), and no pre-backward hook
+    runs for it until :func:`end_weight_pass`, so no end-of-backward callback reshards it
+    between the pass's ``autograd.grad`` calls.
+    Pre: handle IDLE, gradient sync off for ``state`` (the caller accumulates a whole step).
+    Post: handle BACKWARD_PRE with unsharded views."""
+    handle = state.handle
+    if handle is None:
+        return
+    assert_internal(not state.sync_gradients, f"{state.describe()}: a weight pass with gradient sync on")
+    handle.enter(HandleTrainingState.BACKWARD_PRE, "begin_weight_pass", expect=(HandleTrainingState.IDLE,))
+    handle.needs_pre_backward = False
+    wait_unshard(state, handle)
+
+
+def end_weight_pass(state: _FSDPState, completed: bool) -> None:
+    """After a weight pass ([Note: Weight passes]): if it ``completed``, each gradient it added to
+    a flat buffer's ``.grad`` is taken as post-backward takes an unsynced one (added to the group's
+    kept unreduced sum, the original parameters' ``.grad`` the usual full-shape views of it), so
+    the step's one reduction (the next synced backward, or :func:`reduce_accumulated`) reduces it
+    with the rest; if it raised, that gradient is dropped. Then the handle leaves backward as at
+    the end of any backward. Pre: :func:`begin_weight_pass`. Post: handle IDLE, original
+    parameters in the slots, storage freed if the module frees after backward."""
+    handle = state.handle
+    if handle is None:
+        return
+    for group in handle.groups:
+        if group.padded_unsharded_flat.grad is None:
+            continue
+        if not completed:
+            group.padded_unsharded_flat.grad = None
+            continue
+        unsharded_grad = handle.take_unsharded_grad(group)
+        handle.keep_unreduced(group, unsharded_grad, handle.reduce_dtype(group))  # type: ignore[arg-type]  # not None: checked above
+    handle.reshard(free=frees_after_backward(state))
+    handle.enter(HandleTrainingState.IDLE, "end_weight_pass", expect=(HandleTrainingState.BACKWARD_PRE,))
+    handle.needs_pre_backward = True
 
 
 def finish_reductions(root: _FSDPState) -> None:

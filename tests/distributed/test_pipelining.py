@@ -1,23 +1,33 @@
-"""torch's pipeline schedules over stages whose modules this library manages (issue 43), through
-``composable_shard.integrations.pipelining.PipelineStage``, at W = 4: 2 pipeline ranks x 2
+"""torch's pipeline schedules over stages whose modules this library manages (issues 43 and 55),
+through ``composable_shard.integrations.pipelining.PipelineStage``, at W = 4: 2 pipeline ranks x 2
 data-parallel ranks (each stage's modules sharded or replicated over its dp pair), 4 micro-batches.
 
 Each schedule's gradients after a step equal single-process training on the combined batch (the
 mean loss over all rows, every parameter, 1e-5), and so do the parameters after two SGD steps;
-per step and stage, the fully sharded modules' all-gathers and reduce-scatters are no more than
-torch FSDP2's on the same stages and schedule (counted: ours by the library's recorder, FSDP2's
-by the c10d operators a dispatch mode sees), and ``replicate`` all-reduces once per bucket per
-step. After each step every managed module is as a plain step leaves it: its
-``reshard_after_backward`` as the user configured it (also NO_SHARD and the user's
-``set_reshard_after_backward(False)``), gradient sync on, unsharded storage freed where it
-reshards, and the stage modules hold the same bytes as after a plain step (by hand too, for fully
-sharded stages): a stage that forgot what a module was configured with would keep every block
-unsharded, silently losing ZeRO-3's memory saving with every number still right. Schedules that
-split backward into input and weight passes are refused when built (our stage or torch's), and
-given as an action list at the first split backward: their weight pass asks the 1-D shard views
-for gradients. torch's own ``PipelineStage`` on a fully sharded module is refused at the first
-forward, or, where that ran before, at the first backward (it would finish the step through FSDP2
-internals), before any gradient.
+per step and stage, the fully sharded modules reduce-scatter exactly once per handle (counted by
+hand from the stage modules) and all-gather no more than torch FSDP2 on the same stages and
+schedule (counted: ours by the library's recorder, FSDP2's by the c10d operators a dispatch mode
+sees), and ``replicate`` all-reduces once per bucket per step. The zero-bubble schedules
+(ScheduleZBVZeroBubble, ScheduleDualPipeV, ScheduleInterleavedZeroBubble: a weight pass apart from
+each input pass, torch's autograd.grad on what the stage shows as its parameters) run over fully
+sharded stages with FSDP2's default settings, with blocks kept unsharded from forward to backward
+(there FSDP2 with torch's stage is exact too: gradients equal FSDP2's every step, collectives
+exactly FSDP2's; with its default settings FSDP2 loses weight gradients under these schedules, so
+only its all-gathers are compared), with each block checkpointed (the weight pass recomputes it
+again), and with fully_shard applied after the stages were built (torchtitan's order): a weight
+pass whose gradients missed the step's one reduction, or that was reduced by itself, fails the
+gradients or the counts.
+After each step every managed module is as a plain step leaves it: its ``reshard_after_backward``
+as the user configured it (also NO_SHARD and the user's ``set_reshard_after_backward(False)``),
+gradient sync on, unsharded storage freed where it reshards, and the stage modules hold the same
+bytes as after a plain step (by hand too, for fully sharded stages): a stage that forgot what a
+module was configured with would keep every block unsharded, silently losing ZeRO-3's memory
+saving with every number still right. Zero-bubble schedules over replicated modules are refused
+when built (our stage or torch's), and given as an action list at the first split backward:
+torch's weight pass sets their gradients itself, past replicate's all-reduce. torch's own
+``PipelineStage`` on a fully sharded module is refused at the first forward (fully_shard applied
+before the stage was built or after), or, where that ran before, at the first backward (it would
+finish the step through FSDP2 internals), before any gradient.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from composable_shard import checkpoint
 from composable_shard import FSDPModule, ReplicateModule, ShardingStrategy, fully_shard, replicate, unshard_params
 from composable_shard._runtime.collectives import record_collectives
 from composable_shard._runtime.traversal import _get_fsdp_handles
@@ -72,10 +83,18 @@ def _mesh() -> Any:
     return init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
 
 
+_SHARDED_LIKE_FULLY_SHARD = ("fully_shard", "kept", "late", "checkpointed")  # each block and the stage module
+_V_SCHEDULES = ("ZBV", "DualPipeV")  # "V" placement: pipeline rank r holds stages r and 3 - r
+
+
 def _stage_indices(schedule: str, pp_rank: int) -> List[int]:
     """Stage indices on this pipeline rank: one stage per rank for the single-stage schedules,
-    two ("loop" placement: r and r + 2) for the others."""
-    return [pp_rank] if schedule in ("GPipe", "1F1B") else [pp_rank + 2 * k for k in range(STAGES_PER_RANK)]
+    two for the others ("loop" placement: r and r + 2; "V" placement: r and 3 - r)."""
+    if schedule in ("GPipe", "1F1B"):
+        return [pp_rank]
+    if schedule in _V_SCHEDULES:
+        return [pp_rank, 3 - pp_rank]
+    return [pp_rank + 2 * k for k in range(STAGES_PER_RANK)]
 
 
 def _stage_modules(model: nn.Sequential, schedule: str) -> List[nn.Module]:
@@ -91,7 +110,9 @@ def _schedule(name: str, stages: List[Any]) -> Any:
     if name in ("GPipe", "1F1B"):
         cls = pp.ScheduleGPipe if name == "GPipe" else pp.Schedule1F1B
         return cls(stages[0], MICROBATCHES, loss_fn=_loss)
-    multi = {"Interleaved1F1B": pp.ScheduleInterleaved1F1B, "LoopedBFS": pp.ScheduleLoopedBFS}[name]
+    multi = {"Interleaved1F1B": pp.ScheduleInterleaved1F1B, "LoopedBFS": pp.ScheduleLoopedBFS,
+             "InterleavedZeroBubble": pp.ScheduleInterleavedZeroBubble, "ZBV": pp.ScheduleZBVZeroBubble,
+             "DualPipeV": pp.ScheduleDualPipeV}[name]
     return multi(stages, MICROBATCHES, loss_fn=_loss)
 
 
@@ -101,8 +122,9 @@ def _block_order(model: nn.Sequential) -> Dict[int, int]:
 
 
 def _apply(module: nn.Module, how: str, dp_mesh: Any, order: Dict[int, int]) -> None:
-    """``how`` over the dp pair: "fully_shard" (each block, then the stage module), "replicate"
-    (the stage module), or "configured": blocks at even positions NO_SHARD, at odd positions
+    """``how`` over the dp pair: "fully_shard" (each block, then the stage module), "kept" (the
+    same, each block with ``set_reshard_after_forward(False)``), "replicate" (the stage module),
+    or "configured": blocks at even positions NO_SHARD, at odd positions
     FULL_SHARD with the user's ``set_reshard_after_backward(False)``, the stage module replicated
     (each rank then holds both kinds of block under the single-stage schedules, one kind under
     the looped ones)."""
@@ -110,12 +132,16 @@ def _apply(module: nn.Module, how: str, dp_mesh: Any, order: Dict[int, int]) -> 
         replicate(module, process_group=dp_mesh.get_group())
         return
     for block in [m for m in module.modules() if isinstance(m, Block)]:
+        if how == "checkpointed":
+            checkpoint(block)
         if how == "configured" and order[id(block)] % 2 == 0:
             fully_shard(block, mesh=dp_mesh, strategy=ShardingStrategy.NO_SHARD)
             continue
         fully_shard(block, mesh=dp_mesh)
         if how == "configured":
             cast(FSDPModule, block).set_reshard_after_backward(False)
+        if how == "kept":
+            cast(FSDPModule, block).set_reshard_after_forward(False)
     if how == "configured":
         replicate(module, process_group=dp_mesh.get_group())
     else:
@@ -123,8 +149,8 @@ def _apply(module: nn.Module, how: str, dp_mesh: Any, order: Dict[int, int]) -> 
 
 
 def _build_stages(backend: str, schedule: str, how: str) -> Tuple[List[nn.Module], Any, List[nn.Module]]:
-    """This rank's stage modules (sharded by ``backend`` over its dp pair), the schedule, and the
-    single-process reference split the same way."""
+    """This rank's stage modules (sharded by ``backend`` over its dp pair; FSDP2: as "fully_shard",
+    or as "kept"), the schedule, and the single-process reference split the same way."""
     from torch.distributed.pipelining import PipelineStage as TorchStage
 
     from composable_shard.integrations.pipelining import PipelineStage
@@ -137,11 +163,12 @@ def _build_stages(backend: str, schedule: str, how: str) -> Tuple[List[nn.Module
     modules = [all_modules[i] for i in indices]
     for module in modules:
         if backend == "ours":
-            _apply(module, how, dp_mesh, _block_order(model))
+            if how != "late":
+                _apply(module, how, dp_mesh, _block_order(model))
             continue
         from torch.distributed.fsdp import fully_shard as torch_fully_shard
         for block in [m for m in module.modules() if isinstance(m, Block)]:
-            torch_fully_shard(block, mesh=dp_mesh)
+            torch_fully_shard(block, mesh=dp_mesh, reshard_after_forward=how != "kept")
         torch_fully_shard(module, mesh=dp_mesh)
         for m in module.modules():
             if hasattr(m, "set_force_sum_reduction_for_comms"):
@@ -150,6 +177,9 @@ def _build_stages(backend: str, schedule: str, how: str) -> Tuple[List[nn.Module
     num_stages = 2 if schedule in ("GPipe", "1F1B") else 4
     stages = [stage_cls(m, i, num_stages, torch.device("cpu"), group=mesh["pp"].get_group())
               for m, i in zip(modules, indices)]
+    if how == "late":  # torchtitan's order: the stages first, then fully_shard
+        for module in modules:
+            _apply(module, "fully_shard", dp_mesh, _block_order(model))
     return modules, _schedule(schedule, stages), _stage_modules(reference, schedule)
 
 
@@ -242,14 +272,14 @@ def _assert_as_after_plain_step(modules: List[nn.Module], unsharded: List[nn.Mod
         if kind == "fully_shard":
             assert reshard is (how != "configured"), \
                 f"{what}: {where} reshard_after_backward={reshard}, configured {how != 'configured'}"
-        if kind == "fully_shard" and how == "fully_shard" and freed is not None:
+        if kind == "fully_shard" and how in _SHARDED_LIKE_FULLY_SHARD and freed is not None:
             assert freed and not is_unsharded, f"{what}: {where} kept its unsharded parameters (ZeRO-3 saves nothing)"
     plain_states, plain_bytes = plain
     for got, want in zip_same(states, plain_states, what=f"{what}: managed modules"):
         assert got == want, f"{what}: {got} after the pipelined step, {want} after a plain step"
     held = _held_bytes(modules)
     assert held == plain_bytes, f"{what}: the stage modules hold {held} bytes, {plain_bytes} after a plain step"
-    if how == "fully_shard":  # by hand: shard of every handle's parameters and of its gradient, float32, W = 2
+    if how in _SHARDED_LIKE_FULLY_SHARD:  # by hand: shard of every handle's parameters and of its gradient, float32, W = 2
         expected = 2 * 4 * sum(-(-numel // 2) for numel in _owned_numels(unsharded))
         assert held == expected, f"{what}: the stage modules hold {held} bytes, {expected} by hand"
 
@@ -265,16 +295,28 @@ def _owned_numels(modules: List[nn.Module]) -> List[int]:
     return numels
 
 
+def _fsdp2_grads(modules: List[nn.Module]) -> List[List[Tuple[str, torch.Tensor]]]:
+    return [[(n, cast(Any, p.grad).full_tensor()) for n, p in m.named_parameters()] for m in modules]
+
+
 def _parity(schedule_name: str, how: str) -> None:
-    """Gradients of every parameter equal one process's after each of two SGD steps; after each
-    step the modules are as a plain step leaves them (``_assert_as_after_plain_step``); our
-    collectives per step no more than FSDP2's on the same stages (fully sharded stages)."""
+    """Gradients of every parameter equal one process's after each of two SGD steps (and, under
+    "kept", torch FSDP2's with torch's stage, set up the same); after each step the modules are as
+    a plain step leaves them (``_assert_as_after_plain_step``); per step, fully sharded stages
+    reduce-scatter once per handle (counted by hand from the stage modules) and all-gather no more
+    than FSDP2 on the same stages and schedule (under "kept": both exactly FSDP2's)."""
     modules, schedule, reference_stages = _build_stages("ours", schedule_name, how)
     indices = _stage_indices(schedule_name, _mesh()["pp"].get_local_rank())
     reference = nn.Sequential(*reference_stages)
     optims = [torch.optim.SGD([p for m in modules for p in m.parameters()], lr=0.1),
               torch.optim.SGD(reference.parameters(), lr=0.1)]
+    fsdp2: Optional[Tuple[List[nn.Module], Any]] = None
+    if how == "kept":  # FSDP2 keeps its blocks' parameters from forward to backward: exact under every schedule
+        fsdp2_modules, fsdp2_schedule, _ = _build_stages("fsdp2", schedule_name, how)
+        fsdp2 = fsdp2_modules, fsdp2_schedule
+        optims.append(torch.optim.SGD([p for m in fsdp2_modules for p in m.parameters()], lr=0.1))
     counts: List[Counter] = []
+    fsdp2_counts: Counter = Counter()
     plain = _after_plain_step(schedule_name, how)
     for step in range(2):
         with record_collectives() as recorder:
@@ -283,11 +325,20 @@ def _parity(schedule_name: str, how: str) -> None:
         _assert_as_after_plain_step(modules, [reference_stages[i] for i in indices], plain, schedule_name, how, step)
         x, y = _batch(step)
         _loss(reference(x), y).backward()
-        for module, index in zip_same(modules, indices, what="stage modules"):
-            expected = [(n, p.grad) for n, p in reference_stages[index].named_parameters()]
-            for (name, got), (_, want) in zip_same(_full_grads(module), expected, what=f"stage {index} gradients"):
-                diff = (got - want).abs().max().item()
-                assert diff <= 1e-5, f"{schedule_name}/{how} step {step} stage {index} {name}: |grad diff| {diff:.3g}"
+        ours = [_full_grads(module) for module in modules]
+        expected = [[(n, cast(torch.Tensor, p.grad)) for n, p in reference_stages[i].named_parameters()] for i in indices]
+        comparisons = [("one process", expected)]
+        if fsdp2 is not None:
+            with C10dCount() as mode:
+                _step(fsdp2[1], step)
+            fsdp2_counts = mode.counts
+            comparisons.append(("FSDP2", _fsdp2_grads(fsdp2[0])))
+        for against, wanted in comparisons:
+            for index, got_grads, want_grads in zip_same(indices, ours, wanted, what="stage modules"):
+                for (name, got), (_, want) in zip_same(got_grads, want_grads, what=f"stage {index} gradients"):
+                    diff = (got - want).abs().max().item()
+                    assert diff <= 1e-5, \
+                        f"{schedule_name}/{how} step {step} stage {index} {name}: |grad - {against}'s| {diff:.3g}"
         for optim in optims:
             optim.step()
             optim.zero_grad()
@@ -298,9 +349,15 @@ def _parity(schedule_name: str, how: str) -> None:
         return
     if how == "configured":
         return
-    fsdp2 = _fsdp2_counts(schedule_name)
-    for kind in ("all_gather", "reduce_scatter"):
-        assert counts[1][kind] <= fsdp2[kind], f"{schedule_name} {kind}s per step: ours {counts[1]}, FSDP2 {fsdp2}"
+    handles = len(_owned_numels([reference_stages[i] for i in indices]))  # by hand: each block, each Head's output
+    assert counts[1]["reduce_scatter"] == handles, f"{schedule_name}/{how}: {counts[1]}, {handles} handles"
+    if how == "kept":
+        for kind in ("all_gather", "reduce_scatter"):
+            assert counts[1][kind] == fsdp2_counts[kind], f"{schedule_name} {kind}s: ours {counts[1]}, FSDP2 {fsdp2_counts}"
+    else:
+        fsdp2_counts = _fsdp2_counts(schedule_name)
+        assert counts[1]["all_gather"] <= fsdp2_counts["all_gather"], \
+            f"{schedule_name} all-gathers per step: ours {counts[1]}, FSDP2 {fsdp2_counts}"
     # ours adds one small all-reduce per stage root and step: which parameters got a gradient somewhere
     assert counts[1]["all_reduce"] <= len(modules), (schedule_name, counts[1])
 
@@ -314,44 +371,45 @@ def _fsdp2_counts(schedule_name: str) -> Counter:
 
 
 def _refusals() -> None:
-    """Zero-bubble schedules over fully sharded modules are refused when built, with our stage
-    (sharded stage roots) and with torch's (plain stage modules holding sharded blocks), before the
-    stages change; one given as an action list at its first split backward, before any gradient;
-    torch's own stage over a fully sharded root at its first forward, and, where that forward ran
-    before, at its first backward (``set_is_last_backward``) before any gradient, naming ours."""
+    """Zero-bubble schedules over replicated modules are refused when built, naming the schedule
+    and the module, with our stage (replicated stage modules) and with torch's (plain stage modules
+    holding replicated blocks), before the stages change; one given as an action list at its first
+    split backward, before any gradient; torch's own stage over a fully sharded root at its first
+    forward, and, where that forward ran before, at its first backward (``set_is_last_backward``)
+    before any gradient, naming ours."""
     from torch.distributed import pipelining as pp
 
     from composable_shard.integrations.pipelining import PipelineStage
 
     mesh = _mesh()
-    pp_rank, dp_mesh, pp_group = mesh["pp"].get_local_rank(), mesh["dp"], mesh["pp"].get_group()
+    pp_rank, dp_group, pp_group = mesh["pp"].get_local_rank(), mesh["dp"].get_group(), mesh["pp"].get_group()
     v_indices = (pp_rank, 3 - pp_rank)  # V placement: ranks hold 0,3 and 1,2
     model = _full_model()
     modules = [nn.Sequential(model[i]) for i in v_indices]
     for module in modules:
-        fully_shard(module, mesh=dp_mesh)
+        replicate(module, process_group=dp_group)
     stages: List[Any] = [PipelineStage(m, i, 4, torch.device("cpu"), group=pp_group)
                          for m, i in zip_same(modules, v_indices)]
     for cls in (pp.ScheduleZBVZeroBubble, pp.ScheduleDualPipeV):
-        with pytest.raises(NotImplementedError, match=f"{cls.__name__} splits each backward.*Schedule1F1B"):
+        with pytest.raises(NotImplementedError, match=f"{cls.__name__} splits each backward.*ReplicateSequential"):
             cls(stages, MICROBATCHES, loss_fn=_loss)
         for stage in stages:  # refused before the schedule set its V mapping on the stages
             assert stage.stage_index_to_group_rank == {i: i % 2 for i in range(4)}, stage.stage_index_to_group_rank
     fresh = _full_model()
     loop = [nn.Sequential(fresh[i]) for i in (pp_rank, pp_rank + 2)]
     for module in loop:
-        fully_shard(module, mesh=dp_mesh)
+        replicate(module, process_group=dp_group)
     looped: List[Any] = [PipelineStage(m, i, 4, torch.device("cpu"), group=pp_group)
                          for m, i in zip_same(loop, (pp_rank, pp_rank + 2))]
     with pytest.raises(NotImplementedError, match="ScheduleInterleavedZeroBubble splits each backward"):
         pp.ScheduleInterleavedZeroBubble(looped, MICROBATCHES, loss_fn=_loss)
     plain_model = _full_model()
-    plain_modules = [nn.Sequential(plain_model[i]) for i in v_indices]  # plain stage modules, sharded blocks
+    plain_modules = [nn.Sequential(plain_model[i]) for i in v_indices]  # plain stage modules, replicated blocks
     for block in [m for module in plain_modules for m in module.modules() if isinstance(m, Block)]:
-        fully_shard(block, mesh=dp_mesh)
+        replicate(block, process_group=dp_group)
     torch_stages: List[Any] = [pp.PipelineStage(m, i, 4, torch.device("cpu"), group=pp_group)
                                for m, i in zip_same(plain_modules, v_indices)]
-    with pytest.raises(NotImplementedError, match="ScheduleZBVZeroBubble splits each backward"):
+    with pytest.raises(NotImplementedError, match="ScheduleZBVZeroBubble splits each backward.*ReplicateBlock"):
         pp.ScheduleZBVZeroBubble(torch_stages, MICROBATCHES, loss_fn=_loss)
     solo_group = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]  # one-rank pipelines
     _split_backward_refused_first(solo_group)
@@ -369,8 +427,8 @@ def _untouched(module: nn.Module, shards: List[torch.Tensor], what: str) -> None
 
 
 def _split_backward_refused_first(solo_group: Any) -> None:
-    """ZBV's action list run by torch's generic runtime over our two stages (one rank each): the
-    first 'input' backward raises before computing anything."""
+    """ZBV's action list run by torch's generic runtime over our two stages (one rank each), the
+    second replicated: its first 'input' backward raises before computing anything."""
     from torch.distributed import pipelining as pp
 
     from composable_shard.integrations.pipelining import PipelineStage
@@ -380,16 +438,18 @@ def _split_backward_refused_first(solo_group: Any) -> None:
     actions = pp.ScheduleZBVZeroBubble(stand_ins, MICROBATCHES, loss_fn=_loss).pipeline_order
     model = _full_model()
     modules = [nn.Sequential(model[0]), nn.Sequential(model[1], nn.Linear(WIDTH, 3))]
-    for module in modules:
-        fully_shard(module, mesh=_mesh()["dp"])
-    shards = [g.flat_param.detach().clone() for m in modules for h in _get_fsdp_handles(m) for g in h.groups]
+    fully_shard(modules[0], mesh=_mesh()["dp"])
+    replicate(modules[1], process_group=_mesh()["dp"].get_group())
+    before = [p.detach().clone() for p in modules[1].parameters()]
     runtime = pp.schedules._PipelineScheduleRuntime(
         [PipelineStage(m, i, 2, cpu, group=solo_group) for i, m in enumerate(modules)], MICROBATCHES, loss_fn=_loss)
     runtime._prepare_schedule_with_comms(actions)
     x, y = _batch(0)
-    with pytest.raises(NotImplementedError, match="'input' backward pass"):
+    with pytest.raises(NotImplementedError, match="'input' backward pass.*ReplicateSequential"):
         runtime.step(x, target=y)
-    _untouched(nn.ModuleList(modules), shards, "split backward refused")
+    assert all(p.grad is None for m in modules for p in m.parameters()), "split backward refused: a gradient was written"
+    for got, want in zip_same([p.detach() for p in modules[1].parameters()], before, what="replicated parameters"):
+        assert torch.equal(got, want), "split backward refused: a parameter changed"
 
 
 _TORCH_STAGE_REFUSED = "pipelining.*composable_shard.integrations.pipelining.PipelineStage"
@@ -397,22 +457,37 @@ _TORCH_STAGE_REFUSED = "pipelining.*composable_shard.integrations.pipelining.Pip
 
 def _torch_stage_refused(solo_group: Any) -> None:
     """torch's stage over our fully sharded root, or over a plain module holding a fully sharded
-    block: refused at the first forward, before any collective; over a root whose first forward
-    a plain step had run, at the first micro-batch's backward; each before any gradient."""
+    block (sharded before the stage was built or after): refused at the first forward, before any
+    collective; over a root whose first forward a plain step had run, at the first micro-batch's
+    backward; each before any gradient. Our stage over a plain module whose block is sharded
+    after the stage was built (torchtitan's order): let through, the block's gradients one
+    process's on the same rows (every dp rank feeds them)."""
     from torch.distributed import pipelining as pp
+
+    from composable_shard.integrations.pipelining import PipelineStage
 
     x, _ = _batch(0)
     y = torch.zeros_like(x)  # the stage ends with a block: WIDTH outputs
-    for case in ("root", "block", "root after a plain step"):
+    for case in ("root", "block", "root after a plain step", "block sharded after the stage", "ours, block after"):
         solo = nn.Sequential(_full_model()[0])
-        fully_shard(solo[0] if case == "block" else solo, mesh=_mesh()["dp"])
+        stage_cls = PipelineStage if case.startswith("ours") else pp.PipelineStage
+        late = case.endswith("after the stage") or case.startswith("ours")
+        stage = stage_cls(solo, 0, 1, torch.device("cpu"), group=solo_group) if late else None
+        fully_shard(solo if case.startswith("root") else solo[0], mesh=_mesh()["dp"])
         if case == "root after a plain step":
             solo(x).sum().backward()
             for p in solo.parameters():
                 p.grad = None
-        shards = [g.flat_param.detach().clone() for h in _get_fsdp_handles(solo) for g in h.groups]
-        gpipe = pp.ScheduleGPipe(pp.PipelineStage(solo, 0, 1, torch.device("cpu"), group=solo_group),
+        gpipe = pp.ScheduleGPipe(stage or pp.PipelineStage(solo, 0, 1, torch.device("cpu"), group=solo_group),
                                  MICROBATCHES, loss_fn=_loss)
+        if case.startswith("ours"):
+            reference = _full_model()[0]
+            _loss(reference(x), y).backward()
+            gpipe.step(x, target=y)
+            for (name, got), want in zip_same(_full_grads(solo), list(reference.parameters()), what="block gradients"):
+                assert (got - cast(torch.Tensor, want.grad)).abs().max().item() <= 1e-5, f"our stage, block sharded after it: {name}"
+            continue
+        shards = [g.flat_param.detach().clone() for h in _get_fsdp_handles(solo) for g in h.groups]
         with record_collectives() as recorder, pytest.raises(RuntimeError, match=_TORCH_STAGE_REFUSED):
             gpipe.step(x, target=y)
         if case != "root after a plain step":
@@ -420,14 +495,24 @@ def _torch_stage_refused(solo_group: Any) -> None:
         _untouched(solo, shards, f"torch's stage over the {case}")
 
 
-def _cases(schedules: List[str], refusals: bool) -> None:
+def _cases(schedules: List[str], zero_bubble: Dict[str, List[str]], refusals: bool) -> None:
     run_subtests(_parity, {"schedule_name": schedules, "how": ["fully_shard", "replicate", "configured"]})
+    for schedule_name, hows in zero_bubble.items():
+        run_subtests(_parity, {"schedule_name": [schedule_name], "how": hows})
     if refusals:
         _refusals()
 
 
-@pytest.mark.parametrize("schedules", [["GPipe", "1F1B"], ["Interleaved1F1B", "LoopedBFS"]])
-def test_schedules_match_one_process_and_fsdp2s_collectives(schedules: List[str]) -> None:
+# Zero-bubble schedules (a weight pass apart from each input pass) over fully sharded stage modules: FSDP2's
+# default settings, "kept" (compared with FSDP2 set the same: exact there), blocks checkpointed, and fully_shard
+# applied after the stages were built (torchtitan's order).
+_ZERO_BUBBLE = [{"ZBV": ["fully_shard", "kept", "checkpointed", "late"], "DualPipeV": ["fully_shard", "kept"]},
+                {"InterleavedZeroBubble": ["fully_shard", "kept"]}]
+
+
+@pytest.mark.parametrize("schedules,zero_bubble", [(["GPipe", "1F1B"], _ZERO_BUBBLE[0]),
+                                                   (["Interleaved1F1B", "LoopedBFS"], _ZERO_BUBBLE[1])])
+def test_schedules_match_one_process_and_fsdp2s_collectives(schedules: List[str], zero_bubble: Dict[str, List[str]]) -> None:
     """See the module docstring; fully sharded stages (per block and the stage root) and
-    replicated ones; the refusals with the first group."""
-    run_distributed(_cases, 4, schedules, schedules[0] == "GPipe", timeout=300)
+    replicated ones under every schedule torch ships; the refusals with the first group."""
+    run_distributed(_cases, 4, schedules, zero_bubble, schedules[0] == "GPipe", timeout=300)
