@@ -33,6 +33,7 @@ from ._state.model_state_dict import get_model_state_dict, set_model_state_dict,
 from ._state.optim_state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from ._state.sharded_slice import ShardedSlice
 from ._state.checkpoint_files import export_safetensors, latest_checkpoint, load_checkpoint, save_checkpoint
+from ._state.async_checkpoint import AsyncSave, save_checkpoint_async
 from ._planning.describe import describe
 from .plan import MemoryPlan, plan
 from . import optim  # noqa: F401  (composable_shard.optim.Muon: optimizers that need whole matrices)
@@ -55,7 +56,7 @@ __all__ = [
     "transformer_auto_wrap_policy", "size_based_auto_wrap_policy", "enable_wrap", "wrap",
     "unshard_params", "state_dict_type", "clip_grad_norm_",
     "get_model_state_dict", "set_model_state_dict", "get_optimizer_state_dict", "set_optimizer_state_dict",
-    "ShardedSlice", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "export_safetensors",
+    "ShardedSlice", "save_checkpoint", "save_checkpoint_async", "AsyncSave", "load_checkpoint", "latest_checkpoint", "export_safetensors",
     "describe", "plan", "MemoryPlan",
 ]
 

@@ -299,6 +299,8 @@ def _config(assets: Dict[str, str], dump: str, seed_path: Optional[str], create_
             "--checkpoint.enable", "--checkpoint.interval", str(SAVE_AT)]
     if not saves:
         args += ["--checkpoint.load_only"]
+    elif not create_seed:  # torchtitan's async checkpointing: the step-5 save is written while steps 6.. run
+        args += ["--checkpoint.async_mode", "async"]
     no_ac = NO_ACTIVATION_CHECKPOINTING in extra
     args += [a for a in extra if a != NO_ACTIVATION_CHECKPOINTING]
     if create_seed:
@@ -450,6 +452,7 @@ def train_once(tmp: str, assets: Dict[str, str], backend: str, name: str,
         trainer = config.build()
     record["build_s"] = time.monotonic() - t0
     try:
+        record["async_mode"] = str(getattr(trainer.checkpointer, "async_mode", None))
         parts = trainer.model_parts
         record["fsdp2_modules_forced_sum"] = sum(_force_sum_on_fsdp2(m) for m in parts) if backend == "fsdp2" else 0
         counts = [_fsdp_module_counts(m) for m in parts]

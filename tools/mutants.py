@@ -102,6 +102,9 @@ _MUON_AGREE2 = "tests/distributed/test_muon_agreement.py::test_refusal_on_one_ra
 _MUON_AGREE4 = "tests/distributed/test_muon_agreement.py::test_refusal_reaches_every_replica_of_a_hybrid_model[4]"
 _PP = "tests/distributed/test_pipelining.py::test_schedules_match_one_process_and_fsdp2s_collectives"
 _PP_ZB = f"{_PP}[schedules0-zero_bubble0]"
+_SLICE = f"{PACKAGE}/_state/sharded_slice.py"
+_ASYNC_FILE = f"{PACKAGE}/_state/async_checkpoint.py"
+_ASYNC = "tests/distributed/test_async_checkpoint.py"
 _TITAN_PARALLEL = "tests/distributed/test_torchtitan.py::test_torchtitan_llama3_tensor_and_pipeline_parallel_equal_fsdp2"
 _PIECES = f"{PACKAGE}/_base/pieces.py"
 _FS_TP_2D = "tests/distributed/test_fully_shard_tensor_parallel.py::test_fully_shard_over_two_tensor_parallel_mesh_dimensions"
@@ -928,6 +931,35 @@ MUTANTS: List[Mutant] = [
     _m("pp_grouped_state_twice", "a group (fully_shard([norm, head])) driven twice per weight pass by the stage",
        _PIPELINING, "                       and id(m._fsdp_state()) not in states and not states.add(id(m._fsdp_state()))]",
        "                       and True]", _TITAN_PARALLEL),
+    # issue 55: asynchronous checkpoints (torch's stager over ShardedSlice; save_checkpoint_async)
+    _m("async_slice_new_empty_refused", "ShardedSlice refuses the stager's new_empty (dcp.async_save raises, as before)",
+       _SLICE, "        if func is torch.ops.aten.new_empty.default:  # see [Note: Staged copies]",
+       "        if False:  # see [Note: Staged copies]", _ASYNC),
+    _m("async_slice_start_lost_in_process", "a slice sent to DCP's checkpoint process loses its start",
+       _SLICE, "(value.local, value.start, tuple(value.shape)", "(value.local, 0, tuple(value.shape)", _ASYNC),
+    _m("async_slice_piece_lost_in_process", "a tensor-parallel slice sent to DCP's checkpoint process loses its piece",
+       _SLICE, "value.start, tuple(value.shape), value.world_size, value.piece)",
+       "value.start, tuple(value.shape), value.world_size, None)", _ASYNC),
+    _m("async_slice_pickled_plain", "slices travel to the checkpoint process as plain per-rank tensors",
+       _SLICE, "ForkingPickler.register(ShardedSlice, _reduce_for_another_process)", "None", _ASYNC),
+    _m("async_staging_aliases_live_state", "the staging copy aliases the live state: a step during the save leaks in",
+       _ASYNC_FILE, 'copies[key] = tensor.detach().to("cpu", copy=True)', "copies[key] = tensor.detach()", _ASYNC),
+    _m("async_extra_not_copied", "extra state is not copied at the call: later changes reach the checkpoint",
+       _ASYNC_FILE, "    return copy.deepcopy(value, memo)", "    return value", _ASYNC),
+    _m("async_staging_bytes_without_scalars", "staging bytes leave out 0-dim tensors (the optimizer steps)",
+       _ASYNC_FILE, "staging_bytes = sum(t.untyped_storage().nbytes() for t in copies.values())",
+       "staging_bytes = sum(t.untyped_storage().nbytes() for t in copies.values() if t.dim() > 0)", _ASYNC),
+    _m("async_write_failure_not_agreed", "a write failing on one rank is not agreed: the others publish or wait",
+       _ASYNC_FILE, "    agree_or_raise(error, _API, group)", "    pass", _ASYNC),
+    _m("async_publication_verdict_not_shared", "rank 0's publication verdict is not broadcast: the others report success",
+       _ASYNC_FILE, "    verdict = from_rank(verdict, 0, group)", "    pass", _ASYNC),
+    _m("async_published_before_extra", "published before extra is written (a crash leaves a checkpoint without it)",
+       _ASYNC_FILE, "verdict = _write_bytes(os.path.join(tmp, EXTRA), extra) or _publish(tmp, path)",
+       "verdict = _publish(tmp, path) or _write_bytes(os.path.join(path, EXTRA), extra)", _ASYNC),
+    _m("async_error_reported_as_success", "the background error is swallowed: result() returns",
+       _ASYNC_FILE, "            self._future.set_exception(e)", "            self._future.set_result(None)", _ASYNC),
+    _m("async_staging_failure_not_agreed", "a staging failure on one rank is not agreed at the call",
+       _ASYNC_FILE, "    agree_or_raise(staging_error, _API)", "    pass", _ASYNC),
 ]
 
 

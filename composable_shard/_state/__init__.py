@@ -9,6 +9,8 @@
 - ``optim_state_dict.py``: optimizer state dicts keyed by parameter name.
 - ``checkpoint_files.py``: ``save_checkpoint`` / ``load_checkpoint`` (DCP with checksums and an
   allow-list unpickler), ``latest_checkpoint``, ``export_safetensors``.
+- ``async_checkpoint.py``: ``save_checkpoint_async`` (a staging copy, written and published by
+  a background thread on its own process group).
 
 May import: ``_base``, the vocabulary, ``_runtime`` and ``_setup``.
 """

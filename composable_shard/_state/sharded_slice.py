@@ -43,12 +43,27 @@ is not one range (a data-parallel slice of a row-wise piece is a set of partial 
 ``piece=(offsets, sizes)`` the range and its boxes are the piece's (``start``, :meth:`elements`
 and ``local`` count in the piece's flattened elements) and each box is moved by ``offsets``
 into global coordinates: the exact boxes, whatever the placements.
+
+[Note: Staged copies]  ``dcp.async_save`` copies the state dict before it returns (its stager,
+``staging.DefaultStager``), then writes the copy in the background. The stager copies a tensor
+subclass without storage of its own (``data_ptr() == 0``: this one, ``DTensor``) as
+``new_empty(shape, device="cpu")`` followed by a deep copy of each attribute in its
+``__dict__``. ``new_empty`` of the slice's own shape therefore returns the same slice over a
+new, uninitialised ``local``, which the stager then replaces by its copy of ``local``: a view of
+a copy of the whole storage ``local`` views (for a parameter the handle's flat shard, padding
+included, copied once for all the parameters over it), pinned or in shared memory as its
+options ask. Nothing of the copy aliases the live state, so training may go on at once.
+With ``AsyncCheckpointerType.PROCESS`` the staged dict is then sent to a checkpoint process by
+``multiprocessing``'s pickler (``ForkingPickler``); a slice is registered there to travel as
+itself, its ``local`` in shared memory. (``__reduce_ex__``, which ``torch.save`` uses, pickles
+only ``local``: the process would save per-rank plain tensors under global names.)
 """
 
 from __future__ import annotations
 
 import copy
 import math
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -215,6 +230,13 @@ class ShardedSlice(DCPTensorHooks, torch.Tensor):
         if func is TO_COPY:  # .to(device/dtype), e.g. torch's cpu_offload of a state dict
             (self,) = args
             return self.with_local(func(self.local, **(kwargs or {})))
+        if func is torch.ops.aten.new_empty.default:  # see [Note: Staged copies]
+            self, size = args
+            if tuple(size) != tuple(self.shape):
+                raise RuntimeError(
+                    f"new_empty({tuple(size)}) on a ShardedSlice of shape {tuple(self.shape)}: a ShardedSlice can only "
+                    "be copied as the same slice of a tensor of its own shape (what DCP's async staging does).")
+            return self.with_local(self.local.new_empty(self.local.shape, **(kwargs or {})))
         raise RuntimeError(  # not TypeError: operators turn that into NotImplemented and a vaguer message
             f"{func} on a ShardedSlice: it holds only this rank's elements of a sharded tensor (from a "
             "SHARDED_STATE_DICT). Save/load it with torch.distributed.checkpoint, or use a full state dict "
@@ -239,3 +261,16 @@ class ShardedSlice(DCPTensorHooks, torch.Tensor):
                 box = self.local[flat - self.start:flat - self.start + math.prod(sizes)].view(sizes)
                 return _same_memory_exact_storage(box)
         raise ValueError(f"{index.fqn}: this rank holds no box at offsets {index.offset}")
+
+
+def _rebuild_in_another_process(local: torch.Tensor, start: int, shape: Tuple[int, ...], world_size: int,
+                                piece: Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]]) -> ShardedSlice:
+    return ShardedSlice(local, start, shape, world_size, piece)
+
+
+def _reduce_for_another_process(value: ShardedSlice) -> Any:
+    """How ``multiprocessing`` sends a slice to another process: as a slice (see [Note: Staged copies])."""
+    return _rebuild_in_another_process, (value.local, value.start, tuple(value.shape), value.world_size, value.piece)
+
+
+ForkingPickler.register(ShardedSlice, _reduce_for_another_process)

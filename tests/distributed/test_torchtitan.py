@@ -98,6 +98,8 @@ def _resume_problems(backend: str, runs: Dict[str, Any]) -> List[str]:
     problems = []
     if full["steps"] != steps or resumed["steps"] != steps[_titan.SAVE_AT:]:
         problems.append(f"{backend}: logged steps {full['steps']} and, resumed, {resumed['steps']}")
+    if full["async_mode"] != "AsyncMode.ASYNC":  # torchtitan's async checkpointing (issue 55)
+        problems.append(f"{backend}: the uninterrupted run saved with async_mode {full['async_mode']}")
     if f"step-{_titan.SAVE_AT}" not in full["checkpoints"]:
         problems.append(f"{backend}: no step-{_titan.SAVE_AT} checkpoint: {full['checkpoints']}")
     problems += _close(f"{backend}: resumed losses", resumed["loss"], full["loss"][_titan.SAVE_AT:])

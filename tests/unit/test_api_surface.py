@@ -26,7 +26,8 @@ EXPECTED_EXPORTS = {
     "transformer_auto_wrap_policy", "size_based_auto_wrap_policy", "enable_wrap", "wrap",
     "unshard_params", "state_dict_type", "clip_grad_norm_",
     "get_model_state_dict", "set_model_state_dict", "get_optimizer_state_dict", "set_optimizer_state_dict",
-    "ShardedSlice", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "export_safetensors",
+    "ShardedSlice", "save_checkpoint", "save_checkpoint_async", "AsyncSave", "load_checkpoint", "latest_checkpoint",
+    "export_safetensors",
     "describe",
 }
 
