@@ -105,6 +105,7 @@ _PP_ZB = f"{_PP}[schedules0-zero_bubble0]"
 _SLICE = f"{PACKAGE}/_state/sharded_slice.py"
 _ASYNC_FILE = f"{PACKAGE}/_state/async_checkpoint.py"
 _ASYNC = "tests/distributed/test_async_checkpoint.py"
+_AC_WAYS = "tests/distributed/test_activation_checkpointing.py::test_every_way_of_checkpointing_matches_training_without[1]"
 _TITAN_PARALLEL = "tests/distributed/test_torchtitan.py::test_torchtitan_llama3_tensor_and_pipeline_parallel_equal_fsdp2"
 _PIECES = f"{PACKAGE}/_base/pieces.py"
 _FS_TP_2D = "tests/distributed/test_fully_shard_tensor_parallel.py::test_fully_shard_over_two_tensor_parallel_mesh_dimensions"
@@ -960,6 +961,18 @@ MUTANTS: List[Mutant] = [
        _ASYNC_FILE, "            self._future.set_exception(e)", "            self._future.set_result(None)", _ASYNC),
     _m("async_staging_failure_not_agreed", "a staging failure on one rank is not agreed at the call",
        _ASYNC_FILE, "    agree_or_raise(staging_error, _API)", "    pass", _ASYNC),
+    _m("async_slice_new_empty_moves_passed_dict", "the stager's new_empty returns the slice itself: the dict handed to dcp.async_save is moved onto the copy",
+       _SLICE, "            return self.with_local(self.local.new_empty(self.local.shape, **(kwargs or {})))",
+       "            return self", _ASYNC),
+    # torch's checkpoint_wrapper (selective activation checkpointing) around fully sharded blocks
+    _m("sac_recompute_extra_profiler_range", "the recomputation opens a profiler range of its own (selective checkpointing counts it: refused)",
+       _RUNTIME, "def _pre_recompute(state: _FSDPState, args", '@_profiled("cs::pre_recompute")\ndef _pre_recompute(state: _FSDPState, args',
+       _AC_WAYS),
+    _m("zb_recompute_in_weight_pass_unseen", "a checkpoint_wrapper recomputation inside a weight pass is taken for a forward",
+       _RUNTIME, "    return (root is not None and root.ctx.final_callback_queued) or in_weight_pass",
+       "    return root is not None and root.ctx.final_callback_queued", _PP_ZB),
+    _m("zb_recompute_state_not_recomputing", "a second recomputation in a weight pass (handle RECOMPUTE) is taken for a forward",
+       _RUNTIME, "HandleTrainingState.RECOMPUTE)\n    return (root", "HandleTrainingState.BACKWARD_PRE)\n    return (root", _PP_ZB),
 ]
 
 

@@ -524,12 +524,20 @@ def _check_forward_on_full_params(state: _FSDPState) -> None:
 # ---------------------------------------------------------------------------- recomputation
 def _recomputing(state: _FSDPState) -> bool:
     """Is this forward running inside a backward of this root? Then it is activation
-    checkpointing recomputing it (see [Note: Recomputation in backward])."""
-    root = state.root
-    return root is not None and root.ctx.final_callback_queued and is_in_backward()
+    checkpointing recomputing it (see [Note: Recomputation in backward]), or inside a weight pass
+    (handle put into backward by :func:`begin_weight_pass`, no backward callback of the root:
+    [Note: Weight passes])."""
+    if not is_in_backward():
+        return False
+    root, handle = state.root, state.handle
+    in_weight_pass = handle is not None and handle.training_state in (HandleTrainingState.BACKWARD_PRE,
+                                                                      HandleTrainingState.RECOMPUTE)
+    return (root is not None and root.ctx.final_callback_queued) or in_weight_pass
 
 
-@_profiled("cs::pre_recompute")
+# No profiler range of their own: torch's selective activation checkpointing counts each profiler
+# range opened inside a checkpointed region, and a recomputation must open as many as the forward
+# did (cs::pre_forward, cs::post_forward, which enclose these), or it fails to find them.
 def _pre_recompute(state: _FSDPState, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
     """Pre: a backward of this root is running. Post: the handle's previous state is pushed,
     handle RECOMPUTE with unsharded views (gathered again if its storage was freed). Inputs are
@@ -546,7 +554,6 @@ def _pre_recompute(state: _FSDPState, args: Tuple[Any, ...], kwargs: Dict[str, A
     return args, kwargs
 
 
-@_profiled("cs::post_recompute")
 def _post_recompute(state: _FSDPState, output: Any) -> Any:
     """Pre: :func:`_pre_recompute` ran for this forward (which may have been stopped early by
     an exception: ``torch.utils.checkpoint`` stops recomputing once it has what it needs).
@@ -734,7 +741,9 @@ def begin_weight_pass(state: _FSDPState) -> None:
     buffers' ``.grad`` itself. Such a pass may start below every forward output that carries a
     pre-backward hook, so no hook of ours need run in it: the handle is put into backward here
     (its views unsharded, gathered again if a later forward freed the storage; a recomputation
-    of activation checkpointing inside the pass computes on them), and no pre-backward hook
+    of activation checkpointing inside the pass computes on them, and one that runs fully_shard's
+    forward hooks, torch's ``checkpoint_wrapper``, is told apart from a forward by this state:
+    ``_recomputing``), and no pre-backward hook
     runs for it until :func:`end_weight_pass`, so no end-of-backward callback reshards it
     between the pass's ``autograd.grad`` calls.
     Pre: handle IDLE, gradient sync off for ``state`` (the caller accumulates a whole step).

@@ -6,14 +6,18 @@ The ways: ``torch.utils.checkpoint`` around a managed block's ``__call__`` (what
 ``transformers`` layers do: the block's own forward hooks run inside the checkpointed region and
 again when backward recomputes it), around its ``forward`` (what ``transformers`` 5 does: hooks
 stay outside), each non-reentrant and reentrant; torch's ``apply_activation_checkpointing``
-before or after sharding; the library's ``checkpoint`` in either call order.
+before or after sharding, plain and with selective activation checkpointing (torchtitan's
+wrapper: a policy that keeps matmul outputs, and one that keeps nothing); the library's
+``checkpoint`` in either call order.
 
 Bugs these catch (each seen): a recomputation inside backward refused by the handle's state
 machine ("expected IDLE, found BACKWARD_PRE"); views installed by the pre-backward hook with
 grad mode off, so a non-reentrant recomputation saves fewer tensors than the forward (an
 error) and a reentrant one computes no parameter gradient at all (silently wrong training);
 a recomputation that frees the unsharded storage its recomputed tensors point into, or gathers
-it a third time.
+it a third time; a profiler range opened only in the recomputation, which selective
+checkpointing counts against the forward's ("found RECOMPUTE in post_backward" and a refused
+step).
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing, checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from composable_shard import MixedPrecision, ShardingStrategy, checkpoint, fully_shard, replicate, unshard_params
 from composable_shard._runtime.collectives import record_collectives
@@ -165,6 +170,26 @@ def _is_block(module: nn.Module) -> bool:
     return isinstance(module, Block)
 
 
+_MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+
+
+def _keep_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """torchtitan's selective policy in small: matmul outputs kept, the rest recomputed."""
+    return CheckpointPolicy.MUST_SAVE if op in _MATMULS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _keep_nothing(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective(policy: Callable[..., CheckpointPolicy]) -> Callable[[nn.Module], nn.Module]:
+    """torch's ``checkpoint_wrapper`` with selective activation checkpointing (torchtitan's
+    wrapper): fully_shard's forward hooks run inside the region and again in the recomputation,
+    which counts the profiler ranges they open."""
+    return functools.partial(checkpoint_wrapper,
+                             context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
+
+
 # name -> (before sharding, after sharding); both receive the model
 _WAYS: Dict[str, Tuple[Callable[[Decoder], None], Callable[[Decoder], None]]] = {
     "call_nonreentrant": (lambda m: _set_block_wrap(m, "call", False), lambda m: None),
@@ -175,6 +200,10 @@ _WAYS: Dict[str, Tuple[Callable[[Decoder], None], Callable[[Decoder], None]]] = 
     "stack_reentrant": (lambda m: None, lambda m: setattr(m, "checkpoint_stack", "reentrant")),
     "apply_ac_before": (lambda m: apply_activation_checkpointing(m, check_fn=_is_block), lambda m: None),
     "apply_ac_after": (lambda m: None, lambda m: apply_activation_checkpointing(m, check_fn=_is_block)),
+    "selective_before": (lambda m: apply_activation_checkpointing(
+        m, checkpoint_wrapper_fn=_selective(_keep_matmuls), check_fn=_is_block), lambda m: None),
+    "selective_after": (lambda m: None, lambda m: apply_activation_checkpointing(
+        m, checkpoint_wrapper_fn=_selective(_keep_nothing), check_fn=_is_block)),
     "library_first": (lambda m: [checkpoint(b) for b in m.blocks] and None, lambda m: None),
     "library_after": (lambda m: None, lambda m: [checkpoint(b) for b in m.blocks] and None),
 }
@@ -285,9 +314,10 @@ def _all_ways(full: bool) -> None:
     if not full:
         return
     run_subtests(_way_under_another_pair, {"index": list(range(len(_WAYS)))})
-    run_subtests(_subtest, {"way": list(_WAYS), "api": ["replicate"], "strategy": [ShardingStrategy.FULL_SHARD],
+    plain = [w for w in _WAYS if not w.startswith("selective")]  # selective: as the plain wrapper under replicate
+    run_subtests(_subtest, {"way": plain, "api": ["replicate"], "strategy": [ShardingStrategy.FULL_SHARD],
                             "mixed": [False]})
-    non_reentrant = [w for w in _WAYS if not w.endswith("_reentrant") or w.startswith("stack")]
+    non_reentrant = [w for w in plain if not w.endswith("_reentrant") or w.startswith("stack")]
     run_subtests(_subtest, {"way": non_reentrant, "api": ["fully_shard"], "strategy": [ShardingStrategy.FULL_SHARD],
                             "mixed": [False], "returns": ["mapping"]})
 

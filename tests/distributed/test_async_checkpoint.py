@@ -214,6 +214,26 @@ def _loaded_by_torch_api(path: str, seed: int) -> Built:
     return fresh
 
 
+def _leaves(value: Any, name: str = "") -> Dict[str, torch.Tensor]:
+    """The tensors of a nested state dict by dotted name (a ShardedSlice: its ``local``)."""
+    if isinstance(value, dict):
+        out: Dict[str, torch.Tensor] = {}
+        for key, item in value.items():
+            out.update(_leaves(item, f"{name}.{key}" if name else str(key)))
+        return out
+    if isinstance(value, ShardedSlice):
+        return {name: value.local}
+    return {name: value} if isinstance(value, torch.Tensor) else {}
+
+
+def _passed_dict_differences(passed: Dict[str, Any], live: Built) -> List[str]:
+    """Names where the state dict handed to dcp.async_save no longer shows the live state (a
+    fresh get_state_dict's): torchtitan keeps one state dict (its ModelWrapper) and hands the
+    same objects to every save, so staging must copy them, not move them onto the copy."""
+    msd, osd = get_state_dict(*live)
+    return _differences(_leaves(passed), _leaves({"model": msd, "optim": osd}))
+
+
 def _judge(record: Dict[str, Any], live: Built, snapshot: Dict[str, torch.Tensor], resumed: Built) -> None:
     """What every save must give: the step-K state (tensors and extra state), and a resume that
     trains on exactly as the run that went on during the save."""
@@ -249,6 +269,7 @@ def _start_process_save(path: str, record: Dict[str, Any]) -> Callable[[], None]
 
     def finish() -> None:
         response.upload_completion.result()
+        record["passed_dict"] = _passed_dict_differences({"model": msd, "optim": osd}, live)
         stager.close()
         for process in set(multiprocessing.active_children()) - children:  # DCP's checkpoint process: ended now,
             process.terminate()  # not when this rank's pipe to it closes (it would print an EOFError then)
@@ -277,6 +298,7 @@ def _thread_save(root: str, record: Dict[str, Any]) -> None:
     live[0].gate.release()
     _train(live, range(K + STEPS_DURING, K + STEPS_DURING + STEPS_AFTER))
     future.result()
+    record["passed_dict"] = _passed_dict_differences({"model": msd, "optim": osd}, live)
     dist.destroy_process_group(group)
     record["same_as_sync"] = _same_checkpoint(sync_path, async_path)
     resumed = _loaded_by_torch_api(async_path, seed=7)
@@ -516,13 +538,18 @@ def test_slices_keep_their_boxes_when_staged_and_sent_to_a_process(records: Reco
 def test_save_holds_the_state_of_its_step_and_resumes_exactly(records: Records, name: str) -> None:
     """The write was still held back after the steps taken during it; the checkpoint loads as
     the step-K snapshot (every parameter and optimizer tensor, bitwise; the extra state's step
-    count K), and the resumed run equals the one that went on, bitwise."""
+    count K), and the resumed run equals the one that went on, bitwise. For dcp.async_save, the
+    state dict handed to it still shows the live state afterwards (torchtitan saves the same
+    dict again at the next interval)."""
     _no_error(records, name)
     for rank, record in records[name].items():
         assert record["held_back"] is True, f"{name}, rank {rank}: the write ended before the steps taken during it"
         assert record["snapshot_differences"] == [], f"{name}, rank {rank}: not the step-{K} state"
         assert record["loaded_step"] == K, f"{name}, rank {rank}: extra state {record['loaded_step']}"
         assert record["resume_differences"] == [], f"{name}, rank {rank}: the resumed run departs"
+        if name != "ours":
+            assert record["passed_dict"] == [], f"{name}, rank {rank}: the state dict saved no longer tracks the " \
+                f"model: {record['passed_dict']}"
 
 
 def test_async_save_writes_what_a_sync_save_writes_and_resumes_as_fsdp2(records: Records) -> None:

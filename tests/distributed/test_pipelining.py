@@ -14,9 +14,10 @@ sharded stages with FSDP2's default settings, with blocks kept unsharded from fo
 (there FSDP2 with torch's stage is exact too: gradients equal FSDP2's every step, collectives
 exactly FSDP2's; with its default settings FSDP2 loses weight gradients under these schedules, so
 only its all-gathers are compared), with each block checkpointed (the weight pass recomputes it
-again), and with fully_shard applied after the stages were built (torchtitan's order): a weight
-pass whose gradients missed the step's one reduction, or that was reduced by itself, fails the
-gradients or the counts.
+again; inside torch's checkpoint_wrapper with selective checkpointing, torchtitan's wrapper, the
+recomputation runs fully_shard's forward hooks inside the weight pass), and with fully_shard
+applied after the stages were built (torchtitan's order): a weight pass whose gradients missed
+the step's one reduction, or that was reduced by itself, fails the gradients or the counts.
 After each step every managed module is as a plain step leaves it: its ``reshard_after_backward``
 as the user configured it (also NO_SHARD and the user's ``set_reshard_after_backward(False)``),
 gradient sync on, unsharded storage freed where it reshards, and the stage modules hold the same
@@ -32,6 +33,7 @@ finish the step through FSDP2 internals), before any gradient.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from typing import Any, Dict, List, Optional, Tuple, cast
 
@@ -83,7 +85,7 @@ def _mesh() -> Any:
     return init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
 
 
-_SHARDED_LIKE_FULLY_SHARD = ("fully_shard", "kept", "late", "checkpointed")  # each block and the stage module
+_SHARDED_LIKE_FULLY_SHARD = ("fully_shard", "kept", "late", "checkpointed", "wrapped")  # each block and the stage module
 _V_SCHEDULES = ("ZBV", "DualPipeV")  # "V" placement: pipeline rank r holds stages r and 3 - r
 
 
@@ -121,9 +123,20 @@ def _block_order(model: nn.Sequential) -> Dict[int, int]:
     return {id(block): k for k, block in enumerate([model[0], model[1], model[2], model[3].block])}
 
 
+def _recompute_all(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """A selective activation checkpointing policy that keeps nothing: one that keeps an op's output
+    (torchtitan's keeps matmuls) fails under the zero-bubble schedules in torch itself, FSDP2 or ours
+    ("Trying to backward an extra time"): the input pass's recomputation consumes what was kept and
+    the weight pass recomputes again."""
+    from torch.utils.checkpoint import CheckpointPolicy
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
 def _apply(module: nn.Module, how: str, dp_mesh: Any, order: Dict[int, int]) -> None:
     """``how`` over the dp pair: "fully_shard" (each block, then the stage module), "kept" (the
-    same, each block with ``set_reshard_after_forward(False)``), "replicate" (the stage module),
+    same, each block with ``set_reshard_after_forward(False)``), "checkpointed" (the same, each
+    block under our ``checkpoint``), "wrapped" (the same, each block inside torch's
+    ``checkpoint_wrapper`` with a selective policy), "replicate" (the stage module),
     or "configured": blocks at even positions NO_SHARD, at odd positions
     FULL_SHARD with the user's ``set_reshard_after_backward(False)``, the stage module replicated
     (each rank then holds both kinds of block under the single-stage schedules, one kind under
@@ -131,6 +144,14 @@ def _apply(module: nn.Module, how: str, dp_mesh: Any, order: Dict[int, int]) -> 
     if how == "replicate":
         replicate(module, process_group=dp_mesh.get_group())
         return
+    if how == "wrapped":  # torch's checkpoint_wrapper: its recomputation runs fully_shard's forward hooks again
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+        for parent in list(module.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, Block):
+                    setattr(parent, name, checkpoint_wrapper(child, context_fn=functools.partial(
+                        create_selective_checkpoint_contexts, _recompute_all)))
     for block in [m for m in module.modules() if isinstance(m, Block)]:
         if how == "checkpointed":
             checkpoint(block)
@@ -504,9 +525,10 @@ def _cases(schedules: List[str], zero_bubble: Dict[str, List[str]], refusals: bo
 
 
 # Zero-bubble schedules (a weight pass apart from each input pass) over fully sharded stage modules: FSDP2's
-# default settings, "kept" (compared with FSDP2 set the same: exact there), blocks checkpointed, and fully_shard
-# applied after the stages were built (torchtitan's order).
-_ZERO_BUBBLE = [{"ZBV": ["fully_shard", "kept", "checkpointed", "late"], "DualPipeV": ["fully_shard", "kept"]},
+# default settings, "kept" (compared with FSDP2 set the same: exact there), blocks checkpointed (ours, and torch's
+# checkpoint_wrapper with selective checkpointing, as torchtitan wraps blocks: its recomputation inside a weight
+# pass runs fully_shard's hooks), and fully_shard applied after the stages were built (torchtitan's order).
+_ZERO_BUBBLE = [{"ZBV": ["fully_shard", "kept", "checkpointed", "wrapped", "late"], "DualPipeV": ["fully_shard", "kept"]},
                 {"InterleavedZeroBubble": ["fully_shard", "kept"]}]
 
 
