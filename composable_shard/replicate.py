@@ -153,6 +153,7 @@ class _ReplicateState(_State):
         self.position: Dict[int, int] = {}  # id of a managed or frozen parameter -> its registration position
         self.api: str = ""  # "replicate(<class name>)", for messages
         self.step_counter: Optional[_watch.StepCounter] = None  # optimizer steps, agreed per sync ([Note: Step agreement])
+        self.step_verdict: Optional[_watch.StepVerdict] = None  # the last sync's step agreement, read at the next one
 
     def describe(self) -> str:
         return f"replicate (of the module with parameters {', '.join(self.param_names[:3])}{', ...' if len(self.param_names) > 3 else ''})"
@@ -514,7 +515,9 @@ def _end_backward(state: _ReplicateState) -> None:
     with torch.profiler.record_function("replicate::end_backward"):
         _launch_buckets(state, backward, remaining=True)
         steps = state.step_counter.take() if state.step_counter is not None else []
-        is_used, steps_disagree = agree_used_and_steps(
+        previous, state.step_verdict = state.step_verdict, None
+        steps_disagree = previous.disagreement() if previous is not None else None  # the previous window's
+        is_used, state.step_verdict = agree_used_and_steps(
             state.used_since_sync, steps, [_group_or_world(state.process_group)], state.device, api=state.api,
             consequence=_REPLICAS_DRIFT, tag="replicate::used_params")
         _write_back(state, is_used)

@@ -105,8 +105,9 @@ _PP_ZB = f"{_PP}[schedules0-zero_bubble0]"
 _SLICE = f"{PACKAGE}/_state/sharded_slice.py"
 _ASYNC_FILE = f"{PACKAGE}/_state/async_checkpoint.py"
 _ASYNC = "tests/distributed/test_async_checkpoint.py"
+_HOST_READS = "tests/distributed/test_host_reads.py"
 _AC_WAYS = "tests/distributed/test_activation_checkpointing.py::test_every_way_of_checkpointing_matches_training_without[1]"
-_TITAN_PARALLEL = "tests/distributed/test_torchtitan.py::test_torchtitan_llama3_tensor_and_pipeline_parallel_equal_fsdp2"
+_TITAN_PARALLEL = "tests/distributed/test_torchtitan.py::test_torchtitan_llama3_equals_fsdp2_in_every_parallelism"
 _PIECES = f"{PACKAGE}/_base/pieces.py"
 _FS_TP_2D = "tests/distributed/test_fully_shard_tensor_parallel.py::test_fully_shard_over_two_tensor_parallel_mesh_dimensions"
 _FS_TP = ("tests/distributed/test_fully_shard_tensor_parallel.py::"
@@ -423,6 +424,32 @@ MUTANTS: List[Mutant] = [
        f"{PACKAGE}/_runtime/watch.py", "any(id(p) in self.param_ids for g in groups for p in g[\"params\"])", "True",
        f"{_DIVERGENCE_TESTS}::test_disagreement_raises_on_every_rank[2]",
        "tests/distributed/test_two_models.py::test_optimizer_step_of_one_model_makes_the_other_gather_nothing"),
+    # issue 56: no host read of a device value in a step; the step verdict read a synced backward later
+    _m("agreement_used_flags_local_only", "the used flags are taken as this rank's own when some are 0 (a parameter used on another rank keeps grad None)",
+       _DIVERGENCE, "    if all(values[:n]):\n", "    if True:\n",
+       "tests/distributed/test_fully_shard_lifecycle.py::test_parameters_without_gradient_keep_grad_none",
+       f"{_REPLICATE_TESTS}::test_parity_with_ddp_and_local[2]"),
+    _m("agreement_host_tensor_on_device", "the agreement's integers made on the device from Python values (a host wait on a GPU)",
+       _DIVERGENCE, "    summed = to_device(values, torch.int32, device)",
+       "    summed = torch.tensor(values, dtype=torch.int32, device=device)", _HOST_READS),
+    _m("agreement_reads_at_once", "the step verdict read in the step that issued it (a host read of the device result)",
+       _DIVERGENCE, "    if all(values[:n]):\n        return values[:n], verdict",
+       "    if all(values[:n]):\n        return summed[:n].tolist(), verdict", _HOST_READS),
+    _m("clip_index_from_python_values", "clipping's index tensor made on the device from Python values",
+       _INTEROP, "        index = to_device(members, torch.int64, local.device)",
+       "        index = torch.tensor(members, device=local.device)", _HOST_READS),
+    _m("step_verdict_never_read", "the previous synced backward's step verdict is never read",
+       _RUNTIME, "    disagreement = take_step_verdicts(root) if batches else None", "    disagreement = None",
+       f"{_DIVERGENCE_TESTS}::test_disagreement_raises_on_every_rank[2]"),
+    _m("step_verdict_not_kept", "the step verdict of a synced backward is dropped instead of kept for the next",
+       _RUNTIME, "            root.ctx.step_verdicts[key] = verdict", "            pass",
+       f"{_DIVERGENCE_TESTS}::test_disagreement_raises_on_every_rank[2]"),
+    _m("step_verdict_not_read_at_state_dict", "a step verdict no later backward read is not read when the state dict is taken",
+       f"{PACKAGE}/_state/unshard_params.py", "        if steps_disagree is not None:\n            raise RuntimeError(steps_disagree)",
+       "        if False:\n            raise RuntimeError(steps_disagree)", f"{_DIVERGENCE_TESTS}::test_disagreement_raises_on_every_rank[2]"),
+    _m("replicate_step_verdict_never_read", "replicate's previous step verdict is never read",
+       _REPLICATE, "        steps_disagree = previous.disagreement() if previous is not None else None",
+       "        steps_disagree = None", f"{_DIVERGENCE_TESTS}::test_disagreement_raises_on_every_rank[2]"),
     # ---------------------------------------------------------------- replicate
     _m("replicate_bucket_not_scaled", "replicate sums bucket gradients instead of averaging",
        _REPLICATE, "else 1.0 / state.world_size", "else 1.0", f"{_REPLICATE_TESTS}::test_parity_with_ddp_and_local[2]"),

@@ -6,6 +6,8 @@
   of a ``DTensor``.
 - ``pieces.py``: where a tensor-parallel (``DTensor``) parameter's local piece lies in its global
   tensor, and the ``DTensor`` views, joins and slices the runtime and state dicts make of it.
+- ``host_mirror.py``: small integers to the device and device values back to the host without
+  stopping the CPU (pinned copies, events): [Note: No host reads in a step].
 
 May import: torch and the standard library only.
 """

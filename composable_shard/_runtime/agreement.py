@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from . import collectives as _collectives
 from . import watch as _watch
+from .._base.host_mirror import HostMirror, to_device
 
 if TYPE_CHECKING:
     from .module_state import _FSDPState
@@ -154,21 +155,34 @@ def taking_part(groups: Sequence[Optional[dist.ProcessGroup]]) -> List[dist.Proc
 
 def agree_used_and_steps(local_used: Sequence[int], steps: Sequence[int],
                          groups: Sequence[Optional[dist.ProcessGroup]], device: torch.device, *,
-                         api: str, consequence: str, tag: str) -> Tuple[List[int], Optional[str]]:
+                         api: str, consequence: str, tag: str) -> Tuple[List[int], Optional[_watch.StepVerdict]]:
     """One int32 all-reduce per group in ``groups`` (None and single-rank groups skipped, in order) of
-    ``local_used + steps``; returns (the used flags summed over every rank of the groups, the
-    StepCounter.disagreement message when ``steps`` is non-empty and more than one rank took part, else
-    None)."""
+    ``local_used + steps``, issued without waiting. Returns (the used flags summed over every rank of
+    the groups, a :class:`~composable_shard._runtime.watch.StepVerdict` to read later when ``steps`` is non-empty and more than one
+    rank took part, else None).
+
+    A parameter this rank used is used on some rank whatever the others say, so when this rank
+    used all of them the flags are known at once and nothing is read here; only a step in which
+    this rank left a parameter without a gradient waits for the others' flags (a host read)."""
     taking = taking_part(groups)
     values = [int(v) for v in local_used] + [int(s) for s in steps]
     if not taking or not values:
         return values[:len(local_used)], None
-    summed = torch.tensor(values, dtype=torch.int32, device=device)
+    summed = to_device(values, torch.int32, device)
     num_ranks = 1
+    pending: Optional[_collectives.Pending] = None
     for group in taking:
-        _collectives.all_reduce(summed, group, tag=tag).wait()
+        if pending is not None:
+            pending.wait()  # orders the next all-reduce after it (a stream wait on an accelerator)
+        pending = _collectives.all_reduce(summed, group, tag=tag)
         num_ranks *= dist.get_world_size(group)
-    out: List[int] = summed.tolist()
-    disagreement = _watch.StepCounter.disagreement(steps, out[len(local_used):], num_ranks, api, consequence) \
-        if steps else None
-    return out[:len(local_used)], disagreement
+    assert pending is not None  # taking is non-empty
+    n = len(local_used)
+    verdict = _watch.StepVerdict(HostMirror(summed[n:], pending), steps, num_ranks, api, consequence) if steps else None
+    if verdict is None:
+        pending.wait()  # nothing keeps its buffer for later: order (accelerator) or finish (CPU) it now
+    if all(values[:n]):
+        return values[:n], verdict
+    pending.wait()
+    used: List[int] = summed[:n].tolist()  # a parameter unused here: the others' flags decide
+    return used, verdict

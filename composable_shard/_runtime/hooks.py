@@ -801,7 +801,8 @@ def attach_reduced_grads(root: _FSDPState) -> Optional[str]:
     all-reduce per process-group pair (a parameter unused everywhere keeps ``.grad = None``, as
     in local training; one used on another rank gets the averaged gradient). The same
     all-reduce agrees on the optimizer steps taken since the last one ([Note: Step agreement] in
-    ``_runtime/watch.py``): returns the error to raise if the ranks differ, else ``None``."""
+    ``_runtime/watch.py``), read at the next synced backward: returns the error to raise if the
+    ranks differed in the window the previous agreement covered, else ``None``."""
     batches: Dict[Tuple[int, int], List[Tuple[_FSDPState, FlatParamHandle, FlatGroup]]] = {}
     for handle in root._all_handles:
         state = _state_of(handle)
@@ -810,15 +811,16 @@ def attach_reduced_grads(root: _FSDPState) -> Optional[str]:
                 handle.land_offloaded_grad(group)
                 key = (id(state.process_group), id(state.replicate_group))
                 batches.setdefault(key, []).append((state, handle, group))
-    disagreement: Optional[str] = None
+    disagreement = take_step_verdicts(root) if batches else None
     steps = root.ctx.step_counter.take() if batches and root.ctx.step_counter is not None else []
-    for members in batches.values():
+    for key, members in batches.items():
         first = members[0][0]
         local = [u for _, _, g in members for u in g.used]
-        used, differs = agree_used_and_steps(local, steps, [first.process_group, first.replicate_group],
+        used, verdict = agree_used_and_steps(local, steps, [first.process_group, first.replicate_group],
                                              first.compute_device, api="fully_shard", consequence=_SKIPPED,
                                              tag="used_params")
-        disagreement = disagreement or differs
+        if verdict is not None:
+            root.ctx.step_verdicts[key] = verdict
         offset = 0
         for state, handle, group in members:
             shard_group = state.process_group if state.process_group is not None and state.world_size > 1 else None
@@ -826,6 +828,14 @@ def attach_reduced_grads(root: _FSDPState) -> Optional[str]:
                                 shard_group, state.compute_device)
             offset += len(group.orig_params)
     return disagreement
+
+
+def take_step_verdicts(root: _FSDPState) -> Optional[str]:
+    """Read the step verdicts of the previous synced backward's agreements (host memory their
+    copies filled long ago: no wait in practice) and forget them; returns the first error."""
+    verdicts, root.ctx.step_verdicts = root.ctx.step_verdicts, {}
+    found = [v.disagreement() for v in verdicts.values()]
+    return next((d for d in found if d is not None), None)
 
 
 _SKIPPED = ("Each rank updates its own slice of every parameter, so the slices of the ranks that did not step were "

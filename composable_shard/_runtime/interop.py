@@ -78,6 +78,7 @@ from torch.distributed.tensor import DTensor
 
 from . import collectives as _collectives
 from .._base.callers import check_callers
+from .._base.host_mirror import to_device
 from .._base.torch_compat import FOREACH_NORM as _FOREACH_NORM, RunningFunction, as_plain, plain_torch_function, running_functions
 from .._base.tree import convert, local_piece
 
@@ -284,7 +285,7 @@ def _combine_norms(local: torch.Tensor, sources: Sequence[_Source], order: float
     op = dist.ReduceOp.SUM if not math.isinf(order) else dist.ReduceOp.MAX if order > 0 else dist.ReduceOp.MIN
     for members in by_source.values():
         refs, device = sources[members[0]]  # type: ignore[misc]  # members are sourced
-        index = torch.tensor(members, device=local.device)
+        index = to_device(members, torch.int64, local.device)  # no host wait ([Note: No host reads in a step])
         contribution = _to_sum_space(local.index_select(0, index).to(device=device, dtype=torch.float32), order)
         for ref in refs:
             group = ref()

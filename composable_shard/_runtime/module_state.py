@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import weakref
-from typing import Any, Callable, List, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -18,7 +18,7 @@ import torch.nn as nn
 from ..api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, StateDictType
 from .flat_param import FlatParamHandle, HandleTrainingState, Reduction, _is_fsdp_flattened, _set_fsdp_flattened  # noqa: F401  # some re-exported
 from .streams import Streams
-from .watch import StepCounter
+from .watch import StepCounter, StepVerdict
 from ..contract import _State
 
 __all__ = [
@@ -130,6 +130,8 @@ class RootContext:
         self.debug_checks: bool = False  # COMPOSABLE_SHARD_DEBUG: agree before every collective, every step
         self.changes_to_check: bool = True  # a tracked module changed since the last check (_runtime/watch.py); the first forward checks
         self.step_counter: Optional[StepCounter] = None  # the optimizer steps on every handle's parameters
+        # per process-group pair: the last end-of-backward agreement's step verdict, read at the next one
+        self.step_verdicts: Dict[Tuple[int, int], StepVerdict] = {}
 
 
 class _FSDPState(_State):

@@ -48,6 +48,13 @@ the optimizers holding this module's parameters took on this rank since the last
 ``d * d``. Summed over ``n`` ranks, ``n * sum(d * d) == sum(d) ** 2`` exactly when every rank has
 the same ``d``, so every rank sees the same verdict and raises the same error, with no extra
 collective (:class:`StepCounter`). ``d`` is capped at 255 so the sums stay exact in int32.
+The verdict is read one synced backward later, not in the step that issued it (reading it there
+would stop the CPU until the GPU drained the backward: [Note: No host reads in a step] in
+``_base/host_mirror.py``): the all-reduce's result is copied to pinned host memory behind it,
+and the next synced backward reads that copy (done by then) before it issues its own agreement
+(:class:`~composable_shard._runtime.agreement.StepVerdict`). So a step skipped on some ranks
+raises at the end of the second synced backward after it, on every rank, with the model idle
+and consistent as before; the error says which window it is about.
 Optimizers that hold none of the module's parameters are not counted: a rank may train a model
 of its own.
 
@@ -84,6 +91,7 @@ from torch.nn.modules.module import (register_module_module_registration_hook,
 from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ..contract import _get_registry
+from .._base.host_mirror import HostMirror
 
 __all__ = ["track", "raise_on_model_change", "OptimizerSteps", "StepCounter", "STEP_AGREEMENT_INTS", "watch_replaced"]
 
@@ -334,10 +342,28 @@ class StepCounter(OptimizerSteps):
         if num_ranks * squares == total * total:
             return None
         return (f"{api}: the optimizer(s) holding this model's parameters stepped {mine[0]} time(s) on this rank "
-                f"since the last synchronized backward, but {total / num_ranks:g} times on average over the "
+                f"between the two synchronized backwards before this one, but {total / num_ranks:g} times on average "
+                f"over the "
                 f"{num_ranks} ranks. {consequence} Every rank must call optimizer.step() together; a step guarded "
                 "by a per-rank condition (`if torch.isfinite(loss):` on this rank's loss) must agree on the "
                 "condition first (all_reduce it).")
+
+
+class StepVerdict:
+    """The step part of one end-of-backward agreement, on its way to the host: read at the next
+    agreement of the same groups (or before a state dict is taken), never in the step that
+    issued it ([Note: Step agreement] in ``_runtime/watch.py``, [Note: No host reads in a step]
+    in ``_base/host_mirror.py``)."""
+
+    def __init__(self, mirror: HostMirror, steps: Sequence[int], num_ranks: int, api: str, consequence: str) -> None:
+        self._mirror, self._steps, self._num_ranks = mirror, list(steps), num_ranks
+        self._api, self._consequence = api, consequence
+
+    def disagreement(self) -> Optional[str]:
+        """The error message if the ranks took different numbers of optimizer steps in the window
+        this agreement covered, else ``None``."""
+        return StepCounter.disagreement(self._steps, self._mirror.values(), self._num_ranks, self._api,
+                                         self._consequence)
 
 
 def raise_on_model_change(states: Iterable[_Owner]) -> None:

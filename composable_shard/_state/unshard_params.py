@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from .._runtime import collectives as _collectives
 from .._runtime.module_state import HandleTrainingState, TrainingState, _FSDPState
 from .._runtime.flat_param import FlatGroup, FlatParamHandle, set_grad_of_any_shape, take_pending_init_values
-from .._runtime.hooks import recover_interrupted_backward
+from .._runtime.hooks import recover_interrupted_backward, take_step_verdicts
 from .._runtime.shard_math import param_offsets
 from .._base.pieces import as_dtensor
 from .._base.torch_compat import is_in_backward, set_module_tensor
@@ -146,6 +146,9 @@ def check_between_steps(states: List[_FSDPState], what: str = "unshard_params/su
                                "or backward; call it between steps.")
         if root.ctx.final_callback_queued:
             recover_interrupted_backward(root)
+        steps_disagree = take_step_verdicts(root)  # the last synced backward's, not read yet ([Note: Step agreement])
+        if steps_disagree is not None:
+            raise RuntimeError(steps_disagree)
     for s in states:
         handle_state = s.handle.training_state if s.handle is not None else HandleTrainingState.IDLE
         if s.training_state is TrainingState.SUMMON_FULL_PARAMS or handle_state is not HandleTrainingState.IDLE:

@@ -17,7 +17,8 @@ For FULL_SHARD, SHARD_GRAD_OP and NO_SHARD (``fully_shard`` per block, then the 
 - hold exactly the bytes per rank the design says, measured on every tensor alive in the
   process (a ``gc`` census of unique storages, so a buffer kept anywhere counts): at the step's
   start parameters (ceil(N/W) elements per handle when sharded) + AdamW's two moments of this
-  rank's elements (+ replicate's gradient bucket); after backward that + the gradients (the
+  rank's elements + the last agreement's result (its step verdict is read at the next synced
+  backward) (+ replicate's gradient bucket); after backward that + the gradients (the
   shard, when sharded; replicate's gradients are views into its bucket);
 - copy at most the bytes the design needs beyond the same step of the unwrapped model
   (``copy_``/``cat``/``clone``/... kernels seen by the dispatch mode, floating dtypes): per
@@ -102,6 +103,9 @@ def _expected(api: str, rank: int, world_size: int) -> Dict[str, Any]:
     trainable_params = len(list(Net().parameters()))
     # one int32 per trainable original parameter, and two for the optimizer steps ([Note: Step agreement])
     used_params = [INT32 * (trainable_params + 2)]
+    # its result, kept until the next synced backward reads the step verdict (on the CPU the all-reduced
+    # tensor itself; [Note: No host reads in a step] in _base/host_mirror.py)
+    verdict_bytes = INT32 * (trainable_params + 2)
     chunk = {fqn: math.ceil(n / world_size) for fqn, n in numels.items()}  # elements per rank
     if api == "replicate":
         return {
@@ -109,7 +113,7 @@ def _expected(api: str, rank: int, world_size: int) -> Dict[str, Any]:
             "per_handle": None,
             "param_bytes": F32 * total, "grad_bytes": F32 * total,
             "optim_bytes": 2 * F32 * total,
-            "kept_bytes": F32 * total,  # the gradient bucket, alive between steps (as DDP's)
+            "kept_bytes": F32 * total + verdict_bytes,  # the gradient bucket, alive between steps (as DDP's)
             "copy_bytes": 0,
         }
     if api == "NO_SHARD":
@@ -136,7 +140,7 @@ def _expected(api: str, rank: int, world_size: int) -> Dict[str, Any]:
         "per_handle": {"all_gather": {f: n for f, n in gathers.items() if n},
                        "reduce_scatter" if api != "NO_SHARD" else "all_reduce": {f: 1 for f in numels}},
         "param_bytes": param_bytes, "grad_bytes": param_bytes,
-        "optim_bytes": 2 * F32 * mine, "kept_bytes": 0, "copy_bytes": copy_bytes,
+        "optim_bytes": 2 * F32 * mine, "kept_bytes": verdict_bytes, "copy_bytes": copy_bytes,
     }
 
 

@@ -304,10 +304,14 @@ def _steps_on_some_ranks(api: str, cause: str) -> None:
             scaler.step(optim)
             scaler.update()
         optim.zero_grad()
+    # The next synced backward carries the steps of the window that ends there; its verdict is read
+    # at the one after (no host read in the step that issued it): nothing is raised before.
+    _step(model)
     if cause == "sharded_grad_scaler":  # every rank skipped step 1 together: nothing to report
         _step(model)
         return
     fragments = ["stepped 0 time(s)" if rank == 1 else "stepped 1 time(s)",
+                 "between the two synchronized backwards before this one",
                  f"times on average over the {dist.get_world_size()} ranks", "must call optimizer.step() together"]
     fragments.append("The replicas now differ" if api == "replicate" else "ShardedGradScaler")
     _expect_error(lambda: _step(model), *fragments)
@@ -319,6 +323,26 @@ def _steps_on_some_ranks(api: str, cause: str) -> None:
     _step(model)
 
 
+def _skip_before_a_state_dict(way: str) -> None:
+    """A step skipped on rank 1 after the last synced backward but one: no synced backward reads
+    that window's verdict, so taking the state dict (``get_model_state_dict``, ``state_dict()``,
+    ``unshard_params``) reads it and raises on every rank, before gathering anything."""
+    rank = dist.get_rank()
+    model = _stepped_model("fully_shard")
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    _step(model)
+    if rank == 0:
+        optim.step()
+    optim.zero_grad()
+    _step(model)  # its agreement carries the skipped step; nothing read yet
+    take: Dict[str, Callable[[], Any]] = {"get_model_state_dict": lambda: get_model_state_dict(model),
+                                          "state_dict": model.state_dict,
+                                          "unshard_params": lambda: unshard_params(model).__enter__()}
+    _expect_error(take[way], "stepped 0 time(s)" if rank == 1 else "stepped 1 time(s)",
+                  "must call optimizer.step() together")
+    get_model_state_dict(model)  # read once: the state dict is taken now
+
+
 # ---------------------------------------------------------------------------- entry
 _AGREED: Dict[str, Callable[[], None]] = {
     "different handle order in the first iteration": lambda: run_subtests(
@@ -326,6 +350,8 @@ _AGREED: Dict[str, Callable[[], None]] = {
     "debug mode checks every iteration": _later,
     "optimizer stepped on some ranks": lambda: run_subtests(_steps_on_some_ranks, {
         "api": ["fully_shard", "replicate"], "cause": ["rank_condition", "grad_scaler", "sharded_grad_scaler"]}),
+    "optimizer stepped on some ranks before a state dict": lambda: run_subtests(_skip_before_a_state_dict, {
+        "way": ["get_model_state_dict", "state_dict", "unshard_params"]}),
 }
 _AGREED_AT_4: Dict[str, Callable[[], None]] = {  # more than two ranks agreeing; a real hybrid mesh
     "different handle order in the first iteration": _AGREED["different handle order in the first iteration"],
@@ -356,10 +382,14 @@ def test_disagreement_raises_on_every_rank(world_size: int) -> None:
     optimizer stepped on some ranks: an optimizer step skipped on one rank
     (``torch.amp.GradScaler`` seeing an overflow in that rank's gradient slices; a per-rank
     condition) used to leave that rank's slices behind (or, under replicate, the replicas
-    apart) silently: the next synced backward now raises on every rank saying why and what to
-    use instead, from the used-parameter all-reduce (no extra collective). torch's
+    apart) silently: the second synced backward after it now raises on every rank saying why and
+    what to use instead, from the used-parameter all-reduce (no extra collective), whose verdict is
+    read one synced backward later (no host read in the step that issued it), and not before. torch's
     ``ShardedGradScaler`` (skipping on every rank) and an optimizer of a rank's own model are
-    not reported (2 ranks). At 4 ranks on a 2 x 2 mesh: the agreement sums over both groups."""
+    not reported (2 ranks). At 4 ranks on a 2 x 2 mesh: the agreement sums over both groups.
+
+    optimizer stepped on some ranks before a state dict (2 ranks): the verdict no later backward
+    read is read when the state dict is taken, and raises there."""
     cases = _AGREED_AT_4 if world_size == 4 else _AGREED
     run_distributed(run_subtests, world_size, _agreed_case, {"case": list(cases)}, timeout=150)
 

@@ -4,22 +4,26 @@ torchtitan's ``apply_fsdp_to_decoder`` (issue 47, item 3). Harness: ``tests/_tit
 ([Note: The CPU harness] lists every change made to the recipe to run it on CPU ranks).
 
 Both backends start from one seed checkpoint (torchtitan's ``--checkpoint.create_seed_checkpoint``
-at W = 1), train 10 steps of 2 rows of 64 tokens per rank in fp32, save at step 5 through
-torchtitan's checkpointer (``dcp.save`` of ``model.state_dict()`` and its flat, FQN-keyed
-optimizer state), and a second run resumes from that save. Checked:
+at W = 1), train 10 steps of 2 rows of 64 tokens per rank in fp32 and save at step 5 through
+torchtitan's asynchronous checkpointer (``dcp.async_save`` of ``model.state_dict()`` and its flat,
+FQN-keyed optimizer state); a second run of this library resumes from that save, a third starts
+from torchtitan's own init (no seed checkpoint). Checked:
 
 * FSDP2 (the reference works as claimed): torchtitan applied torch's ``fully_shard`` to the 10
-  modules ``apply_fsdp_to_decoder`` names, the resumed steps 6-10 repeat the uninterrupted ones,
-  and the per-step collective counts are at least what FSDP2 needs by hand.
+  modules ``apply_fsdp_to_decoder`` names, saved asynchronously at step 5, and the per-step
+  collective counts are at least what FSDP2 needs by hand.
 * this library: per-step loss and gradient norm (what torchtitan logs) equal FSDP2's (fp32,
   rtol 1e-5); per step no more all-gathers and reduce-scatters than FSDP2 (counted below
   torch.distributed for both, [Note: What is observed] in ``tests/_titan.py``), and no more
   all-reduces beyond the agreement the library makes by design (``AGREED_ALL_REDUCES_PER_STEP``); the resumed
-  steps 6-10 repeat its uninterrupted ones.
+  steps 6-10 repeat its uninterrupted ones; from torchtitan's own init, its first steps equal the
+  seed checkpoint's (the unsharded model's weights for the same seed).
 
-One test (not one per backend): the FSDP2 runs are the reference of the comparison, and two tests
-sharing them through a fixture would run them twice when pytest-xdist puts the tests on different
-workers. A failure of this library's side lists every failed check, (a) to (c), in one message.
+The same seed checkpoint then serves torchtitan's tensor and pipeline parallelisms at W = 4
+(:func:`_parallel_problems`). One test (not one per backend or parallelism): the FSDP2 runs are the
+reference of the comparison and the seed checkpoint is shared, and tests sharing them through a
+fixture would make them twice when pytest-xdist puts the tests on different workers. A failure
+lists every failed check of this library, (a) to (d) and each parallelism's, in one message.
 torchtitan is not optional here: without it (or with another version) the test fails and says to
 install the ``[torchtitan]`` test extra.
 """
@@ -72,7 +76,7 @@ def _results(tmp: str, backend: str) -> List[Dict[str, Any]]:
     for r in range(2):
         with open(os.path.join(tmp, "results", f"{backend}.rank{r}.json")) as f:
             ranks.append(json.load(f))
-    for run in ("full", "resumed"):
+    for run in ranks[0]:
         a, b = ranks[0][run], ranks[1][run]
         assert (a["steps"], a["loss"], a["grad_norm"]) == (b["steps"], b["loss"], b["grad_norm"]), (backend, run)
         assert a["collectives"] == b["collectives"], (backend, run, a["collectives"], b["collectives"])
@@ -91,17 +95,24 @@ def _close(name: str, actual: List[float], expected: List[float]) -> List[str]:
     return []
 
 
-def _resume_problems(backend: str, runs: Dict[str, Any]) -> List[str]:
-    """torchtitan's save at SAVE_AT and a resume from it: steps SAVE_AT+1.. repeat the uninterrupted run."""
-    full, resumed = runs["full"], runs["resumed"]
-    steps = list(range(1, _titan.STEPS + 1))
+def _save_problems(backend: str, full: Dict[str, Any]) -> List[str]:
+    """The uninterrupted run logged every step and saved at SAVE_AT, asynchronously."""
     problems = []
-    if full["steps"] != steps or resumed["steps"] != steps[_titan.SAVE_AT:]:
-        problems.append(f"{backend}: logged steps {full['steps']} and, resumed, {resumed['steps']}")
+    if full["steps"] != list(range(1, _titan.STEPS + 1)):
+        problems.append(f"{backend}: logged steps {full['steps']}")
     if full["async_mode"] != "AsyncMode.ASYNC":  # torchtitan's async checkpointing (issue 55)
         problems.append(f"{backend}: the uninterrupted run saved with async_mode {full['async_mode']}")
     if f"step-{_titan.SAVE_AT}" not in full["checkpoints"]:
         problems.append(f"{backend}: no step-{_titan.SAVE_AT} checkpoint: {full['checkpoints']}")
+    return problems
+
+
+def _resume_problems(backend: str, runs: Dict[str, Any]) -> List[str]:
+    """torchtitan's save at SAVE_AT and a resume from it: steps SAVE_AT+1.. repeat the uninterrupted run."""
+    full, resumed = runs["full"], runs["resumed"]
+    problems = _save_problems(backend, full)
+    if resumed["steps"] != list(range(_titan.SAVE_AT + 1, _titan.STEPS + 1)):
+        problems.append(f"{backend}: resumed, logged steps {resumed['steps']}")
     problems += _close(f"{backend}: resumed losses", resumed["loss"], full["loss"][_titan.SAVE_AT:])
     problems += _close(f"{backend}: resumed gradient norms", resumed["grad_norm"], full["grad_norm"][_titan.SAVE_AT:])
     return problems
@@ -116,7 +127,7 @@ def _check_fsdp2(runs: Dict[str, Any]) -> None:
     # it trained: the Markov text's loss falls (measured 8.10 -> 7.87 over the 10 steps)
     assert full["loss"][-1] < full["loss"][0] - 0.1, full["loss"]
     assert all(0 < g < 100 for g in full["grad_norm"]), full["grad_norm"]
-    problems = _resume_problems("FSDP2", runs)
+    problems = _save_problems("FSDP2", full)
     assert not problems, "\n".join(problems)
     # The counter sees FSDP2's collectives. By hand, per step: 8 groups with parameters
     # (tok_embeddings, norm+lm_head, 6 blocks), each all-gathered in forward, the 7 that reshard
@@ -159,21 +170,11 @@ def _collective_problems(ours: List[Dict[str, int]], theirs: List[Dict[str, int]
     return problems
 
 
-def test_torchtitan_llama3_fsdp2_and_composable_shard(tmp_path: Any) -> None:
-    _require_torchtitan()
-    tmp = str(tmp_path)
-    assets = _titan.make_assets(tmp)
-    run_distributed(_titan.create_seed_checkpoint, 1, tmp, assets, timeout=240)
-    assert os.path.isfile(os.path.join(_titan.seed_path(tmp), ".metadata")), os.listdir(tmp)
-    try:
-        # FSDP2: the reference
-        run_distributed(_titan.run_backend, 2, tmp, assets, "fsdp2", timeout=300)
-        reference = _results(tmp, "fsdp2")[0]
-        _check_fsdp2(reference)
-        # this library's fully_shard in torchtitan's apply_fsdp_to_decoder
-        run_distributed(_titan.run_backend, 2, tmp, assets, "composable_shard", timeout=300)
-    finally:
-        shutil.rmtree(os.path.dirname(os.path.dirname(_titan.seed_path(tmp))))  # 72 MB
+def _one_d_problems(tmp: str) -> List[str]:
+    """W = 2 (runs in ``{tmp}/results``): FSDP2 works as claimed (asserted), and the list of what
+    differs in this library's runs: (a) to (d) of the module docstring."""
+    reference = _results(tmp, "fsdp2")[0]
+    _check_fsdp2(reference)
     runs = _results(tmp, "composable_shard")[0]
     full = runs["full"]
     assert sorted(full["fsdp_modules"]["composable_shard"]) == sorted(SHARDED_MODULES), full["fsdp_modules"]
@@ -189,12 +190,12 @@ def test_torchtitan_llama3_fsdp2_and_composable_shard(tmp_path: Any) -> None:
     # seed checkpoint holds (made at W = 1 from the same seed), so the same first steps
     problems += _close("(d) losses from torchtitan's own init against the seed checkpoint's",
                        runs["unseeded"]["loss"], full["loss"][:_titan.UNSEEDED_STEPS])
-    assert not problems, "composable_shard in torchtitan's recipe:\n  " + "\n  ".join(problems)
+    return ["1-D, W = 2: " + p for p in problems]
 
 
-def test_torchtitan_llama3_tensor_and_pipeline_parallel_equal_fsdp2(tmp_path: Any) -> None:
-    """torchtitan's other parallelisms at W = 4 with the same swap (issue 55), each 6 steps from one
-    seed checkpoint, FSDP2 then this library in one spawn:
+def _parallel_problems(tmp: str, names: List[str]) -> List[str]:
+    """W = 4 (runs in ``{tmp}/results``), torchtitan's other parallelisms with the same swap (issue 55),
+    each 6 steps from the seed checkpoint, FSDP2 then this library in one spawn:
 
     * ``--parallelism.tensor_parallel_degree 2`` (dp 2 x tp 2): torchtitan builds on the meta
       device, applies its TP plan, then ``fully_shard``, then ``to_empty`` + ``init_weights``
@@ -212,15 +213,6 @@ def test_torchtitan_llama3_tensor_and_pipeline_parallel_equal_fsdp2(tmp_path: An
     reduce-scatters than FSDP2 (all-reduces are not compared here: besides the agreement,
     clipping's norm over the dp x tp pieces takes 3 small all-reduces here where FSDP2's DTensor
     norm takes 2); the stages are the ones each backend builds."""
-    _require_torchtitan()
-    tmp = str(tmp_path)
-    assets = _titan.make_assets(tmp)
-    run_distributed(_titan.create_seed_checkpoint, 1, tmp, assets, timeout=240)
-    names = list(_titan.PARALLELISMS)
-    try:
-        run_distributed(_titan.run_parallelisms, 4, tmp, assets, names, timeout=420)
-    finally:
-        shutil.rmtree(os.path.dirname(os.path.dirname(_titan.seed_path(tmp))))
     problems: List[str] = []
     holders: Set[str] = set()  # the configurations some rank logged real losses of
     logged: Dict[str, List[float]] = {}  # per configuration: the losses ours logged where it logs them
@@ -256,4 +248,25 @@ def test_torchtitan_llama3_tensor_and_pipeline_parallel_equal_fsdp2(tmp_path: An
     for name in names:  # the loss as the ranks holding the last stage log it (for a V schedule, other ranks)
         problems += _close(f"{name}: losses against FSDP2", logged.get(name, []), logged_reference[name])
     assert holders == set(names), (names, holders)
+    return problems
+
+
+def test_torchtitan_llama3_equals_fsdp2_in_every_parallelism(tmp_path: Any) -> None:
+    """From one seed checkpoint: 1-D data parallelism at W = 2 (FSDP2, then this library: the module
+    docstring), then tensor and pipeline parallelism at W = 4 (:func:`_parallel_problems`); every
+    run happens before any check, and a failure lists every problem of both."""
+    _require_torchtitan()
+    tmp = str(tmp_path)
+    assets = _titan.make_assets(tmp)
+    run_distributed(_titan.create_seed_checkpoint, 1, tmp, assets, timeout=240)
+    assert os.path.isfile(os.path.join(_titan.seed_path(tmp), ".metadata")), os.listdir(tmp)
+    names = list(_titan.PARALLELISMS)
+    try:
+        run_distributed(_titan.run_backend, 2, tmp, assets, "fsdp2", timeout=300)  # the reference
+        # this library's fully_shard in torchtitan's apply_fsdp_to_decoder
+        run_distributed(_titan.run_backend, 2, tmp, assets, "composable_shard", timeout=300)
+        run_distributed(_titan.run_parallelisms, 4, tmp, assets, names, timeout=420)
+    finally:
+        shutil.rmtree(os.path.dirname(os.path.dirname(_titan.seed_path(tmp))))  # 72 MB
+    problems = _one_d_problems(tmp) + _parallel_problems(tmp, names)
     assert not problems, "composable_shard in torchtitan's recipe:\n  " + "\n  ".join(problems)
