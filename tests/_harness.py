@@ -104,6 +104,7 @@ class _RankSpec:
     environ: dict[str, str]  # the test process's environment at the call
     stack_path: str  # this rank's faulthandler output
     pg_timeout_s: float
+    backend: str  # of the process group: "gloo", or "nccl" (rank r on cuda:r)
     fn: Callable[..., None]
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
@@ -136,9 +137,11 @@ def world_sizes() -> list[int]:
 
 
 def run_distributed(
-    fn: Callable[..., None], world_size: int, *args: Any, timeout: float = 120.0, **kwargs: Any
+    fn: Callable[..., None], world_size: int, *args: Any, timeout: float = 120.0, backend: str = "gloo",
+    **kwargs: Any
 ) -> None:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` spawned ranks in one gloo process group.
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` spawned ranks in one gloo process group
+    (``backend="nccl"``: an NCCL group, rank r on ``cuda:r``, for the CUDA suite in tests/cuda).
 
     ``fn`` must be a module-level function (pickled by reference); it reads its rank with
     ``dist.get_rank()``. Raises ``RankError`` for the first rank that raised or died (the
@@ -149,7 +152,7 @@ def run_distributed(
     never reaches pytest and a hang stalls the whole suite.
     """
     __tracebackhide__ = True  # pytest shows the failure at the test's call, not in here
-    _check_arguments(fn, world_size, timeout)
+    _check_arguments(fn, world_size, timeout, backend)
     ctx = _rank_context()
     pg_timeout_s = timeout + PG_TIMEOUT_SLACK_S
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,  # type: ignore[attr-defined]  # public, re-exported without __all__
@@ -161,7 +164,7 @@ def run_distributed(
         for rank in range(world_size):
             stack_path = os.path.join(stack_dir, f"rank{rank}.txt")
             spec = _RankSpec(rank, world_size, store.port, os.getpid(), dict(os.environ),
-                             stack_path, pg_timeout_s, fn, args, dict(kwargs))
+                             stack_path, pg_timeout_s, backend, fn, args, dict(kwargs))
             procs.append(_start_rank(ctx, spec))
         _supervise(procs, start, timeout)
         if not any(proc.failed_at < math.inf for proc in procs):
@@ -288,7 +291,7 @@ def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(diff.max()) if diff.numel() else 0.0
 
 
-def _check_arguments(fn: Callable[..., None], world_size: int, timeout: float) -> None:
+def _check_arguments(fn: Callable[..., None], world_size: int, timeout: float, backend: str) -> None:
     qualname = getattr(fn, "__qualname__", "")  # functools.partial has none, and pickles
     if "<locals>" in qualname or "<lambda>" in qualname:
         raise TypeError(f"run_distributed: fn must be a module-level function (it is pickled "
@@ -297,6 +300,8 @@ def _check_arguments(fn: Callable[..., None], world_size: int, timeout: float) -
         raise ValueError(f"run_distributed: world_size must be an int >= 1, got {world_size!r}")
     if not timeout > 0:
         raise ValueError(f"run_distributed: timeout must be > 0 seconds, got {timeout!r}")
+    if backend not in ("gloo", "nccl"):  # fn's own argument of that name goes positionally
+        raise ValueError(f"run_distributed: backend must be 'gloo' or 'nccl' (the process group's), got {backend!r}")
 
 
 def _rank_context() -> BaseContext:
@@ -332,7 +337,9 @@ def _rank_main(spec: _RankSpec, conn: Connection, lifeline: Connection) -> None:
         pg_timeout = timedelta(seconds=spec.pg_timeout_s)
         store = dist.TCPStore("127.0.0.1", spec.port, spec.world_size, is_master=False,  # type: ignore[attr-defined]  # as above
                               timeout=pg_timeout)
-        dist.init_process_group("gloo", store=store, rank=spec.rank,
+        if spec.backend == "nccl":  # one device per rank, current before NCCL picks one
+            torch.cuda.set_device(spec.rank)
+        dist.init_process_group(spec.backend, store=store, rank=spec.rank,
                                 world_size=spec.world_size, timeout=pg_timeout)
         spec.fn(*spec.args, **spec.kwargs)
         conn.send(("fn_done", time.monotonic(), ""))

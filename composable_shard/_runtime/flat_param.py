@@ -660,7 +660,7 @@ class FlatParamHandle:
         for group in self.groups:
             fp = group.flat_param
             with torch.enable_grad():  # see [Note: Views made in backward]
-                pieces = torch.split(group.padded_unsharded_flat, group.split_sizes)
+                pieces = group.padded_unsharded_flat.split_with_sizes(group.split_sizes)  # torch.split's op, no wrapper
                 views = [piece.view(shape) if trainable else piece.detach().view(shape)
                          for piece, shape, trainable in zip(pieces, fp._shapes, group.requires_grad_mask)]
                 views = [view if tp is None else as_dtensor(tp, view) for view, tp in zip(views, fp._pieces)]

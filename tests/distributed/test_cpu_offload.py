@@ -9,7 +9,7 @@ shards, one GPU)."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
 import torch
@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from composable_shard import CPUOffload, ShardingStrategy, fully_shard, get_model_state_dict, unshard_params
 from tests._harness import run_distributed, run_subtests
-from tests._models import (Named, assert_params_close, batch, check_grads_each_step, clone, distributed_training,
-                           local_rows, loss_fn, make_model, reference_training)
+from tests._models import (Named, assert_params_close, batch, clone, local_rows, loss_fn, make_model,
+                           make_optimizer, reference_training)
 
 STEPS = 3
 LR = 0.1  # plain SGD: a wrong gradient scale moves the parameters
@@ -39,6 +39,33 @@ def _full_params(model: torch.nn.Module) -> Named:
         return [(n, p.detach().cpu().clone()) for n, p in model.named_parameters()]
 
 
+def _full_grads(model: torch.nn.Module) -> Named:
+    """Full gradients, copied to the CPU (where the reference trained): ``unshard_params``
+    gathers them on the compute device."""
+    with unshard_params(model, with_grads=True, writeback=False):
+        return [(n, p.grad.detach().cpu().clone()) for n, p in model.named_parameters() if p.grad is not None]
+
+
+def _rows(step: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """This rank's inputs and targets of ``step`` on ``device``, where the model computes (its
+    logits land there, so the targets must too)."""
+    rank = dist.get_rank()
+    inputs, targets = batch(step, dist.get_world_size())
+    return local_rows(inputs, rank).to(device), local_rows(targets, rank).to(device)
+
+
+def _train(model: torch.nn.Module, device: torch.device, after_backward: Callable[[int], None]) -> None:
+    """STEPS of plain SGD on this rank's rows, computed on ``device``; the optimizer steps the
+    offloaded shards on the CPU."""
+    optim = make_optimizer("sgd", model.parameters(), LR)
+    for step in range(STEPS):
+        inputs, targets = _rows(step, device)
+        loss_fn(model(inputs), targets).backward()
+        after_backward(step)
+        optim.step()
+        optim.zero_grad()
+
+
 def _offload_subtest(strategy: ShardingStrategy, device: torch.device) -> None:
     world_size = dist.get_world_size()
     reference = make_model()
@@ -56,24 +83,22 @@ def _offload_subtest(strategy: ShardingStrategy, device: torch.device) -> None:
         root = fully_shard.state(model)
         for h in root._all_handles:
             assert all(g.landing_grad is None for g in h.groups), f"[{strategy.name}] a gradient copy not landed"
-        check_grads_each_step(model, expected, what=f"[{strategy.name} offload]")(step)
+        assert_params_close(_full_grads(model), expected[step], what=f"[{strategy.name} offload] step {step} grads")
 
-    distributed_training(model, STEPS, lr=LR, optimizer="sgd", after_backward=after_backward)
+    _train(model, device, after_backward)
     handles = fully_shard.state(model)._all_handles
     assert len(handles) == len(model.blocks) + 1 and all(h.offload_params for h in handles)
     assert_params_close(_full_params(model), list(reference.named_parameters()), what=f"[{strategy.name} offload]")
 
     # A second backward without zero_grad adds to the gradient that landed from the first,
     # as local training does (the landed host copy is accumulated, never assigned).
-    rank = dist.get_rank()
     twice = clone(reference)
     for _ in range(2):
         inputs, targets = batch(STEPS, world_size)
         loss_fn(twice(inputs), targets).backward()
-        loss_fn(model(local_rows(inputs, rank)), local_rows(targets, rank)).backward()
-    with unshard_params(model, with_grads=True, writeback=False):
-        got = [(n, p.grad.detach().cpu().clone()) for n, p in model.named_parameters() if p.grad is not None]
-    assert_params_close(got, [(n, p.grad) for n, p in twice.named_parameters() if p.grad is not None],
+        rows, row_targets = _rows(STEPS, device)
+        loss_fn(model(rows), row_targets).backward()
+    assert_params_close(_full_grads(model), [(n, p.grad) for n, p in twice.named_parameters() if p.grad is not None],
                         what=f"[{strategy.name} offload] two backwards")
     full = get_model_state_dict(model)
     assert_params_close([(n, full[n].cpu()) for n, _ in reference.named_parameters()], _full_params(model),
@@ -94,9 +119,12 @@ def test_cpu_offload_matches_local_training(world_size: int) -> None:
     run_distributed(_offload, world_size, "cpu", timeout=180)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA offload path needs a GPU (run on a GPU machine)")
 def test_cpu_offload_cuda_compute_device() -> None:
-    """One GPU, NCCL: pinned CPU shards copied to the GPU for each all-gather, reduced gradients
-    copied back without waiting, the optimizer on the CPU; equal to local training. (W=1: the
-    library issues no collective, so the harness's gloo group is enough.)"""
+    """One GPU, compute on cuda:0: pinned CPU shards copied to the GPU for each all-gather, reduced
+    gradients copied back without waiting, the optimizer on the CPU; inputs and targets on the
+    GPU with the logits, the reference and every comparison on the CPU; equal to local training.
+    (W=1: the library issues no collective, so the harness's gloo group is enough; tests/cuda
+    runs the same subtests at W=2.)"""
     run_distributed(_offload, 1, "cuda", timeout=300)

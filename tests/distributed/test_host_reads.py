@@ -20,6 +20,9 @@ reads, and its ``torch.tensor``), and clipping made an index tensor from Python 
 configuration would fail naming the frame. The step agreement it read there is now read a synced
 backward later: ``test_fully_shard_divergence.py`` checks that the error still comes, on every rank.
 
+Beside it, the other per-step cost that needs no device: the runtime's profiler ranges are opened
+only while a profiler records (each costs tens of microseconds otherwise), and then all of them.
+
 The counter itself is checked first (code run with a library module's name reads a value: counted
 by site; other code and ``host_mirror`` not), so a counter that sees nothing cannot pass.
 """
@@ -29,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections import Counter
-from typing import Any, Callable, Dict, Iterator, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -152,8 +155,40 @@ def _the_counter_counts() -> None:
     assert torch.tensor.__name__ != "counted"
 
 
+def _ranges_only_under_a_profiler() -> None:
+    """The runtime's profiler ranges (one ``record_function`` per transition, tens of
+    microseconds each even with no profiler running) are opened in a step only while a profiler
+    records: under ``torch.profiler.profile`` every transition's range is in the trace, once per
+    handle and step; without one, no range is opened."""
+    model = make_model()
+    _fully_shard_blocks(model)
+    optim = torch.optim.SGD(model.parameters(), lr=1e-2)
+    for step in range(WARMUP):
+        _step(model, optim, step)
+    opened: List[str] = []
+    original = torch.profiler.record_function.__enter__
+
+    def counted(self: Any) -> Any:
+        opened.append(self.name)
+        return original(self)
+
+    torch.profiler.record_function.__enter__ = counted  # type: ignore[method-assign]
+    try:
+        _step(model, optim, WARMUP)
+        assert [n for n in opened if n.startswith("cs::")] == [], opened
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            _step(model, optim, WARMUP + 1)
+    finally:
+        torch.profiler.record_function.__enter__ = original  # type: ignore[method-assign]
+    names = Counter(e.name for e in prof.events() if e.name.startswith("cs::"))
+    handles = len(model.blocks) + 1
+    assert names == {"cs::pre_forward": handles, "cs::post_forward": handles, "cs::pre_backward": handles,
+                     "cs::post_backward": handles, "cs::finalize_backward": 1}, names
+
+
 def _all() -> None:
     _the_counter_counts()
+    _ranges_only_under_a_profiler()
     run_subtests(_no_host_read_in_a_step, {"config": list(_CONFIGS)})
 
 
