@@ -5,6 +5,7 @@
     python benchmarks/run.py --judge A.json B.json C.json   # judge 3 saved --json runs instead
     python benchmarks/run.py --blocks 4 8 16 --world 1 2 4 --json out.json   # scaling table too
     python benchmarks/run.py --workload gpu       # BENCHMARK.md's GPU workload (needs CUDA)
+    python benchmarks/run.py --workload overhead [...]   # CPU cost per fully sharded module (benchmarks/overhead.py)
 
     options: [--world W ...] (alias --world-size W) [--blocks B ...] [--steps 10] [--warmup 3]
              [--batch 4] [--contenders local,ddp,torch_fsdp1,torch_fsdp2,fully_shard,replicate]
@@ -931,8 +932,10 @@ def _ints(values: List[str], what: str, p: argparse.ArgumentParser) -> List[int]
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", choices=("cpu", "gpu"), default="cpu",
-                   help="cpu: the standard CPU workload (gloo); gpu: BENCHMARK.md's GPU workload (one GPU, W=1 NCCL)")
+    p.add_argument("--workload", choices=("cpu", "gpu", "overhead"), default="cpu",
+                   help="cpu: the standard CPU workload (gloo); gpu: BENCHMARK.md's GPU workload (one GPU, W=1 NCCL); "
+                        "overhead: the runtime's CPU cost per fully sharded module (benchmarks/overhead.py, which "
+                        "takes the options that follow)")
     p.add_argument("--world", nargs="+", default=None, metavar="W",
                    help="world sizes, each a separate spawn (default: 2 1, so every target of BENCHMARK.md is measured)")
     p.add_argument("--world-size", type=int, default=None, help="alias of a single --world")
@@ -1139,6 +1142,11 @@ def run_invocations(args: argparse.Namespace) -> Tuple[List[List[Dict[str, Any]]
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    raw = list(sys.argv[1:] if argv is None else argv)
+    for i, arg in enumerate(raw):  # --workload overhead: benchmarks/overhead.py parses its own options
+        if arg == "--workload=overhead" or (arg == "--workload" and raw[i + 1:i + 2] == ["overhead"]):
+            from benchmarks import overhead
+            return overhead.main(raw[:i] + raw[i + (1 if "=" in arg else 2):])
     args = parse_args(argv)
     if args.judge:
         invocations, failures = load_invocations(args.judge)

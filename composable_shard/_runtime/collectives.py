@@ -233,10 +233,26 @@ def trace(name: str, tag: str = "") -> None:
         r._add_event(("trace", name, tag))
 
 
+# Per process group (None: the default one): (size, backend). Asked of c10d once, not per collective
+# (tens of microseconds per call, several collectives per module and step); a group's size and
+# backend never change, and the entry goes with the group.
+_GROUP_FACTS: "weakref.WeakKeyDictionary[Any, Tuple[int, str]]" = weakref.WeakKeyDictionary()
+
+
+def _group_facts(group: Optional[dist.ProcessGroup]) -> Tuple[int, str]:
+    key = group if group is not None else dist.group.WORLD
+    facts = _GROUP_FACTS.get(key) if key is not None else None
+    if facts is None:
+        facts = (dist.get_world_size(group), str(dist.get_backend(group)))
+        if key is not None:
+            _GROUP_FACTS[key] = facts
+    return facts
+
+
 def _report(kind: str, nbytes: int, group: Optional[dist.ProcessGroup], tag: str,
             input: Optional[torch.Tensor] = None) -> int:
     """Report a collective to the active recorders; returns the group's size."""
-    world_size = dist.get_world_size(group)
+    world_size = _group_facts(group)[0]
     if _local.recorders:
         rec = CollectiveRecord(kind, nbytes, world_size, tag, weakref.ref(input) if input is not None else None)
         for r in _local.recorders:
@@ -295,7 +311,7 @@ def reduce_scatter_into(
 
 
 def _is_gloo(group: Optional[dist.ProcessGroup]) -> bool:
-    return dist.get_backend(group) == "gloo"
+    return _group_facts(group)[1] == "gloo"
 
 
 # [Note: Collectives on gloo]  gloo's all-gather and reduce-scatter run on the process group's

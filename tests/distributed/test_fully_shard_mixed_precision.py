@@ -269,8 +269,8 @@ def _float16_loss_scaling() -> None:
     torch's ShardedGradScaler (which all-reduces the overflow flag) does that on our gradients:
     every rank skips the overflowing step with the same new scale, and the next step equals
     SGD on the local fp32 model's gradient (float16 tolerance). torch.amp.GradScaler lets the
-    ranks without the overflow step alone (see docs/api.md, MixedPrecision): the next backward
-    raises on every rank."""
+    ranks without the overflow step alone (see docs/api.md, MixedPrecision): the second synced
+    backward after it raises on every rank."""
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # torch's, a documented recipe
 
     world_size = dist.get_world_size()
@@ -306,14 +306,16 @@ def _float16_loss_scaling() -> None:
         assert not torch.equal(model.w.detach(), start), "the step without overflow must update"
 
     # torch.amp.GradScaler on the same overflow: the ranks whose slices stayed finite step alone.
-    # That used to go on silently; the next synced backward now raises on every rank, naming the
-    # cure ([Note: Step agreement] in _runtime/watch.py).
+    # That used to go on silently; the second synced backward after it now raises on every rank,
+    # naming the cure (the first carries the step counts; [Note: Step agreement] in _runtime/watch.py).
     model = fully_shard(_Weights(), mixed_precision=MixedPrecision(param_dtype=torch.float16))
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     plain = torch.amp.GradScaler("cpu", init_scale=1024.0)
     plain.scale(model(overflow).float()).backward()
     plain.step(optim)
     plain.update()
+    optim.zero_grad()
+    plain.scale(model(mine).float()).backward()
     optim.zero_grad()
     try:
         plain.scale(model(mine).float()).backward()

@@ -1,0 +1,206 @@
+"""``benchmarks/simulated.py``: one process plays one rank of ``W`` identical ranks (issue 56, item 2).
+
+``benchmarks/overhead.py`` measures the runtime's CPU cost per module at W=8 on this backend (and
+the GPU benchmark's W=8 runs on it): every all-gather and reduce-scatter of the library and of
+torch's FSDP2 really runs, on data of the real sizes. What would silently break without these
+tests: a collective that writes something other than what W identical ranks would produce (a
+reduce-scatter that forgets the factor W or takes another rank's chunk, an all-gather that fills
+one chunk, an all-reduce that keeps a SUM) raises nothing; the benchmark's steps would then train a
+different model than the one their sanity line describes, with gradients off by a factor the
+optimizer hides, and its figures would no longer be those of the W-rank code paths.
+
+Every expected number is worked out by hand here, from the inputs and the rank; the training test
+builds its reference (a local model on the parameters rank ``r``'s shards describe, tiled W times,
+re-tiled after each step) from the shapes alone, without the library or the backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+from typing import Any, Callable, Iterator, List, Tuple
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from benchmarks import simulated
+from tests._models import zip_same
+
+# torch 2.12 renamed these two (the old names warn); the backend implements both spellings
+ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@contextlib.contextmanager
+def _simulated_world(world_size: int, rank: int) -> Iterator[simulated.SimulatedProcessGroup]:
+    """The default process group: ``rank`` of ``world_size`` simulated ranks, destroyed afterwards."""
+    assert not dist.is_initialized(), "a default process group is already initialized in this test process"
+    simulated.register()
+    dist.init_process_group(simulated.BACKEND_NAME, rank=rank, world_size=world_size, store=dist.HashStore())
+    try:
+        group = dist.group.WORLD
+        assert isinstance(group, simulated.SimulatedProcessGroup), type(group)
+        yield group
+    finally:
+        gc.collect()  # FSDP2 and the library hold the group until their models go
+        dist.destroy_process_group()
+
+
+def _tensor(values: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype)
+
+
+def test_collectives_write_what_identical_ranks_would() -> None:
+    """Rank 2 of 4 (not rank 0, so that taking chunk 0 instead of this rank's chunk shows): every
+    collective's output against numbers worked out by hand; the works are complete at once and their
+    futures hold the output; point-to-point refuses; the group counts its collectives."""
+    with _simulated_world(4, 2) as group:
+        assert (dist.get_world_size(), dist.get_rank(), dist.get_backend()) == (4, 2, "simulated")
+        calls = group.calls
+
+        out = torch.full((12,), -1.0)
+        work = ALL_GATHER_SINGLE(out, _tensor([1.0, 2.0, 3.0]), async_op=True)
+        assert work is not None and work.is_completed() and work.wait()
+        assert torch.equal(out, _tensor([1.0, 2.0, 3.0] * 4))
+        assert torch.equal(work.get_future().value()[0], out)
+        stacked = torch.full((4, 2), -1.0)
+        ALL_GATHER_SINGLE(stacked, _tensor([5.0, -6.0]))
+        assert torch.equal(stacked, _tensor([[5.0, -6.0]] * 4))
+
+        # reduce_scatter_tensor: chunks of arange(8) are [0,1] [2,3] [4,5] [6,7]; rank 2 holds [4,5]
+        for op, expected in ((dist.ReduceOp.SUM, [16.0, 20.0]), (dist.ReduceOp.AVG, [4.0, 5.0]),
+                             (dist.ReduceOp.MAX, [4.0, 5.0]), (dist.ReduceOp.MIN, [4.0, 5.0])):
+            chunk = torch.full((2,), -1.0)
+            REDUCE_SCATTER_SINGLE(chunk, torch.arange(8.0), op=op)
+            assert torch.equal(chunk, _tensor(expected)), (op, chunk)
+        chunk = torch.full((2,), -1.0)
+        dist.reduce_scatter(chunk, [_tensor([1.0, 1.0]), _tensor([2.0, 2.0]), _tensor([3.0, -3.0]), _tensor([4.0, 4.0])])
+        assert torch.equal(chunk, _tensor([12.0, -12.0]))  # this rank's entry (index 2), 4 times
+
+        for op, expected in ((dist.ReduceOp.SUM, [4.0, -8.0]), (dist.ReduceOp.AVG, [1.0, -2.0]),
+                             (dist.ReduceOp.MAX, [1.0, -2.0]), (dist.ReduceOp.MIN, [1.0, -2.0]),
+                             (dist.ReduceOp.PRODUCT, [1.0, 16.0])):
+            t = _tensor([1.0, -2.0])
+            dist.all_reduce(t, op=op)
+            assert torch.equal(t, _tensor(expected)), (op, t)
+        flags = torch.tensor([0, 1, 3], dtype=torch.int32)
+        dist.all_reduce(flags)
+        assert torch.equal(flags, torch.tensor([0, 4, 12], dtype=torch.int32))
+
+        t = _tensor([7.0, 8.0])
+        dist.broadcast(t, src=0)
+        assert torch.equal(t, _tensor([7.0, 8.0]))
+        outs = [torch.full((2,), -1.0) for _ in range(4)]
+        dist.all_gather(outs, _tensor([7.0, 8.0]))
+        assert all(torch.equal(o, _tensor([7.0, 8.0])) for o in outs)
+        a2a = torch.full((8,), -1.0)
+        dist.all_to_all_single(a2a, torch.arange(8.0))  # every peer sends rank 2 its chunk 2 = [4, 5]
+        assert torch.equal(a2a, _tensor([4.0, 5.0] * 4))
+        dist.barrier()
+        assert group.calls - calls == 17  # 2 + 5 + 6 above, broadcast, all_gather, all_to_all, barrier
+
+        with pytest.raises(NotImplementedError, match="point-to-point send"):
+            dist.send(t, dst=0)
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (4,))
+        assert mesh.get_group() is group and mesh.size() == 4 and mesh.get_local_rank() == 2
+
+
+def _model() -> nn.Sequential:
+    """Two fully sharded blocks and a root holding the head: handles of 35, 30 and 6 elements."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Sequential(nn.Linear(6, 5), nn.Tanh()), nn.Sequential(nn.Linear(5, 5), nn.Tanh()),
+                         nn.Linear(5, 1))
+
+
+def _handles(model: nn.Sequential) -> List[List[nn.Parameter]]:
+    """The parameters of each fully sharded module, in registration order: block 0, block 1, root."""
+    return [list(model[0].parameters()), list(model[1].parameters()), list(model[2].parameters())]
+
+
+def _tile_flat(params: List[nn.Parameter], world_size: int, rank: int) -> List[torch.Tensor]:
+    """Ours: one flat concatenation per module, ceil(N/W) elements per rank; the all-gather tiles
+    rank ``rank``'s chunk (chosen below so that it holds no padding)."""
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    chunk = math.ceil(flat.numel() / world_size)
+    assert (rank + 1) * chunk <= flat.numel(), "the chosen rank's chunk must hold no padding"
+    tiled = flat[rank * chunk:(rank + 1) * chunk].repeat(world_size)[: flat.numel()]
+    return list(torch.split(tiled, [p.numel() for p in params]))
+
+
+def _tile_rows(params: List[nn.Parameter], world_size: int, rank: int) -> List[torch.Tensor]:
+    """FSDP2: each tensor sharded on dim 0, ceil(rows/W) rows per rank; rank 0's rows tiled."""
+    assert rank == 0
+    out = []
+    for p in params:
+        rows = math.ceil(p.shape[0] / world_size)
+        out.append(p.detach()[:rows].repeat(world_size, *[1] * (p.dim() - 1))[: p.shape[0]])
+    return out
+
+
+def _tiled_reference_losses(tile: Callable[[List[nn.Parameter], int, int], List[torch.Tensor]], world_size: int,
+                            rank: int, batches: List[Tuple[torch.Tensor, torch.Tensor]], lr: float) -> List[float]:
+    """Local SGD on the parameters the simulated rank computes on: before each step every module's
+    parameters are replaced by its shards tiled (the all-gather), and the step's update of this
+    rank's shard is the one of the local gradient (W identical contributions, averaged)."""
+    ref = _model()
+    losses = []
+    for x, y in batches:
+        with torch.no_grad():
+            for params in _handles(ref):
+                for p, value in zip_same(params, tile(params, world_size, rank)):
+                    p.copy_(value.view_as(p))
+        loss = nn.functional.mse_loss(ref(x), y)
+        loss.backward()
+        with torch.no_grad():
+            for p in ref.parameters():
+                assert p.grad is not None
+                p.sub_(lr * p.grad)
+                p.grad = None
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@pytest.mark.parametrize("api,world_size,rank", [("fully_shard", 8, 0), ("fully_shard", 3, 1), ("torch_fsdp2", 8, 0)])
+def test_training_equals_local_training_on_the_tiled_shards(api: str, world_size: int, rank: int) -> None:
+    """Ours (flat shards; at W=8 rank 0, and at W=3 rank 1, where the handles pad and the chunk is
+    not the first) and torch's FSDP2 (dim-0 shards) train 4 SGD steps on the simulated group; every
+    step's loss equals the tiled local reference's, and so do the parameters after the last step
+    (a fifth forward). A reduce-scatter off by W, or taking the wrong chunk, changes the second
+    step's loss; an all-gather that does not tile changes the first."""
+    lr = 0.1
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 6, generator=gen), torch.randn(4, 1, generator=gen)) for _ in range(5)]
+    tile = _tile_flat if api == "fully_shard" else _tile_rows
+    expected = _tiled_reference_losses(tile, world_size, rank, batches, lr)
+    with _simulated_world(world_size, rank):
+        model = _model()
+        if api == "fully_shard":
+            from composable_shard import fully_shard
+            for block in (model[0], model[1]):
+                fully_shard(block)
+            fully_shard(model)
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard as torch_fully_shard
+            mesh = init_device_mesh("cpu", (world_size,))
+            for block in (model[0], model[1]):
+                torch_fully_shard(block, mesh=mesh)
+            torch_fully_shard(model, mesh=mesh)
+        optim = torch.optim.SGD(model.parameters(), lr=lr)
+        losses = []
+        for i, (x, y) in enumerate(batches):
+            loss = nn.functional.mse_loss(model(x), y)
+            losses.append(float(loss.detach()))
+            if i < len(batches) - 1:
+                loss.backward()
+                optim.step()
+                optim.zero_grad(set_to_none=True)
+        del model, optim
+    # the reference takes a fifth step too; its loss is the fifth forward's
+    for step, (got, want) in enumerate(zip_same(losses, expected)):
+        assert math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-6), (api, world_size, rank, step, losses, expected)
+    assert len({round(v, 4) for v in losses}) == len(losses), f"the losses must move: {losses}"
