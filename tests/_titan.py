@@ -80,12 +80,12 @@ INSTALL_HINT = ('install the [torchtitan] test extra and torchtitan itself, as t
 
 SEQ_LEN = 64
 LOCAL_BATCH = 2
-STEPS = 10
+STEPS = 6
 UNSEEDED_STEPS = 2
 # Not an option of torchtitan's: an ``extra`` item of _config that leaves the recipe's selective
 # activation checkpointing out (torchtitan's config object then holds None, which it skips).
 NO_ACTIVATION_CHECKPOINTING = "no-activation-checkpointing"
-SAVE_AT = 5  # checkpoint interval: the uninterrupted run saves at 5 (and 10, its last step)
+SAVE_AT = 3  # checkpoint interval: the uninterrupted run saves at 3 (and 6, its last step)
 SEED = 7
 VOCAB_WORDS = 1000  # the model's vocabulary is 2048; 3 special tokens + these words
 DOCUMENTS = 400
@@ -299,7 +299,7 @@ def _config(assets: Dict[str, str], dump: str, seed_path: Optional[str], create_
             "--checkpoint.enable", "--checkpoint.interval", str(SAVE_AT)]
     if not saves:
         args += ["--checkpoint.load_only"]
-    elif not create_seed:  # torchtitan's async checkpointing: the step-5 save is written while steps 6.. run
+    elif not create_seed:  # torchtitan's async checkpointing: the step-3 save is written while steps 4.. run
         args += ["--checkpoint.async_mode", "async"]
     no_ac = NO_ACTIVATION_CHECKPOINTING in extra
     args += [a for a in extra if a != NO_ACTIVATION_CHECKPOINTING]
@@ -519,7 +519,7 @@ def run_backend(tmp: str, assets: Dict[str, str], backend: str) -> None:
                                          seeded=False, count=False)
         write_json(out, results)
     dist.barrier()
-    if dist.get_rank() == 0:  # 72 MB each (step 5, step 10 of each run); kept when a run failed
+    if dist.get_rank() == 0:  # 72 MB each (step 3, step 6 of each run); kept when a run failed
         for name in (f"{backend}_full", f"{backend}_resumed"):
             shutil.rmtree(os.path.join(tmp, name, "checkpoint"), ignore_errors=True)
 
@@ -541,7 +541,7 @@ PARALLELISMS: Dict[str, List[str]] = {
     "pp2_ZBVZeroBubble": _PP + ["ZBVZeroBubble", NO_ACTIVATION_CHECKPOINTING],
 }
 REFERENCE = {"pp2_ZBVZeroBubble": "pp2_1F1B"}  # default: the configuration itself
-PARALLEL_STEPS = 6
+PARALLEL_STEPS = 3
 
 
 def run_parallelisms(tmp: str, assets: Dict[str, str], names: List[str]) -> None:

@@ -40,7 +40,7 @@ from composable_shard._runtime.collectives import record_collectives
 from composable_shard._runtime.traversal import _get_fsdp_handles
 from tests._harness import run_distributed, run_subtests, world_sizes
 
-WIDTH, VOCAB, SEQ, ROWS, STEPS = 8, 11, 5, 2, 3
+WIDTH, VOCAB, SEQ, ROWS, STEPS = 8, 11, 5, 2, 2  # step 1: the order recorded, momentum, a later iteration
 
 
 class BlockOutput(OrderedDict):
@@ -258,10 +258,11 @@ def _gathers_per_handle(model: nn.Module, records: Any) -> Dict[str, int]:
 
 
 def _subtest(way: str, api: str, strategy: ShardingStrategy, mixed: bool, returns: str = "tuple") -> None:
-    """Three SGD steps: every gradient (after each backward) and the final parameters equal
-    the reference's: single-process training on the global batch (float32), or the same
-    distributed model without checkpointing (bfloat16). A FULL_SHARD block is gathered exactly
-    twice per step, recomputation or not."""
+    """Two SGD steps (the first iteration, which records the handle order, and a later one on
+    updated parameters with momentum): every gradient (after each backward) and the final
+    parameters equal the reference's: single-process training on the global batch (float32),
+    or the same distributed model without checkpointing (bfloat16). A FULL_SHARD block is
+    gathered exactly twice per step, recomputation or not."""
     if returns == "mapping" and way.endswith("_reentrant") and not way.startswith("stack"):
         raise AssertionError("a reentrant checkpoint differentiates tuple outputs only")
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -308,24 +309,41 @@ def _way_under_another_pair(index: int) -> None:
     _subtest(way, "fully_shard", strategy, mixed)
 
 
+# At W = 4 one way of each pair above (a reentrant and a non-reentrant one, applied before and
+# after sharding): what four ranks change is how a block is sharded, not what is recomputed.
+_AT_FOUR = ["call_nonreentrant", "forward_reentrant", "stack_nonreentrant", "apply_ac_after", "selective_before",
+            "library_after"]
+
+
+def _under_profiler(way: str) -> None:
+    """``_subtest`` (FULL_SHARD, float32) while torch's profiler records: the library's transitions
+    open profiler ranges then, and a range opened only by the recomputation would be counted by
+    selective checkpointing against the forward's (a refused step)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        _subtest(way, "fully_shard", ShardingStrategy.FULL_SHARD, False)
+
+
 def _all_ways(full: bool) -> None:
-    run_subtests(_subtest, {"way": list(_WAYS), "api": ["fully_shard"], "strategy": [ShardingStrategy.FULL_SHARD],
+    ways = _AT_FOUR if dist.get_world_size() == 4 else list(_WAYS)
+    run_subtests(_subtest, {"way": ways, "api": ["fully_shard"], "strategy": [ShardingStrategy.FULL_SHARD],
                             "mixed": [False]})
-    if not full:
-        return
-    run_subtests(_way_under_another_pair, {"index": list(range(len(_WAYS)))})
-    plain = [w for w in _WAYS if not w.startswith("selective")]  # selective: as the plain wrapper under replicate
-    run_subtests(_subtest, {"way": plain, "api": ["replicate"], "strategy": [ShardingStrategy.FULL_SHARD],
-                            "mixed": [False]})
-    non_reentrant = [w for w in plain if not w.endswith("_reentrant") or w.startswith("stack")]
-    run_subtests(_subtest, {"way": non_reentrant, "api": ["fully_shard"], "strategy": [ShardingStrategy.FULL_SHARD],
-                            "mixed": [False], "returns": ["mapping"]})
+    if full:
+        run_subtests(_way_under_another_pair, {"index": list(range(len(_WAYS)))})
+        plain = [w for w in _WAYS if not w.startswith("selective")]  # selective: as the plain wrapper under replicate
+        run_subtests(_subtest, {"way": plain, "api": ["replicate"], "strategy": [ShardingStrategy.FULL_SHARD],
+                                "mixed": [False]})
+        non_reentrant = [w for w in plain if not w.endswith("_reentrant") or w.startswith("stack")]
+        run_subtests(_subtest, {"way": non_reentrant, "api": ["fully_shard"],
+                                "strategy": [ShardingStrategy.FULL_SHARD], "mixed": [False], "returns": ["mapping"]})
+    if dist.get_world_size() < 4:  # the ranges a transition opens do not depend on W
+        run_subtests(_under_profiler, {"way": ["selective_before", "selective_after"]})
 
 
 @pytest.mark.parametrize("world_size", world_sizes())
 def test_every_way_of_checkpointing_matches_training_without(world_size: int) -> None:
-    """Each way of applying activation checkpointing x fully_shard FULL_SHARD (every W); at W=2
-    also each way under one more of SHARD_GRAD_OP, NO_SHARD and bf16 (``_OTHER_PAIRS``, every
-    pair on two ways), replicate, and mapping outputs: gradients at every step and final
+    """Each way of applying activation checkpointing x fully_shard FULL_SHARD (W=1 and 2; at W=4
+    one of each pair, ``_AT_FOUR``), the selective ways also under torch's profiler (W=1, 2);
+    at W=2 also each way under one more of SHARD_GRAD_OP, NO_SHARD and bf16 (``_OTHER_PAIRS``,
+    every pair on two ways), replicate, and mapping outputs: gradients at every step and final
     parameters equal training without checkpointing."""
     run_distributed(_all_ways, world_size, world_size == 2, timeout=300)

@@ -75,7 +75,23 @@ CONFIGS: Dict[str, Tuple[Tuple[int, ...], Callable[[int], Dict[str, List[int]]]]
 # rank), or only model.blocks, whose largest gradient elements are spread over the ranks' slices
 # (summing the ranks' maxima would show), some of them in the root's handle.
 PARTS = {"model": CLIPS, "blocks": ["clip_grad_norm_", "torch"]}
-OTHER_NORM_TYPES = [3.0, 0.5, -1.0]  # any real order torch takes: on "every strategy" only
+OTHER_NORM_TYPES = [3.0, 0.5, -1.0]  # any real order torch takes: on "every strategy" only, with both clips
+
+
+def _norms_with_clips(part: str, shift: int) -> List[Tuple[float, str]]:
+    """Each norm type of NORM_TYPES once, each with one clip of ``part``: the k-th norm type with
+    clip ``k + shift``. Every configuration at a W gets its own shift (its place in
+    ``_configs(W)``), so each sees every norm type and every clip, and the configurations at W = 2
+    (8) and at W = 4 (5) together take every (norm type, clip) pair of each part: what the norm
+    type changes (how the ranks' norms combine) and what the clip changes (which of torch's
+    functions computes the norms, under which mode) each meet every configuration and each
+    other, without the full product per configuration."""
+    clips = PARTS[part]
+    return [(norm_type, clips[(k + shift) % len(clips)]) for k, norm_type in enumerate(NORM_TYPES)]
+
+
+def _configs(world_size: int) -> List[str]:
+    return [c for c, (sizes, _) in CONFIGS.items() if world_size in sizes]
 
 
 class _PassingMode(TorchFunctionMode):
@@ -165,11 +181,17 @@ def _torch_clip(clip: str, parameters: List[nn.Parameter], max_norm: float, norm
     return total
 
 
+_ONE_PROCESS: Dict[torch.dtype, nn.Module] = {}  # per rank: the one-process models, built once per dtype
+
+
 def _clipped_copy(grads: Named, part: str, norm_type: float, max_norm: float,
                   dtype: torch.dtype) -> Tuple[float, torch.dtype, Named]:
     """torch's clip_grad_norm_ on one process: a copy of the model in ``dtype`` holding
-    ``grads``, ``part`` of it clipped; returns the total norm, its dtype and every gradient."""
-    model = make_model(num_blocks=NUM_BLOCKS).to(dtype)
+    ``grads`` (copies: every gradient is set afresh, clipping changes only them), ``part`` of
+    it clipped; returns the total norm, its dtype and every gradient."""
+    if dtype not in _ONE_PROCESS:
+        _ONE_PROCESS[dtype] = make_model(num_blocks=NUM_BLOCKS).to(dtype)
+    model = _ONE_PROCESS[dtype]
     by_name = dict(grads)
     for name, p in model.named_parameters():
         p.grad = by_name[name].to(dtype, copy=True) if name in by_name else None
@@ -236,10 +258,17 @@ def _config_case(config: str, reference_grads: Named, groups: Dict[str, Any]) ->
         expected_grads = reference_grads
     low_precision = "low-precision grads" in config
     assert all((g.dtype == torch.bfloat16) == low_precision for _, g in saved), config
+    shift = _configs(world_size).index(config)
     for part, clips in PARTS.items():
-        norm_types = NORM_TYPES + (OTHER_NORM_TYPES if config == "every strategy" and part == "blocks" else [])
-        run_subtests(_clip_case, {"norm_type": norm_types, "clip": clips}, part=part, model=model, config=config,
+        cases = _norms_with_clips(part, shift)
+        if config == "every strategy" and part == "blocks":
+            cases += [(norm_type, clip) for norm_type in OTHER_NORM_TYPES for clip in clips]
+        run_subtests(_paired_clip_case, {"norm_and_clip": cases}, part=part, model=model, config=config,
                      saved=saved, expected_grads=expected_grads, low_precision=low_precision)
+
+
+def _paired_clip_case(norm_and_clip: Tuple[float, str], **kwargs: Any) -> None:
+    _clip_case(*norm_and_clip, **kwargs)
 
 
 def _clip_entry() -> None:
@@ -252,8 +281,7 @@ def _clip_entry() -> None:
     if world_size == 4:
         from torch.distributed.device_mesh import init_device_mesh
         groups["mesh"] = init_device_mesh("cpu", (2, 2))
-    configs = [c for c, (sizes, _) in CONFIGS.items() if world_size in sizes]
-    run_subtests(_config_case, {"config": configs}, reference_grads=reference_grads, groups=groups)
+    run_subtests(_config_case, {"config": _configs(world_size)}, reference_grads=reference_grads, groups=groups)
 
 
 def test_clip_grad_norm_is_one_process_on_every_mix_2() -> None:
@@ -261,7 +289,8 @@ def test_clip_grad_norm_is_one_process_on_every_mix_2() -> None:
     model, bf16 (also with low-precision gradients) and CPU offload, each with a FULL root; norms
     2, 1, inf, -inf, 0 (and 3, 0.5, -1 once); the library's clip and torch's, plain, under
     set_default_device, in a ``with torch.device`` (one norm per gradient) and under a user's
-    mode; of the whole model and of ``model.blocks`` only."""
+    mode; of the whole model and of ``model.blocks`` only. Each configuration takes every norm
+    type and every clip, paired (``_norms_with_clips``); all configurations together every pair."""
     run_distributed(_clip_entry, 2, timeout=180)
 
 

@@ -153,11 +153,34 @@ def _eval_forward_then_step(strategy: ShardingStrategy, edit: str, mp: bool) -> 
         assert (out[0] - expected).abs().max().item() < 1e-5, what
 
 
+_EDITS = ["foreach", "fused", "in_place"]
+
+
+def _stale_cases() -> List[Tuple[ShardingStrategy, str, bool]]:
+    """(strategy, edit, mp) for ``_eval_forward_then_step``. What goes stale is an unsharded
+    buffer kept from the eval forward (SHARD_GRAD_OP, _HYBRID_SHARD_ZERO2, NO_SHARD's bf16
+    copy); what must tell is a version counter (foreach, in place) or an optimizer step
+    (fused: no version bump). SHARD_GRAD_OP and NO_SHARD take every edit in fp32 and bf16;
+    FULL_SHARD and HYBRID_SHARD (at W=2 a 1 x 2 mesh: both reshard after forward) take every
+    edit once each, in complementary precisions, and so does _HYBRID_SHARD_ZERO2 (SHARD_GRAD_OP's
+    behaviour, with a replicate group)."""
+    kept = [ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD]
+    full = [(strategy, edit, mp) for strategy in kept for edit in _EDITS for mp in (False, True)]
+    shifted = [(ShardingStrategy.FULL_SHARD, 0), (ShardingStrategy.HYBRID_SHARD, 1),
+               (ShardingStrategy._HYBRID_SHARD_ZERO2, 0)]
+    paired = [(strategy, edit, (k + shift) % 2 == 1) for strategy, shift in shifted for k, edit in enumerate(_EDITS)]
+    return full + paired
+
+
+def _stale_case(case: Tuple[ShardingStrategy, str, bool]) -> None:
+    _eval_forward_then_step(*case)
+
+
 def test_updates_are_visible_after_a_forward_without_backward() -> None:
     """Eval forward with grad on, then optimizer.step() (foreach, fused) or an in-place edit,
-    under every strategy, fp32 and bf16: the next forward computes on the updated shards
-    (SHARD_GRAD_OP used to keep the stale unsharded buffer; fused optimizers bump no version
-    counter)."""
+    under every strategy, fp32 and bf16 (``_stale_cases``): the next forward computes on the
+    updated shards (SHARD_GRAD_OP used to keep the stale unsharded buffer; fused optimizers
+    bump no version counter)."""
     run_distributed(_all_world_sizes_entry, 2, "stale", timeout=240)
 
 
@@ -550,9 +573,7 @@ def _groups_released_when_destroyed() -> None:
 # ---------------------------------------------------------------------------- entry
 _GRIDS: Dict[str, Callable[[], None]] = {
     "failed_backward": lambda: run_subtests(_failed_backward, {"strategy": _STRATEGIES}),
-    "stale": lambda: run_subtests(_eval_forward_then_step, {"strategy": _STRATEGIES[1:] + _STRATEGIES[:1],
-                                                            "edit": ["foreach", "fused", "in_place"],
-                                                            "mp": [False, True]}),
+    "stale": lambda: run_subtests(_stale_case, {"case": _stale_cases()}),
     "freeze": lambda: run_subtests(_freeze_unfreeze, {"strategy": _STRATEGIES}),
     "unused": lambda: (run_subtests(_unused_parameters, {"strategy": _STRATEGIES,
                                                          "sometimes_on": ["all", "none", "rank0"]}),
@@ -578,8 +599,9 @@ _HYBRID = _STRATEGIES[3:]
 _AT_FOUR: Dict[str, Callable[[], None]] = {
     "failed backward": lambda: run_subtests(_failed_backward, {"strategy": _HYBRID}),
     "freeze and unfreeze": lambda: run_subtests(_freeze_unfreeze, {"strategy": _HYBRID}),
-    "parameters without gradient": lambda: run_subtests(_unused_parameters, {
-        "strategy": _HYBRID, "sometimes_on": ["all", "none", "rank0"]}),
+    "parameters without gradient": lambda: (  # _HYBRID_SHARD_ZERO2: the case that crosses replicas only
+        run_subtests(_unused_parameters, {"strategy": _HYBRID[:1], "sometimes_on": ["all", "none", "rank0"]}),
+        run_subtests(_unused_parameters, {"strategy": _HYBRID[1:], "sometimes_on": ["rank0"]})),
     "destroyed process groups released": _groups_released_when_destroyed,  # last: it destroys groups
 }
 

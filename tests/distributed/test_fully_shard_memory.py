@@ -125,13 +125,22 @@ def _bounded_in_flight(strategy: ShardingStrategy, mp: bool, ac: bool) -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_unsharded_gradients_alive_at_once_are_bounded(world_size: int) -> None:
     """At most two handles' unsharded gradients (reduce-scatter inputs) are alive at any point
-    of backward, with 8 handles, for FULL_SHARD, SHARD_GRAD_OP and HYBRID_SHARD (W=4), with
-    and without mixed precision and activation checkpointing; none after backward."""
-    strategies = [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP]
+    of backward, with 8 handles, for FULL_SHARD and SHARD_GRAD_OP (W=2) and HYBRID_SHARD (W=4,
+    a 2 x 2 mesh: a real replicate group), with and without mixed precision and activation
+    checkpointing; none after backward. (The bound and the handles' sizes do not depend on W:
+    600 elements divide evenly at 2 and 4, so FULL_SHARD and SHARD_GRAD_OP at W=4 would repeat
+    W=2.) HYBRID_SHARD takes every (mp, ac) pair; at W=2 FULL_SHARD takes neither and both,
+    SHARD_GRAD_OP each alone."""
     if world_size == 4:
-        strategies.append(ShardingStrategy.HYBRID_SHARD)
-    run_distributed(run_subtests, world_size, _bounded_in_flight,
-                    {"strategy": strategies, "mp": [False, True], "ac": [False, True]}, timeout=180)
+        cases = [(ShardingStrategy.HYBRID_SHARD, mp, ac) for mp in (False, True) for ac in (False, True)]
+    else:
+        cases = [(ShardingStrategy.FULL_SHARD, False, False), (ShardingStrategy.FULL_SHARD, True, True),
+                 (ShardingStrategy.SHARD_GRAD_OP, True, False), (ShardingStrategy.SHARD_GRAD_OP, False, True)]
+    run_distributed(run_subtests, world_size, _bounded_case, {"case": cases}, timeout=180)
+
+
+def _bounded_case(case: Tuple[ShardingStrategy, bool, bool]) -> None:
+    _bounded_in_flight(*case)
 
 
 def _sharded_grads_follow_zero_grad(set_to_none: bool) -> None:

@@ -136,13 +136,18 @@ def _apply(module: nn.Module, how: str, dp_mesh: Any, order: Dict[int, int]) -> 
     """``how`` over the dp pair: "fully_shard" (each block, then the stage module), "kept" (the
     same, each block with ``set_reshard_after_forward(False)``), "checkpointed" (the same, each
     block under our ``checkpoint``), "wrapped" (the same, each block inside torch's
-    ``checkpoint_wrapper`` with a selective policy), "replicate" (the stage module),
+    ``checkpoint_wrapper`` with a selective policy), "blocks" (each block only: the stage module
+    stays plain, so the Head's output layer is no fully sharded module's), "replicate" (the stage module),
     or "configured": blocks at even positions NO_SHARD, at odd positions
     FULL_SHARD with the user's ``set_reshard_after_backward(False)``, the stage module replicated
     (each rank then holds both kinds of block under the single-stage schedules, one kind under
     the looped ones)."""
     if how == "replicate":
         replicate(module, process_group=dp_mesh.get_group())
+        return
+    if how == "blocks":  # the stage module left plain: the Head's output layer is managed by no data-parallel API
+        for block in [m for m in module.modules() if isinstance(m, Block)]:
+            fully_shard(block, mesh=dp_mesh)
         return
     if how == "wrapped":  # torch's checkpoint_wrapper: its recomputation runs fully_shard's forward hooks again
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -343,6 +348,8 @@ def _parity(schedule_name: str, how: str) -> None:
         with record_collectives() as recorder:
             _step(schedule, step)
         counts.append(Counter(r.kind for r in recorder.records))
+        if how == "blocks":  # what a user does for parameters no data-parallel API manages: average them by hand
+            _average_unmanaged_grads(modules, schedule_name, step)
         _assert_as_after_plain_step(modules, [reference_stages[i] for i in indices], plain, schedule_name, how, step)
         x, y = _batch(step)
         _loss(reference(x), y).backward()
@@ -371,6 +378,8 @@ def _parity(schedule_name: str, how: str) -> None:
     if how == "configured":
         return
     handles = len(_owned_numels([reference_stages[i] for i in indices]))  # by hand: each block, each Head's output
+    if how == "blocks":  # each block only
+        handles = sum(1 for i in indices for m in reference_stages[i].modules() if isinstance(m, Block))
     assert counts[1]["reduce_scatter"] == handles, f"{schedule_name}/{how}: {counts[1]}, {handles} handles"
     if how == "kept":
         for kind in ("all_gather", "reduce_scatter"):
@@ -381,6 +390,20 @@ def _parity(schedule_name: str, how: str) -> None:
             f"{schedule_name} all-gathers per step: ours {counts[1]}, FSDP2 {fsdp2_counts}"
     # ours adds one small all-reduce per stage root and step: which parameters got a gradient somewhere
     assert counts[1]["all_reduce"] <= len(modules), (schedule_name, counts[1])
+
+
+def _average_unmanaged_grads(modules: List[nn.Module], schedule_name: str, step: int) -> None:
+    """Average over the dp pair the gradients of the parameters no fully sharded module owns (the
+    Head's output layer under "blocks"); each must have one: a zero-bubble weight pass computes
+    them as torch's stage does for a plain module."""
+    owned = {id(p) for module in modules for m in module.modules() if isinstance(m, FSDPModule) for p in m.parameters()}
+    dp_group = _mesh()["dp"].get_group()  # on every rank (a mesh makes its groups collectively)
+    for index, module in enumerate(modules):
+        for name, p in module.named_parameters():
+            if id(p) not in owned:
+                assert p.grad is not None, f"{schedule_name}/blocks step {step} stage module {index} {name}: no gradient"
+                dist.all_reduce(p.grad, group=dp_group)
+                p.grad.div_(2)
 
 
 def _fsdp2_counts(schedule_name: str) -> Counter:
@@ -527,8 +550,9 @@ def _cases(schedules: List[str], zero_bubble: Dict[str, List[str]], refusals: bo
 # Zero-bubble schedules (a weight pass apart from each input pass) over fully sharded stage modules: FSDP2's
 # default settings, "kept" (compared with FSDP2 set the same: exact there), blocks checkpointed (ours, and torch's
 # checkpoint_wrapper with selective checkpointing, as torchtitan wraps blocks: its recomputation inside a weight
-# pass runs fully_shard's hooks), and fully_shard applied after the stages were built (torchtitan's order).
-_ZERO_BUBBLE = [{"ZBV": ["fully_shard", "kept", "checkpointed", "wrapped", "late"], "DualPipeV": ["fully_shard", "kept"]},
+# pass runs fully_shard's hooks), fully_shard applied after the stages were built (torchtitan's order), and blocks
+# alone fully sharded (the stage module plain: its own parameters get their gradients from the weight pass).
+_ZERO_BUBBLE = [{"ZBV": ["fully_shard", "kept", "checkpointed", "wrapped", "late", "blocks"], "DualPipeV": ["fully_shard", "kept"]},
                 {"InterleavedZeroBubble": ["fully_shard", "kept"]}]
 
 

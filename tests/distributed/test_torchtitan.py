@@ -4,19 +4,19 @@ torchtitan's ``apply_fsdp_to_decoder`` (issue 47, item 3). Harness: ``tests/_tit
 ([Note: The CPU harness] lists every change made to the recipe to run it on CPU ranks).
 
 Both backends start from one seed checkpoint (torchtitan's ``--checkpoint.create_seed_checkpoint``
-at W = 1), train 10 steps of 2 rows of 64 tokens per rank in fp32 and save at step 5 through
+at W = 1), train 6 steps of 2 rows of 64 tokens per rank in fp32 and save at step 3 through
 torchtitan's asynchronous checkpointer (``dcp.async_save`` of ``model.state_dict()`` and its flat,
 FQN-keyed optimizer state); a second run of this library resumes from that save, a third starts
 from torchtitan's own init (no seed checkpoint). Checked:
 
 * FSDP2 (the reference works as claimed): torchtitan applied torch's ``fully_shard`` to the 10
-  modules ``apply_fsdp_to_decoder`` names, saved asynchronously at step 5, and the per-step
+  modules ``apply_fsdp_to_decoder`` names, saved asynchronously at step 3, and the per-step
   collective counts are at least what FSDP2 needs by hand.
 * this library: per-step loss and gradient norm (what torchtitan logs) equal FSDP2's (fp32,
   rtol 1e-5); per step no more all-gathers and reduce-scatters than FSDP2 (counted below
   torch.distributed for both, [Note: What is observed] in ``tests/_titan.py``), and no more
   all-reduces beyond the agreement the library makes by design (``AGREED_ALL_REDUCES_PER_STEP``); the resumed
-  steps 6-10 repeat its uninterrupted ones; from torchtitan's own init, its first steps equal the
+  steps 4-6 repeat its uninterrupted ones; from torchtitan's own init, its first steps equal the
   seed checkpoint's (the unsharded model's weights for the same seed).
 
 The same seed checkpoint then serves torchtitan's tensor and pipeline parallelisms at W = 4
@@ -124,7 +124,7 @@ def _check_fsdp2(runs: Dict[str, Any]) -> None:
     assert sorted(full["fsdp_modules"]["torch"]) == sorted(SHARDED_MODULES), full["fsdp_modules"]
     assert full["fsdp_modules"]["composable_shard"] == [], full["fsdp_modules"]
     assert full["fsdp2_modules_forced_sum"] == len(SHARDED_MODULES)
-    # it trained: the Markov text's loss falls (measured 8.10 -> 7.87 over the 10 steps)
+    # it trained: the Markov text's loss falls (measured 8.10 -> 7.93 over the 6 steps)
     assert full["loss"][-1] < full["loss"][0] - 0.1, full["loss"]
     assert all(0 < g < 100 for g in full["grad_norm"]), full["grad_norm"]
     problems = _save_problems("FSDP2", full)
@@ -184,7 +184,7 @@ def _one_d_problems(tmp: str) -> List[str]:
     problems += _close("(a) gradient norms against FSDP2", full["grad_norm"], reference["full"]["grad_norm"])
     # (b) no more communication than FSDP2, per step and kind
     problems += ["(b) " + p for p in _collective_problems(full["collectives"], reference["full"]["collectives"])]
-    # (c) torchtitan's save at step 5 and resume
+    # (c) torchtitan's save at step 3 and resume
     problems += ["(c) " + p for p in _resume_problems("composable_shard", runs)]
     # (d) from torchtitan's own init (no seed checkpoint): the unsharded model's weights, which the
     # seed checkpoint holds (made at W = 1 from the same seed), so the same first steps
@@ -195,7 +195,7 @@ def _one_d_problems(tmp: str) -> List[str]:
 
 def _parallel_problems(tmp: str, names: List[str]) -> List[str]:
     """W = 4 (runs in ``{tmp}/results``), torchtitan's other parallelisms with the same swap (issue 55),
-    each 6 steps from the seed checkpoint, FSDP2 then this library in one spawn:
+    each 3 steps from the seed checkpoint, FSDP2 then this library in one spawn:
 
     * ``--parallelism.tensor_parallel_degree 2`` (dp 2 x tp 2): torchtitan builds on the meta
       device, applies its TP plan, then ``fully_shard``, then ``to_empty`` + ``init_weights``
@@ -234,7 +234,8 @@ def _parallel_problems(tmp: str, names: List[str]) -> List[str]:
                 assert reference["stages"] == ["torch.distributed.pipelining.stage.PipelineStage"], (where, reference)
                 assert ours["stages"] == ["composable_shard.integrations.pipelining.PipelineStage"], (where, ours["stages"])
             if reference["loss"][0] > 0:  # ranks without the last stage log a negative placeholder
-                assert reference["loss"][-1] < reference["loss"][0] - 0.1, (where, reference["loss"])
+                # it trained (measured 8.10 -> 8.04 over the 3 steps)
+                assert reference["loss"][-1] < reference["loss"][0] - 0.03, (where, reference["loss"])
                 holders.add(name)
             for series, into in ((ours["loss"], logged), (reference["loss"], logged_reference)):
                 if series[0] > 0:  # the ranks holding the last stage all log the same global loss

@@ -10,7 +10,7 @@ sent 62,612 B per step where 58,292 B fit) passes every test that only checks th
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, List, Tuple
 
 import pytest
 import torch
@@ -19,7 +19,8 @@ import torch.nn as nn
 from composable_shard import plan
 from composable_shard._planning.plan_profile import profile_model
 from composable_shard.api import ShardingStrategy
-from composable_shard.plan import DEFAULT_BANDWIDTH, DEFAULT_DEVICE_FLOPS, _find_blocks, _Option, _Search, _simulate
+from composable_shard.plan import (DEFAULT_BANDWIDTH, DEFAULT_DEVICE_FLOPS, _choose, _find_blocks, _Option, _Search,
+                                  _simulate)
 from tests.unit.test_plan import BATCH, SEQ, VOCAB, WIDTH, Toy, ToyBlock
 
 transformers = pytest.importorskip("transformers")
@@ -64,14 +65,16 @@ def _smallest(model: nn.Module, batch: Any) -> int:
     return int(found.group(1).replace(",", ""))
 
 
-def _check_minimal(model: nn.Module, batch: Any, budget: int, search: _Search,
-                   loss_fn: Optional[Callable[[Any], torch.Tensor]] = None) -> str:
-    p = plan(model, batch, memory_budget=budget, world_size=2, profile="fake", loss_fn=loss_fn)
+def _check_minimal(budget: int, search: _Search) -> str:
+    """The search's choice at ``budget`` is minimal (it is what plan() returns: the test checks that
+    against plan() at one budget only, as each plan() call repeats the fake pass)."""
+    assignment = _choose(search, budget)
+    p = search.result(assignment, budget)
     assert p.predicted_peak <= budget
     if p.choices[0].api == "replicate":  # replicate(model): nothing costs less
         return "replicate(model)"
     current = _assignment(p)
-    assert _simulate(search, current).total == p.predicted_peak
+    assert current == assignment and _simulate(search, current).total == p.predicted_peak
     for k in range(len(current)):
         for option in search.options:
             trial = current[:k] + [option] + current[k + 1:]
@@ -90,5 +93,13 @@ def test_no_block_can_move_to_a_cheaper_option_and_still_fit(name: str) -> None:
     search = _Search(model, blocks, profile, 2, "adamw", None, DEFAULT_BANDWIDTH)
     smallest, whole = _smallest(model, batch), _simulate(search, None).total
     assert smallest < whole
-    plans = {_check_minimal(model, batch, smallest + (whole - smallest) * i // 12, search) for i in range(13)}
+    # 25 budgets (13 missed the one where the toy's undo pass must move block 0: 7/24 of the way)
+    budgets = [smallest + (whole - smallest) * i // 24 for i in range(25)]
+    plans = {_check_minimal(budget, search) for budget in budgets}
     assert len(plans) >= 4, plans  # the budgets span several plans, not one
+    budget = budgets[12]  # plan() returns the search's choice: the same profile, options, peak and costs
+    p, chosen = plan(model, batch, memory_budget=budget, world_size=2, profile="fake"), \
+        search.result(_choose(search, budget), budget)
+    assert (p.choices, p.predicted_peak, p.cost_seconds, p.bytes_sent, p.profiles) == \
+        (chosen.choices, chosen.predicted_peak, chosen.cost_seconds, chosen.bytes_sent, profile.blocks), \
+        (budget, str(p))
