@@ -1053,6 +1053,14 @@ MUTANTS: List[Mutant] = [
     _m('st_weight_pass_omits_unsharded_params', "In zero-bubble input/weight passes the stage's parameters not owned by any fully sharded module (e.g. a parameter of a plain module in the stage that fully_shard does not manage) are not shown to torch's weight pass, so they get no gradient and never train.",
        'composable_shard/integrations/pipelining.py', '        return buffers + [p for p in self.submod.parameters() if id(p) not in owned]',
        '        return buffers', _PP_ZB),
+    # torchao float8 (issue 57, in part)
+    _m("fp8_all_gather_weights_unchecked", "torchao's float8 all-gather weights reach the flat parameter (a shape error at the first forward)",
+       _INIT, "    check_all_gather_extensions(f\"fully_shard({type(module).__name__})\", module,",
+       "    if False: check_all_gather_extensions(f\"fully_shard({type(module).__name__})\", module,",
+       "tests/distributed/test_float8.py"),
+    _m("fp8_all_gather_dtensor_local_unchecked", "the check looks at the parameter, not a DTensor's local tensor",
+       "composable_shard/_setup/validation.py", "        tensor = param.to_local() if isinstance(param, DTensor) else param",
+       "        tensor = param", "tests/distributed/test_float8.py"),
 ]
 
 

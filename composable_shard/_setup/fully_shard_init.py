@@ -84,7 +84,8 @@ from ..api import CPUOffload, MixedPrecision, ShardingStrategy
 from ..contract import _check_fqns_unchanged, _fqn_snapshot, _get_module_state
 from .._base.pieces import Piece, as_dtensor, piece_of, take_piece
 from .._base.tree import local_piece
-from .validation import check_config, check_dense_gradients, check_fully_shard_arguments, check_tensor_parallel
+from .validation import (check_all_gather_extensions, check_config, check_dense_gradients, check_fully_shard_arguments,
+                         check_tensor_parallel)
 from ..wrap import _as_policy
 
 __all__ = ["Plan", "plan_fully_shard", "plan_agreed", "apply_plan", "resolve_groups"]
@@ -707,6 +708,8 @@ def _plan_and_prepare(module: nn.Module, kwargs: Dict[str, Any]) -> Plan:
     check_tensor_parallel(f"fully_shard({type(module).__name__})",  # see [Note: Tensor-parallel pieces]
                           [(n, p) for n, p in module.named_parameters(remove_duplicate=False) if id(p) in managed],
                           dp_groups or [None], flattened=True)
+    check_all_gather_extensions(f"fully_shard({type(module).__name__})", module,
+                                [(n, p) for n, p in module.named_parameters(remove_duplicate=False) if id(p) in managed])
     before = _fqn_snapshot([module])
     if _materialize(plan):
         _assign_params(plan)  # the handles flatten what is registered now

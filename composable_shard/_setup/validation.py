@@ -21,7 +21,7 @@ from ..wrap import _Policy
 
 __all__ = ["check_bool", "check_real", "check_process_group", "check_device_id", "check_mixed_precision",
            "check_modules", "check_config", "check_fully_shard_arguments", "check_dense_gradients",
-           "check_tensor_parallel"]
+           "check_tensor_parallel", "check_all_gather_extensions"]
 
 
 def check_bool(api: str, name: str, value: Any) -> None:
@@ -257,3 +257,31 @@ def check_tensor_parallel(api: str, named_tensors: Iterable[Tuple[str, torch.Ten
                 f"data-parallel group (ranks {sorted(dp_ranks)}): averaging over them would mix different pieces of "
                 "one tensor. Pass the data-parallel dimension's group, e.g. process_group=mesh['dp'].get_group() "
                 "for a mesh with dimensions ('dp', 'tp').")
+
+
+def check_all_gather_extensions(api: str, root: nn.Module, named_params: Iterable[Tuple[str, torch.Tensor]]) -> None:
+    """``NotImplementedError`` for a parameter whose tensor class customizes FSDP2's all-gather
+    (it defines ``fsdp_pre_all_gather``: torchao's float8 weights converted with
+    ``Float8LinearConfig(enable_fsdp_float8_all_gather=True)``, quantized weights of the same
+    kind): a flat parameter gathers the values themselves, so such a weight would reach the
+    module as a flat slice of its plain values and fail in the module's forward with a shape
+    error naming nothing. Raised before anything changes, naming the parameter, its module and
+    the setting to change."""
+    for fqn, param in named_params:
+        tensor = param.to_local() if isinstance(param, DTensor) else param
+        if not callable(getattr(type(tensor), "fsdp_pre_all_gather", None)):
+            continue
+        owner_name = fqn.rpartition(".")[0]
+        owner = root.get_submodule(owner_name) if owner_name else root
+        kind = type(tensor).__name__
+        if kind == "WeightWithDynamicFloat8CastTensor":  # torchao.float8
+            setting = ("torchao's float8 all-gather (Float8LinearConfig(enable_fsdp_float8_all_gather=True)) is not "
+                       "supported yet: convert the model with enable_fsdp_float8_all_gather=False. Training is the "
+                       "same (each float8 linear casts its gathered weight with the same dynamic tensorwise scale); "
+                       "the all-gather moves the weight in its own dtype instead of float8.")
+        else:
+            setting = ("a tensor class that customizes FSDP2's all-gather (fsdp_pre_all_gather / "
+                       "fsdp_post_all_gather) is not supported: keep the parameter a plain tensor or leave its module "
+                       "out with ignored_modules.")
+        raise NotImplementedError(f"{api}: parameter {fqn!r} of {owner_name or '<root>'!r} ({type(owner).__name__}) "
+                                  f"is a {kind}: {setting}")
