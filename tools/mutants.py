@@ -1061,6 +1061,10 @@ MUTANTS: List[Mutant] = [
     _m("fp8_all_gather_dtensor_local_unchecked", "the check looks at the parameter, not a DTensor's local tensor",
        "composable_shard/_setup/validation.py", "        tensor = param.to_local() if isinstance(param, DTensor) else param",
        "        tensor = param", "tests/distributed/test_float8.py"),
+    _m("clip_zero_norm_counts_zero_gradients", "the 0-norm counts a parameter whose gradient is zero on every rank (0 ** 0 = 1)",
+       "composable_shard/_runtime/interop.py", "    return norms if math.isinf(order) or order == 0 else norms.pow(order)",
+       "    return norms if math.isinf(order) else norms.pow(order)",
+       "tests/distributed/test_clip_grad_norm.py::test_norms_outside_torch_clipping_stay_local_under_modes"),
 ]
 
 

@@ -354,6 +354,18 @@ def _norms_outside_clipping() -> None:
     if rank == 0:
         assert all(torch.equal(a, torch.linalg.vector_norm(b)) for a, b in zip_same(logged, plain))
     assert len(recorder.records) - before == 1 and type(total) is torch.Tensor
+    # The 0-"norm" (torch's recipe: the order-0 vector norm of the per-parameter norms) counts the
+    # parameters whose gradient is not zero on some rank: one zeroed on every rank is not counted
+    # (every other gradient of this model is nonzero; the frozen layer's is None), by both clips.
+    with_grads = [p for p in model.parameters() if p.grad is not None]
+    with torch.no_grad():
+        zeroed = with_grads[1].grad
+        assert zeroed is not None
+        zeroed.zero_()
+    for name, clip in (("clip_grad_norm_", lambda: clip_grad_norm_(model, 1e9, 0.0)),
+                       ("torch", lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9, 0.0))):
+        counted = clip().item()
+        assert counted == len(with_grads) - 1, f"{name}: the 0-norm counted {counted}, {len(with_grads) - 1} by hand"
 
 
 def test_norms_outside_torch_clipping_stay_local_under_modes() -> None:
