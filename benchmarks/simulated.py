@@ -48,7 +48,7 @@ from __future__ import annotations
 import functools
 import time
 from datetime import timedelta
-from typing import Any, Callable, List, Optional, Sequence, TypeVar
+from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -177,6 +177,7 @@ class SimulatedProcessGroup(_ProcessGroupBase):
         self._group_desc = ""
         self.cpu_seconds = 0.0  # CPU time spent inside this group's collectives (see _accounted)
         self.calls = 0  # collectives run
+        self.reduce_ops: List[Tuple[str, str]] = []  # (collective, reduction asked for) per reduce-scatter and all-reduce
 
     # torch's C++ ProcessGroup keeps these names on its backends, and a Python group has none.
     def getGroupName(self) -> str:  # noqa: N802  # the C++ name torch's trampoline calls
@@ -256,6 +257,7 @@ class SimulatedProcessGroup(_ProcessGroupBase):
     def allreduce(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> SimulatedWork:
         """``all_reduce`` in place (see the module docstring for each op)."""
         op = opts.reduceOp if opts is not None else _ReduceOp.SUM
+        self.reduce_ops.append(("all_reduce", str(_op_type(op)).rsplit(".", 1)[-1]))
         for t in tensors:
             _reduce_identical(t, t, op, self._world_size)
         return SimulatedWork(list(tensors))
@@ -272,6 +274,7 @@ class SimulatedProcessGroup(_ProcessGroupBase):
         return SimulatedWork(list(tensors))
 
     def _scatter_reduced(self, output: torch.Tensor, input: torch.Tensor, op: Any) -> None:
+        self.reduce_ops.append(("reduce_scatter", str(_op_type(op)).rsplit(".", 1)[-1]))
         if input.numel() != self._world_size * output.numel():
             raise ValueError(f"reduce_scatter_tensor on {self!r}: input has {input.numel()} elements, expected "
                              f"world_size x output = {self._world_size} x {output.numel()}")

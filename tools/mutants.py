@@ -1065,6 +1065,28 @@ MUTANTS: List[Mutant] = [
        "composable_shard/_runtime/interop.py", "    return norms if math.isinf(order) or order == 0 else norms.pow(order)",
        "    return norms if math.isinf(order) else norms.pow(order)",
        "tests/distributed/test_clip_grad_norm.py::test_norms_outside_torch_clipping_stay_local_under_modes"),
+    # issue 56: views kept from forward to backward, reductions averaged by the collective
+    _m("kept_views_nested_task_not_told_apart", "a reentrant checkpoint's nested backward through the kept views clears the forward's arrival",
+       "composable_shard/_runtime/flat_param.py",
+       "            if handle.backward_task is not None and current_graph_task() != handle.backward_task:",
+       "            if False:", "tests/distributed/test_activation_checkpointing.py"),
+    _m("kept_views_made_again_in_backward", "the pre-backward makes new views instead of installing the forward's",
+       "composable_shard/_runtime/hooks.py",
+       "    wait_unshard(state, handle, fresh=handle.recomputes_in_backward)",
+       "    wait_unshard(state, handle, fresh=True)",
+       "tests/distributed/test_fully_shard_runtime.py::test_prefetch_order_limit_and_release"),
+    _m("kept_views_kept_across_steps", "the end of backward keeps the views (their split runs last in the next backward)",
+       "composable_shard/_runtime/hooks.py", "                g.kept_views = None", "                pass",
+       "tests/distributed/test_fully_shard_runtime.py::test_prefetch_order_limit_and_release"),
+    _m("avg_also_divided", "a reduction the collective averaged is divided again",
+       "composable_shard/_runtime/flat_param.py",
+       "        if not self.averaged and self.reduce_dtype in (torch.float32, torch.float64) and self.state.gradient_divisor != 1:",
+       "        if self.reduce_dtype in (torch.float32, torch.float64) and self.state.gradient_divisor != 1:",
+       "tests/unit/test_simulated_backend.py"),
+    _m("avg_ignores_divide_factor", "a custom gradient divide factor still averages in the collective",
+       "composable_shard/_runtime/flat_param.py",
+       "        averages = (state.dp_world_size > 1 and state.gradient_divisor == state.dp_world_size and bool(groups)",
+       "        averages = (state.dp_world_size > 1 and bool(groups)", "tests/unit/test_simulated_backend.py"),
 ]
 
 

@@ -155,7 +155,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = ["queue_backward_callback", "set_module_tensor", "is_in_backward", "tensor_version", "make_wrapper_tensor",
+__all__ = ["queue_backward_callback", "set_module_tensor", "is_in_backward", "current_graph_task", "tensor_version", "make_wrapper_tensor",
            "is_compiled_module", "plain_torch_function", "as_plain", "FOREACH_NORM", "BATCH_NORM", "tensor_slots",
            "is_view_of", "DCPTensorHooks", "DCP_METADATA_GLOBALS", "GuardedApplyHook", "ALL_GATHER_SINGLE",
            "REDUCE_SCATTER_SINGLE", "FSDP2_MODULE_MARKER", "TORCH_FSDP_PACKAGE", "torch_state_dict_request", "UNKNOWN_REQUEST", "RunningFunction", "running_functions", "TORCH_STATE_DICT_MODULE", "TO_COPY", "fake_tensor_mode", "is_fake", "without_fake_mode", "TorchDispatchMode", "storage_id", "profiler_enabled"]
@@ -184,6 +184,12 @@ def set_module_tensor(module: "torch.nn.Module", name: str, tensor: "torch.Tenso
 def is_in_backward() -> bool:
     """True while the autograd engine is running a backward on this thread."""
     return int(torch._C._current_graph_task_id()) != -1
+
+
+def current_graph_task() -> int:
+    """The id of the autograd graph task running on this thread (-1 outside backward): a
+    reentrant backward started inside another runs under an id of its own."""
+    return int(torch._C._current_graph_task_id())
 
 
 def tensor_version(tensor: "torch.Tensor") -> int:

@@ -37,6 +37,8 @@ __all__ = [
     "trace",
     "all_gather_into",
     "reduce_scatter_into",
+    "averages_natively",
+    "group_size",
     "all_reduce",
     "broadcast",
     "exchange",
@@ -126,7 +128,11 @@ os.register_at_fork(after_in_child=_forget_watchdog)
 
 
 def _wait_watched(work: Any, pending: "Pending") -> None:
-    """``work.wait()``, registered for the watchdog meanwhile (see [Note: Stuck waits])."""
+    """``work.wait()``, registered for the watchdog meanwhile (see [Note: Stuck waits]); a work
+    already completed is waited without registering (it cannot get stuck)."""
+    if work.is_completed():
+        work.wait()
+        return
     if not _WATCHDOG:
         _start_watchdog()
     ident = threading.get_ident()
@@ -249,6 +255,11 @@ def _group_facts(group: Optional[dist.ProcessGroup]) -> Tuple[int, str]:
     return facts
 
 
+def group_size(group: Optional[dist.ProcessGroup]) -> int:
+    """The number of ranks of ``group`` (``None``: the default group), asked of c10d once per group."""
+    return _group_facts(group)[0]
+
+
 def _report(kind: str, nbytes: int, group: Optional[dist.ProcessGroup], tag: str,
             input: Optional[torch.Tensor] = None) -> int:
     """Report a collective to the active recorders; returns the group's size."""
@@ -295,19 +306,36 @@ def all_gather_into(
 
 
 def reduce_scatter_into(
-    output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup], *, tag: str = "", match: int = 0
+    output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup], *, tag: str = "", match: int = 0,
+    average: bool = False,
 ) -> Pending:
     """Sum-reduce ``input`` (W equal chunks) across the group; chunk ``rank`` lands in
-    ``output``. Async. The caller divides for averaging. ``input`` is the caller's scratch:
-    its contents are undefined afterwards. ``match`` as for :func:`all_gather_into`.
+    ``output``. Async. ``average``: the backend averages (``ReduceOp.AVG``; only where
+    :func:`averages_natively`), else the caller divides. ``input`` is the caller's scratch: its
+    contents are undefined afterwards. ``match`` as for :func:`all_gather_into`.
 
     On gloo it runs point to point (see [Note: Collectives on gloo])."""
     if _report("reduce_scatter", input.numel() * input.element_size(), group, tag, input) == 1:
         return _copy_alone(output, input, "reduce_scatter", tag)
     if _is_gloo(group) and input.device.type == "cpu":
+        if average:
+            raise AssertionError("composable_shard internal error: gloo's reduce-scatter cannot average")
         return _gloo_reduce_scatter(output, input, group, tag, _p2p_tag(_TAG_REDUCE_SCATTER, match))
-    work = REDUCE_SCATTER_SINGLE(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+    work = REDUCE_SCATTER_SINGLE(output, input, op=op, group=group, async_op=True)
     return Pending(work, output, "reduce_scatter", tag=tag)
+
+
+def averages_natively(group: Optional[dist.ProcessGroup], dtype: torch.dtype) -> bool:
+    """Whether reductions of ``dtype`` over ``group`` average in the collective itself
+    (``ReduceOp.AVG``, no division kernel afterwards), as torch's FSDP2 does for float32 and
+    bfloat16: a group of several ranks on a backend other than gloo (no AVG; the library's own
+    point-to-point reduce-scatter there) and MPI. Other dtypes (float16's narrow range) are
+    divided by the caller."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return False
+    size, backend = _group_facts(group)
+    return size > 1 and backend not in ("gloo", "mpi")
 
 
 def _is_gloo(group: Optional[dist.ProcessGroup]) -> bool:

@@ -107,11 +107,11 @@ from torch.distributed.tensor import DTensor
 
 from . import collectives as _collectives
 from . import shard_math as _shard_math
-from .interop import ShardedGrad, as_sharded_grad
+from .interop import ShardedGrad, as_sharded_grad, shard_source
 from . import watch as _watch
 from .streams import Streams
 from .._base.pieces import Piece, as_dtensor, piece_of, shard_groups, take_piece
-from .._base.torch_compat import has_grad_hooks, is_view_of, set_module_tensor, tensor_version
+from .._base.torch_compat import current_graph_task, has_grad_hooks, is_view_of, set_module_tensor, tensor_version
 
 __all__ = ["FlatParameter", "FlatParamHandle", "HandleTrainingState", "TRANSITIONS", "ParamInfo", "SharedParamInfo", "FlatGroup", "set_grad_of_any_shape",
            "plan_groups", "norm_groups", "compute_dtype_of", "reduce_dtype_of", "take_pending_init_values"]
@@ -223,6 +223,29 @@ class FlatParameter(nn.Parameter):
     _pieces: Tuple[Optional[Piece], ...]
 
 
+class KeptViews(NamedTuple):
+    """[Note: Kept views]  Making a group's full-shape views (a split, a view per parameter, a
+    backward pre-hook on the split) was the largest single cost of the runtime's CPU time per
+    module (issue 56), paid twice per step: in the pre-forward and again in the pre-backward.
+    The views a grad-mode forward made stay valid while the buffer's storage is freed and
+    refilled (the all-gather writes into the same storage through ``.data``, so no version
+    counter moves), so the pre-backward installs them again instead of making new ones; the
+    end of backward drops them. Not across steps: autograd runs ready nodes newest first, and a
+    split made in an earlier step would run after every other node of the backward, holding
+    each handle's reduction until the end (no overlap, every unsharded gradient alive at once).
+    New views are made in backward for a handle that recomputes its forward there (activation
+    checkpointing: the recomputation's part of the gradient must be told apart from the
+    forward's, see [Note: Reentrant arrivals] in ``_runtime/hooks.py``). A reentrant
+    recomputation that reaches the kept views without any hook of ours (``torch.utils.checkpoint``
+    around a plain submodule) is recognised in the split's pre-hook by its nested graph task:
+    its arrival is treated as a recomputation's, and the handle makes new views in later
+    backwards."""
+
+    base: torch.Tensor  # the unsharded buffer they view
+    mask: Tuple[bool, ...]  # requires_grad per parameter when they were made
+    views: List[torch.Tensor]
+
+
 @dataclass(eq=False)
 class FlatGroup:
     """Runtime buffers of one flat parameter. Names say the state of each tensor."""
@@ -252,6 +275,9 @@ class FlatGroup:
     landing_grad: Optional[torch.Tensor] = None  # offloaded: this backward's gradient shard being copied to the CPU
     landing_event: Optional[Any] = None  # CUDA: recorded after that copy was issued (None on CPU)
     forward_grad_due: bool = False  # a grad-mode forward's views may still bring their gradient (see [Note: Reentrant arrivals])
+    kept_views: Optional["KeptViews"] = None  # this step's forward views, for its backward (see [Note: Kept views])
+    grad_sources: Optional[Tuple[Any, torch.device, List[Any]]] = None  # see FlatParamHandle._grad_sources
+    averages: Optional[Tuple[Any, bool]] = None  # (divisor, world, dtype) -> whether its reductions average natively
 
     @property
     def sharded_grad(self) -> Optional[torch.Tensor]:
@@ -391,21 +417,31 @@ class _SplitBackwardHook:
     """Autograd pre-hook of the split that makes a group's unsharded views; it runs when every
     view's gradient is computed, just before they are concatenated into the group's unsharded
     gradient. ``grad_outputs`` holds ``None`` for every view no gradient reached, so the others
-    were used; and earlier reductions' buffers are released, before this one is allocated."""
+    were used; and earlier reductions' buffers are released, before this one is allocated.
+    Holds the handle and group weakly: the group's kept views hold the split, and so this hook
+    (see [Note: Hooks on tensors hold weakly] in ``_runtime/module_state.py``)."""
 
     def __init__(self, handle: "FlatParamHandle", group: FlatGroup, from_forward: bool) -> None:
-        self.handle = handle
-        self.group = group
+        self.handle = weakref.ref(handle)
+        self.group = weakref.ref(group)
         self.from_forward = from_forward  # the split a grad-mode forward made (not a backward's or a recomputation's)
 
     def __call__(self, grad_outputs: Tuple[Optional[torch.Tensor], ...]) -> None:
-        if self.from_forward:
-            self.group.forward_grad_due = False
-        used = self.group.used
+        handle, group = self.handle(), self.group()
+        if handle is None or group is None:
+            return
+        if self.from_forward and group.forward_grad_due:
+            if handle.backward_task is not None and current_graph_task() != handle.backward_task:
+                # a reentrant recomputation's nested backward computed on the kept views: its part
+                # arrives apart (see [Note: Reentrant arrivals]); later backwards make it fresh views
+                handle.recomputes_in_backward = True
+            else:
+                group.forward_grad_due = False
+        used = group.used
         for i in range(len(used)):
             if grad_outputs[i] is not None:
                 used[i] = True
-        self.handle.release_earlier_reductions()
+        handle.release_earlier_reductions()
 
 
 class FlatParamHandle:
@@ -452,6 +488,7 @@ class FlatParamHandle:
         self.backward_prefetch_wasted: bool = False  # its backward prefetch once gathered a handle that never ran
         self.recomputes_in_backward: bool = False  # its forward runs again in backward (activation checkpointing)
         self.states_before_recompute: List[HandleTrainingState] = []  # pushed per recomputed forward in progress
+        self.backward_task: Optional[int] = None  # autograd graph task of this backward's pre-backward (see [Note: Kept views])
         self.state: Optional[_Owner] = None  # the owning module's runtime state (set by fully_shard)
         self.keep_low_precision_grads: bool = False  # .grad in the compute dtype (see _runtime/mixed_precision.py)
         self.init_buffers: Optional[List[torch.Tensor]] = None  # after to_empty: full buffers being initialized
@@ -650,29 +687,51 @@ class FlatParamHandle:
     def _version_sum(group: FlatGroup) -> int:
         return sum(tensor_version(p) for p in group.orig_params)
 
-    def use_unsharded_views(self, forward: bool = False) -> None:
-        """Install full-shape views of the unsharded buffers in the module slots.
-        Pre: every group's unsharded buffer is filled. A parameter frozen after fully_shard
-        gets a view that does not require grad; each view's use in backward is recorded in
-        ``group.used`` (a parameter no backward reached keeps ``.grad = None``). ``forward``:
-        made by a forward with grad enabled, whose gradient the runtime waits for (see
-        [Note: Reentrant arrivals] in ``_runtime/hooks.py``)."""
+    def use_unsharded_views(self, forward: bool = False, fresh: bool = False) -> None:
+        """Install full-shape views of the unsharded buffers in the module slots. Pre: every
+        group's unsharded buffer is filled. A parameter frozen after fully_shard gets a view that
+        does not require grad; each view's use in backward is recorded in ``group.used`` (a
+        parameter no backward reached keeps ``.grad = None``). ``forward``: for a forward with
+        grad enabled, whose gradient the runtime waits for (see [Note: Reentrant arrivals] in
+        ``_runtime/hooks.py``); its views are kept for the backward, which installs them again
+        unless ``fresh`` (a recomputation in backward) asks for new ones (see [Note: Kept views])."""
         for group in self.groups:
             fp = group.flat_param
-            with torch.enable_grad():  # see [Note: Views made in backward]
-                pieces = group.padded_unsharded_flat.split_with_sizes(group.split_sizes)  # torch.split's op, no wrapper
-                views = [piece.view(shape) if trainable else piece.detach().view(shape)
-                         for piece, shape, trainable in zip(pieces, fp._shapes, group.requires_grad_mask)]
-                views = [view if tp is None else as_dtensor(tp, view) for view, tp in zip(views, fp._pieces)]
+            views = None if forward or fresh else self._kept_views(group)
+            if views is None:
+                views = self._make_views(group, from_forward=forward)
             for view, info in zip(views, fp._param_infos):
                 set_module_tensor(info.module, info.param_name, view)
             for sinfo in fp._shared_param_infos:
                 set_module_tensor(sinfo.module, sinfo.param_name, views[sinfo.prim_param_index])
-            if pieces and pieces[0].grad_fn is not None:
-                pieces[0].grad_fn.register_prehook(_SplitBackwardHook(self, group, forward))
-                if forward:
-                    group.forward_grad_due = True
         self.is_unsharded = True
+
+    def _kept_views(self, group: FlatGroup) -> Optional[List[torch.Tensor]]:
+        """The views this step's forward kept, if they still describe the group's buffer (same
+        buffer, same frozen parameters), else ``None``."""
+        kept = group.kept_views
+        if kept is None or kept.base is not group.padded_unsharded_flat or kept.mask != group.requires_grad_mask:
+            return None
+        return kept.views
+
+    def _make_views(self, group: FlatGroup, from_forward: bool) -> List[torch.Tensor]:
+        """New full-shape views of the group's unsharded buffer (one split, a view per
+        parameter), with the split's backward pre-hook; a grad-mode forward's are kept for its
+        backward (see [Note: Kept views])."""
+        fp = group.flat_param
+        with torch.enable_grad():  # see [Note: Views made in backward]
+            pieces = group.padded_unsharded_flat.split_with_sizes(group.split_sizes)  # torch.split's op, no wrapper
+            views = [piece.view(shape) if trainable else piece.detach().view(shape)
+                     for piece, shape, trainable in zip(pieces, fp._shapes, group.requires_grad_mask)]
+            views = [view if tp is None else as_dtensor(tp, view) for view, tp in zip(views, fp._pieces)]
+        split = pieces[0].grad_fn if pieces else None
+        if split is not None:
+            split.register_prehook(_SplitBackwardHook(self, group, from_forward))
+            if from_forward:
+                group.forward_grad_due = True
+        if from_forward and not torch.is_inference_mode_enabled():
+            group.kept_views = KeptViews(group.padded_unsharded_flat, group.requires_grad_mask, views)
+        return views
 
     def use_sharded_views(self) -> None:
         """Put the original parameters (views of the shard) back in the module slots."""
@@ -687,8 +746,15 @@ class FlatParamHandle:
     # ------------------------------------------------------------------ gather transitions
     def will_gather(self) -> bool:
         """True if :meth:`issue_gathers` would issue all-gathers now (the ranks agree on exactly
-        these, see [Note: Agreement] in ``_runtime/agreement.py``)."""
-        return self.needs_unshard() and all(g.pending_unshard is None for g in self.groups)
+        these, see [Note: Agreement] in ``_runtime/agreement.py``): some group's storage is not
+        allocated and none has a gather in flight."""
+        needed = False
+        for g in self.groups:
+            if g.pending_unshard is not None:
+                return False
+            if not needed and not g.aliases_shard and g.padded_unsharded_flat.untyped_storage().size() == 0:
+                needed = True
+        return needed
 
     def issue_gathers(self) -> None:
         """Issue the all-gathers of every group (async) unless its buffers are filled or in
@@ -722,12 +788,12 @@ class FlatParamHandle:
                 group.pending_unshard = None
                 group.comm_shard = None
 
-    def unshard(self, forward: bool = False) -> None:
+    def unshard(self, forward: bool = False, fresh: bool = False) -> None:
         """Gather (unless filled or in flight), wait, and install full-shape views in the module
-        slots (``forward``: for a grad-mode forward, see :meth:`use_unsharded_views`)."""
+        slots (``forward``, ``fresh``: see :meth:`use_unsharded_views`)."""
         self.issue_gathers()
         self.wait_gathers()
-        self.use_unsharded_views(forward=forward)
+        self.use_unsharded_views(forward=forward, fresh=fresh)
 
     def reshard(self, free: bool = True) -> None:
         """Original parameters back in the slots; if ``free``, release unsharded storage (a
@@ -880,18 +946,34 @@ class FlatParamHandle:
         sharded gradients] in ``_runtime/interop.py``)."""
         sharded_grad = group.reduced_grad
         fp = group.flat_param
+        sources = self._grad_sources(group, shard_group, collective_device)
         for i, (p, s) in enumerate(zip(group.orig_params, fp._shard_slices)):
             keep = sharded_grad is not None and group.requires_grad_mask[i] and (group.had_grad[i] or used[i])
             if keep:
                 view = sharded_grad[s.shard_start:s.shard_start + s.numel]  # type: ignore[index]  # checked
-                over = norm_groups(shard_group, fp._pieces[i])
-                set_grad_of_any_shape(p, as_sharded_grad(view, over, collective_device) if over else view)
+                source = sources[i]
+                set_grad_of_any_shape(p, as_sharded_grad(view, (), collective_device, source) if source else view)
             else:
                 p.grad = None
         group.sharded_grad_ref = weakref.ref(sharded_grad) if sharded_grad is not None else None
         group.reduced_grad = None  # from here on the views own it
         group.reduced = False
         group.used = [False] * len(group.orig_params)
+
+    @staticmethod
+    def _grad_sources(group: FlatGroup, shard_group: Any, device: torch.device) -> List[Optional[Any]]:
+        """Per original parameter, the :func:`interop.shard_source` its ``.grad`` carries (``None``:
+        its slice is its whole gradient), made once per shard group and device and kept on the group
+        holding the groups weakly only (a destroyed process group must be freed)."""
+        kept = group.grad_sources
+        if kept is not None and (kept[0]() if kept[0] is not None else None) is shard_group and kept[1] == device:
+            return kept[2]
+        sources = []
+        for tp in group.flat_param._pieces:
+            over = norm_groups(shard_group, tp)
+            sources.append(shard_source(over, device) if over else None)
+        group.grad_sources = (weakref.ref(shard_group) if shard_group is not None else None, device, sources)
+        return sources
 
     def discard_backward(self) -> None:
         """Forget every gradient of a backward that raised (and of unsynced backwards before
@@ -974,8 +1056,9 @@ def take_pending_init_values() -> None:
 # whose reduce-scatter on CPU is synchronous). The end of backward waits for the rest.
 #
 # Stages: ISSUED (reduce-scatter in flight, holds the unsharded gradient) -> REPLICATING (hybrid:
-# all-reduce of the shard across replicas in flight) -> REDUCED (shard landed) -> DONE (divided
-# and accumulated into the group's sharded gradient). A backward that raised discards its
+# all-reduce of the shard across replicas in flight) -> REDUCED (shard landed) -> DONE (divided,
+# unless the collectives averaged: ``Reduction._averages_natively``, and accumulated into the
+# group's sharded gradient). A backward that raised discards its
 # reductions: they are still waited on, so every rank's collectives stay matched.
 
 ISSUED, REPLICATING, REDUCED, DONE, DISCARDED = "ISSUED", "REPLICATING", "REDUCED", "DONE", "DISCARDED"
@@ -993,6 +1076,23 @@ class Reduction:
         self.stage: str = ISSUED
         self.reduce_dtype: torch.dtype = handle.reduce_dtype(group)
         self.event: Optional[Any] = None  # CUDA: recorded on the reduce-scatter stream after issuing
+        self.averaged: bool = self._averages_natively()  # the collectives divide (ReduceOp.AVG), not finish
+
+    def _averages_natively(self) -> bool:
+        """Whether the collectives themselves average (FSDP2's choice for float32 and bfloat16 on
+        NCCL, saving a division kernel per reduction): every group with several ranks averages
+        natively and the divisor is the data-parallel world (not a custom divide factor)."""
+        state = self.state
+        key = (state.gradient_divisor, state.dp_world_size, self.reduce_dtype)
+        known = self.group.averages
+        if known is not None and known[0] == key:
+            return known[1]
+        groups = [g for g in (state.process_group if state.world_size > 1 else None, state.replicate_group)
+                  if g is not None and _collectives.group_size(g) > 1]
+        averages = (state.dp_world_size > 1 and state.gradient_divisor == state.dp_world_size and bool(groups)
+                    and all(_collectives.averages_natively(g, self.reduce_dtype) for g in groups))
+        self.group.averages = (key, averages)
+        return averages
 
     def issue(self) -> None:
         """Start the reduce-scatter (or, for a shard group of one rank, the replica all-reduce)."""
@@ -1003,7 +1103,7 @@ class Reduction:
         streams = handle_streams(state, self.handle.compute_device)
         if grad.dtype != self.reduce_dtype:
             grad = grad.to(self.reduce_dtype)
-        if self.reduce_dtype not in (torch.float32, torch.float64) and state.gradient_divisor != 1:
+        if not self.averaged and self.reduce_dtype not in (torch.float32, torch.float64) and state.gradient_divisor != 1:
             grad.div_(state.gradient_divisor)  # pre-divide low precision to avoid overflow
         self.unsharded_grad = grad
         output = torch.empty(grad.numel() // state.world_size, dtype=grad.dtype, device=grad.device) \
@@ -1011,15 +1111,16 @@ class Reduction:
         with streams.run_on(streams.reduce_scatter):
             if state.world_size > 1:
                 self.pending = _collectives.reduce_scatter_into(output, grad, state.process_group, tag=self.handle.fqn,
-                                                                match=self.handle.index + 1)
+                                                                match=self.handle.index + 1, average=self.averaged)
             else:
                 self._replicate(grad)
             self.event = streams.record(streams.reduce_scatter)
 
     def _replicate(self, shard: torch.Tensor) -> None:
         group = self.state.replicate_group
-        if group is not None and dist.get_world_size(group) > 1:
-            self.pending = _collectives.all_reduce(shard, group, tag=self.handle.fqn)
+        if group is not None and _collectives.group_size(group) > 1:
+            op = dist.ReduceOp.AVG if self.averaged else dist.ReduceOp.SUM
+            self.pending = _collectives.all_reduce(shard, group, tag=self.handle.fqn, op=op)
             self.stage = REPLICATING
         else:
             self.pending = _collectives.Pending(None, shard, "none", tag=self.handle.fqn)
@@ -1046,7 +1147,7 @@ class Reduction:
         Streams.wait(self.event)
         self.unsharded_grad = None
         self.pending = None
-        if self.reduce_dtype in (torch.float32, torch.float64) and self.state.gradient_divisor != 1:
+        if not self.averaged and self.reduce_dtype in (torch.float32, torch.float64) and self.state.gradient_divisor != 1:
             output.div_(self.state.gradient_divisor)
         self.handle.accumulate_sharded_grad(self.group, output)
         self.stage = DONE

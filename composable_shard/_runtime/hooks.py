@@ -8,8 +8,8 @@ right: what ``module.weight`` is.
   pre_forward   enter(FORWARD); unshard(): issue_gathers (all-gather into      full-shape view (plain tensor)
                 group.padded_unsharded_flat), wait_gathers, use_unsharded_views
   post_forward  enter(IDLE); reshard(free) (the root keeps its storage)       orig param again
-  pre_backward  enter(BACKWARD_PRE); unshard() (or prefetched: issue_gathers   full-shape view
-                earlier)
+  pre_backward  enter(BACKWARD_PRE); gather again (or prefetched: issue_gathers  the forward's view again
+                earlier); the forward's views installed again ([Note: Kept views])
   split hook    release_earlier_reductions(): earlier handles' unsharded gradients dropped, shards accumulated
   post_backward take_unsharded_grad(); reduce(): a Reduction issues the reduce-scatter (async);
                 enter(BACKWARD_POST); reshard(free)
@@ -81,7 +81,7 @@ from .module_state import HandleTrainingState, RootContext, TrainingState, WeakH
 from .flat_param import FlatGroup, FlatParamHandle, take_pending_init_values
 from .streams import Streams
 from .._base.callers import check_callers
-from .._base.torch_compat import is_in_backward, profiler_enabled, queue_backward_callback
+from .._base.torch_compat import current_graph_task, is_in_backward, profiler_enabled, queue_backward_callback
 from .traversal import _get_fsdp_states, owned_modules
 from .._base.tree import convert, tensors_in
 from ..contract import _get_registry
@@ -194,10 +194,12 @@ def issue_unshard(state: _FSDPState, handle: FlatParamHandle) -> None:
     _issue_gathers(state, handle)
 
 
-def wait_unshard(state: _FSDPState, handle: FlatParamHandle, forward: bool = False) -> None:
-    """Gather ``handle`` (agreed, see :func:`_issue_gathers`) and install its unsharded views."""
+def wait_unshard(state: _FSDPState, handle: FlatParamHandle, forward: bool = False, fresh: bool = False) -> None:
+    """Gather ``handle`` (agreed, see :func:`_issue_gathers`) and install its unsharded views
+    (``forward``, ``fresh``: see ``FlatParamHandle.use_unsharded_views``)."""
     _issue_gathers(state, handle)
-    handle.unshard(forward=forward)
+    handle.wait_gathers()
+    handle.use_unsharded_views(forward=forward, fresh=fresh)
 
 
 def _prefetch_forward(state: _FSDPState, handle: FlatParamHandle) -> None:
@@ -554,7 +556,7 @@ def _pre_recompute(state: _FSDPState, args: Tuple[Any, ...], kwargs: Dict[str, A
     handle.recomputes_in_backward = True
     handle.states_before_recompute.append(handle.training_state)
     handle.enter(HandleTrainingState.RECOMPUTE, "pre_recompute")
-    wait_unshard(state, handle)
+    wait_unshard(state, handle, fresh=True)
     return args, kwargs
 
 
@@ -628,9 +630,10 @@ def _pre_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
         queue_backward_callback(functools.partial(_finalize_backward, root))
     _collectives.trace("pre_backward", handle.fqn)
     handle.enter(HandleTrainingState.BACKWARD_PRE, "pre_backward", expect=(HandleTrainingState.IDLE,))
+    handle.backward_task = current_graph_task()
     if handle.recomputes_in_backward:
         handle.release_earlier_reductions()  # before the recomputation, see [Note: Reductions in flight]
-    wait_unshard(state, handle)
+    wait_unshard(state, handle, fresh=handle.recomputes_in_backward)  # see [Note: Kept views] in _runtime/flat_param.py
     if state.backward_prefetch_states is not None:
         _prefetch_chosen(state.backward_prefetch_states, for_forward=False)
     elif state.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
@@ -758,7 +761,8 @@ def begin_weight_pass(state: _FSDPState) -> None:
     assert_internal(not state.sync_gradients, f"{state.describe()}: a weight pass with gradient sync on")
     handle.enter(HandleTrainingState.BACKWARD_PRE, "begin_weight_pass", expect=(HandleTrainingState.IDLE,))
     handle.needs_pre_backward = False
-    wait_unshard(state, handle)
+    handle.backward_task = None
+    wait_unshard(state, handle, fresh=True)
 
 
 def end_weight_pass(state: _FSDPState, completed: bool) -> None:
@@ -868,9 +872,11 @@ def _reset_after_backward(root: _FSDPState) -> None:
             h.enter(HandleTrainingState.IDLE, "end of backward")
             h.states_before_recompute.clear()
             h.needs_pre_backward = True
+            h.backward_task = None
             for g in h.groups:
                 g.grad_ready = False
                 g.forward_grad_due = False
+                g.kept_views = None
         s.training_state = TrainingState.IDLE
     root.ctx.final_callback_queued = False
 

@@ -142,12 +142,15 @@ class PartialNorm(torch.Tensor):
         return as_plain(self).clone().__reduce_ex__(protocol)
 
 
-def as_sharded_grad(grad: torch.Tensor, groups: Sequence[Any], device: torch.device) -> ShardedGrad:
+def as_sharded_grad(grad: torch.Tensor, groups: Sequence[Any], device: torch.device,
+                    source: Optional[Tuple[Tuple["weakref.ReferenceType[Any]", ...], torch.device]] = None
+                    ) -> ShardedGrad:
     """``grad`` (a view of this rank's gradient shard) as a :class:`ShardedGrad` over ``groups``
     (see :func:`shard_source`), sharing its storage; ``device``: where their collectives run
-    (the compute device, also when the gradient was offloaded to the CPU)."""
+    (the compute device, also when the gradient was offloaded to the CPU). ``source``: that
+    :func:`shard_source` already made (the runtime keeps one per parameter)."""
     shown = grad.as_subclass(ShardedGrad)
-    shown._cs_source = shard_source(groups, device)
+    shown._cs_source = source if source is not None else shard_source(groups, device)
     return shown  # type: ignore[return-value]  # as_subclass returns the subclass
 
 

@@ -8,7 +8,10 @@ again when backward recomputes it), around its ``forward`` (what ``transformers`
 stay outside), each non-reentrant and reentrant; torch's ``apply_activation_checkpointing``
 before or after sharding, plain and with selective activation checkpointing (torchtitan's
 wrapper: a policy that keeps matmul outputs, and one that keeps nothing); the library's
-``checkpoint`` in either call order.
+``checkpoint`` in either call order; a reentrant ``torch.utils.checkpoint`` around a part of each block
+(``fc_in``), from the first step or switched on at the second: part of a block's gradient then
+arrives in the checkpoint's nested backward, through the views the forward made and the backward
+reuses ([Note: Kept views]).
 
 Bugs these catch (each seen): a recomputation inside backward refused by the handle's state
 machine ("expected IDLE, found BACKWARD_PRE"); views installed by the pre-backward hook with
@@ -71,7 +74,10 @@ class Block(nn.Module):
     optional mask and a cache flag; returns a tuple with a ``None`` or a mapping.
 
     ``wrap`` says how ``torch.utils.checkpoint`` is applied by the block itself: ``None``,
-    ``"call"`` (around ``__call__``) or ``"forward"``; ``reentrant`` picks the variant."""
+    ``"call"`` (around ``__call__``) or ``"forward"``; ``reentrant`` picks the variant.
+    ``part_from``: from that training forward on (counted from 0), a reentrant checkpoint around
+    ``fc_in`` alone, so the block's parameters get part of their gradient in the checkpoint's
+    nested backward and the rest in the outer one."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -81,6 +87,8 @@ class Block(nn.Module):
         self.wrap: Optional[str] = None
         self.reentrant = False
         self.returns = "tuple"
+        self.part_from: Optional[int] = None
+        self.training_forwards = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.wrap == "call" and self.training and torch.is_grad_enabled():
@@ -90,6 +98,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, *, position: Tuple[torch.Tensor, torch.Tensor],
                 mask: Optional[torch.Tensor] = None, use_cache: bool = False) -> Any:
+        if self.part_from is not None and self.training and torch.is_grad_enabled():
+            self.training_forwards += 1
         if self.wrap == "forward" and self.training and torch.is_grad_enabled():
             inner = functools.partial(self._forward, position=position, mask=mask, use_cache=use_cache)
             return torch_checkpoint.checkpoint(inner, x, use_reentrant=self.reentrant)
@@ -100,13 +110,20 @@ class Block(nn.Module):
         cos, sin = position
         h = self.ln(x)
         h = h * cos + h.roll(1, dims=-1) * sin
-        h = self.fc_out(F.gelu(self.fc_in(h)))
+        h = self.fc_out(F.gelu(self._fc_in(h)))
         if mask is not None:
             h = h * mask
         out = x + h
         if self.returns == "mapping":
             return BlockOutput(hidden_states=out, cache=None if not use_cache else out.detach())
         return (out, None)
+
+
+    def _fc_in(self, h: torch.Tensor) -> torch.Tensor:
+        if self.part_from is not None and self.training and torch.is_grad_enabled() \
+                and self.training_forwards > self.part_from:
+            return torch_checkpoint.checkpoint(self.fc_in, h, use_reentrant=True)
+        return self.fc_in(h)
 
 
 class Decoder(nn.Module):
@@ -166,6 +183,11 @@ def _set_block_wrap(model: Decoder, wrap: str, reentrant: bool) -> None:
         block.wrap, block.reentrant = wrap, reentrant
 
 
+def _set_part(model: Decoder, first_forward: int) -> None:
+    for block in model.blocks:
+        block.part_from = first_forward
+
+
 def _is_block(module: nn.Module) -> bool:
     return isinstance(module, Block)
 
@@ -198,6 +220,10 @@ _WAYS: Dict[str, Tuple[Callable[[Decoder], None], Callable[[Decoder], None]]] = 
     "forward_reentrant": (lambda m: _set_block_wrap(m, "forward", True), lambda m: None),
     "stack_nonreentrant": (lambda m: setattr(m, "checkpoint_stack", "nonreentrant"), lambda m: None),
     "stack_reentrant": (lambda m: None, lambda m: setattr(m, "checkpoint_stack", "reentrant")),
+    # a reentrant checkpoint around a part of a block, no hook of ours inside, from the first step
+    # on or switched on for the second: the kept forward views meet a nested backward
+    "part_reentrant": (lambda m: None, lambda m: _set_part(m, 0)),
+    "part_late_reentrant": (lambda m: _set_part(m, 1), lambda m: None),
     "apply_ac_before": (lambda m: apply_activation_checkpointing(m, check_fn=_is_block), lambda m: None),
     "apply_ac_after": (lambda m: None, lambda m: apply_activation_checkpointing(m, check_fn=_is_block)),
     "selective_before": (lambda m: apply_activation_checkpointing(

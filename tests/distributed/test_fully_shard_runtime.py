@@ -435,7 +435,50 @@ def _called_twice(strategy: ShardingStrategy, forward_prefetch: bool) -> None:
         opt.zero_grad()
 
 
+def _views_kept_for_backward(strategy: ShardingStrategy) -> None:
+    """[Note: Kept views]: at every step a block's backward computes on the very view objects its
+    forward made (no split made again; FULL_SHARD frees and gathers the storage in between), the
+    root's too (kept storage), and the end of backward drops them; gradients equal local training."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model, reference = make_model(), make_model()
+    for block in model.blocks:
+        fully_shard(block, strategy=strategy)
+    fully_shard(model, strategy=strategy)
+    seen: List[Tuple[str, str, torch.Tensor]] = []
+
+    def watch(name: str, module: nn.Module) -> None:
+        def forward_hook(m: nn.Module, args: Any, out: torch.Tensor) -> None:
+            seen.append((name, "forward", m.weight))
+            out.register_hook(lambda grad: seen.append((name, "backward", m.weight)) and None)  # type: ignore[func-returns-value]
+        module.register_forward_hook(forward_hook)
+
+    watch("blocks.0", model.blocks[0].fc1)
+    watch("blocks.1", model.blocks[1].fc2)
+    watch("", model.frozen)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(2):
+        seen.clear()
+        local_backward(model, step)
+        inputs, targets = batch(step, world_size)
+        loss_fn(reference(inputs), targets).backward()
+        assert_params_close(full_grads(model), [(n, p.grad) for n, p in reference.named_parameters() if p.grad is not None],
+                            1e-5, f"{strategy.name} step {step} grads")
+        for name in ("blocks.0", "blocks.1", ""):
+            forward = [w for n, when, w in seen if n == name and when == "forward"]
+            backward = [w for n, when, w in seen if n == name and when == "backward"]
+            assert len(forward) == 1 and not isinstance(forward[0], nn.Parameter), (name, seen)
+            assert len(backward) == 1 and backward[0] is forward[0], f"{strategy.name} {name!r}: new views in backward"
+        for handle in _get_fsdp_handles(model):
+            assert all(g.kept_views is None for g in handle.groups), f"{handle.fqn!r} kept its views after backward"
+        for o in (optim, ref_optim):
+            o.step()
+            o.zero_grad()
+
+
 _PREFETCH_CASES: Dict[str, Callable[[], None]] = {"issue order": _prefetch_grid, "at most two gathered": _gathers_in_flight,
+                   "views kept for backward": lambda: run_subtests(_views_kept_for_backward, {
+                       "strategy": [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP]}),
                    "skipped block released": _skipped_block_released,
                    "module called twice": lambda: run_subtests(_called_twice, {
                        "strategy": [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD],
@@ -463,6 +506,10 @@ def test_prefetch_order_limit_and_release() -> None:
     skipped block released: [Note: Prefetched but not run]: a block that forward prefetch
     gathered and the forward skipped does not hold its unsharded parameters through the
     backward.
+
+    views kept for backward: [Note: Kept views] (FULL_SHARD, SHARD_GRAD_OP): a block's and the root's
+    backward computes on the view objects their forward made, none are left after the backward,
+    gradients equal local training at each of two steps.
 
     module called twice: a fully sharded block called twice in each forward (FULL_SHARD,
     SHARD_GRAD_OP, NO_SHARD, with and without forward prefetch): gradients equal local training

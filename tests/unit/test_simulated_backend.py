@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
-from typing import Any, Callable, Iterator, List, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import pytest
 import torch
@@ -142,10 +142,12 @@ def _tile_rows(params: List[nn.Parameter], world_size: int, rank: int) -> List[t
 
 
 def _tiled_reference_losses(tile: Callable[[List[nn.Parameter], int, int], List[torch.Tensor]], world_size: int,
-                            rank: int, batches: List[Tuple[torch.Tensor, torch.Tensor]], lr: float) -> List[float]:
+                            rank: int, batches: List[Tuple[torch.Tensor, torch.Tensor]], lr: float,
+                            grad_scale: float = 1.0) -> List[float]:
     """Local SGD on the parameters the simulated rank computes on: before each step every module's
     parameters are replaced by its shards tiled (the all-gather), and the step's update of this
-    rank's shard is the one of the local gradient (W identical contributions, averaged)."""
+    rank's shard is the one of the local gradient (W identical contributions, averaged; times
+    ``grad_scale`` for a divide factor other than W)."""
     ref = _model()
     losses = []
     for x, y in batches:
@@ -158,31 +160,41 @@ def _tiled_reference_losses(tile: Callable[[List[nn.Parameter], int, int], List[
         with torch.no_grad():
             for p in ref.parameters():
                 assert p.grad is not None
-                p.sub_(lr * p.grad)
+                p.sub_(lr * grad_scale * p.grad)
                 p.grad = None
         losses.append(float(loss.detach()))
     return losses
 
 
-@pytest.mark.parametrize("api,world_size,rank", [("fully_shard", 8, 0), ("fully_shard", 3, 1), ("torch_fsdp2", 8, 0)])
-def test_training_equals_local_training_on_the_tiled_shards(api: str, world_size: int, rank: int) -> None:
+@pytest.mark.parametrize("api,world_size,rank,factor", [("fully_shard", 8, 0, None), ("fully_shard", 3, 1, None),
+                                                       ("fully_shard", 4, 1, 2.0), ("torch_fsdp2", 8, 0, None)])
+def test_training_equals_local_training_on_the_tiled_shards(api: str, world_size: int, rank: int,
+                                                           factor: Optional[float]) -> None:
     """Ours (flat shards; at W=8 rank 0, and at W=3 rank 1, where the handles pad and the chunk is
     not the first) and torch's FSDP2 (dim-0 shards) train 4 SGD steps on the simulated group; every
     step's loss equals the tiled local reference's, and so do the parameters after the last step
     (a fifth forward). A reduce-scatter off by W, or taking the wrong chunk, changes the second
-    step's loss; an all-gather that does not tile changes the first."""
+    step's loss; an all-gather that does not tile changes the first.
+
+    Ours averages in the collective on a backend that can (``ReduceOp.AVG``, as FSDP2 does on NCCL;
+    this backend is one): each reduce-scatter asks for AVG and nothing divides afterwards. With
+    ``set_gradient_divide_factor(2.0)`` at W=4 it sums and divides by 2 (twice the mean gradient)."""
     lr = 0.1
     gen = torch.Generator().manual_seed(1)
     batches = [(torch.randn(4, 6, generator=gen), torch.randn(4, 1, generator=gen)) for _ in range(5)]
     tile = _tile_flat if api == "fully_shard" else _tile_rows
-    expected = _tiled_reference_losses(tile, world_size, rank, batches, lr)
-    with _simulated_world(world_size, rank):
+    expected = _tiled_reference_losses(tile, world_size, rank, batches, lr,
+                                       grad_scale=1.0 if factor is None else world_size / factor)
+    with _simulated_world(world_size, rank) as group:
         model = _model()
         if api == "fully_shard":
             from composable_shard import fully_shard
             for block in (model[0], model[1]):
                 fully_shard(block)
             fully_shard(model)
+            if factor is not None:
+                for module in (model[0], model[1], model):
+                    module.set_gradient_divide_factor(factor)  # type: ignore[operator]  # FSDPModule's method
         else:
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -199,6 +211,9 @@ def test_training_equals_local_training_on_the_tiled_shards(api: str, world_size
                 loss.backward()
                 optim.step()
                 optim.zero_grad(set_to_none=True)
+        if api == "fully_shard":
+            scatters = [op for kind, op in group.reduce_ops if kind == "reduce_scatter"]
+            assert scatters == ["SUM" if factor is not None else "AVG"] * 3 * (len(batches) - 1), group.reduce_ops
         del model, optim
     # the reference takes a fifth step too; its loss is the fifth forward's
     for step, (got, want) in enumerate(zip_same(losses, expected)):
