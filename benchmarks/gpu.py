@@ -6,7 +6,14 @@ One GPU, one process, a W=1 NCCL process group (``--world``/``--blocks`` do not 
   local        the model alone, fp32 parameters, forward under ``torch.autocast("cuda", bfloat16)``
                (torch's own way to compute in bf16 without a data-parallel API);
   torch_fsdp2  torch ``fully_shard`` per block, then the root, ``MixedPrecisionPolicy(param_dtype=bf16)``;
-  fully_shard  ours per block, then the root, ``MixedPrecision(param_dtype=bf16)``.
+  fully_shard  ours per block, then the root, ``MixedPrecision(param_dtype=bf16)``;
+  torch_fsdp2_fp8, fully_shard_fp8  the same after torchao's ``convert_to_float8_training`` of the
+               blocks' linears with ``Float8LinearConfig(enable_fsdp_float8_all_gather=True)`` (float8
+               matmuls, weights all-gathered as float8; FSDP2 also runs torchao's
+               ``precompute_float8_dynamic_scale_for_fsdp`` after each optimizer step, as torchtitan
+               does); the MLPs' linears (attention's projections are used through
+               ``F.multi_head_attention_forward``, not their forward). Only where torchao is installed and the GPU has float8 matmuls (compute
+               capability 8.9 or later); issue 57.
 
 Every model is built on the GPU from the same seed. ``--warmup`` rounds, then ``--steps`` timed
 rounds, contenders alternating; a step is forward + fp32 cross-entropy, backward, optimizer
@@ -42,18 +49,45 @@ from benchmarks.model import GPT, make_batch
 
 WIDTH, HEADS, BLOCKS, SEQ, BATCH, VOCAB = 2048, 16, 16, 2048, 4, 4096
 CONTENDERS = ["local", "torch_fsdp2", "fully_shard"]
+FLOAT8_CONTENDERS = ["torch_fsdp2_fp8", "fully_shard_fp8"]
 DEVICE = "cuda"  # a CPU dry run of the logic sets "cpu" (memory figures are then 0)
 SEED, DATA_SEED = 1234, 5678
 GB = 1e9
 # (numerator, denominator, target, what)
 TARGETS = [("fully_shard", "torch_fsdp2", 1.00, "step time"), ("fully_shard", "local", 1.03, "step time"),
            ("fully_shard", "torch_fsdp2", 1.00, "peak memory")]
+FLOAT8_TARGETS = [("fully_shard_fp8", "torch_fsdp2_fp8", 1.00, "step time"),
+                  ("fully_shard_fp8", "torch_fsdp2_fp8", 1.00, "peak memory")]
+
+
+def float8_available() -> bool:
+    """torchao importable and float8 matmuls on this device (CUDA compute capability >= 8.9; the CPU
+    dry run has torch's CPU kernel)."""
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        return False
+    return DEVICE != "cuda" or torch.cuda.get_device_capability(0) >= (8, 9)
+
+
+def contenders() -> List[str]:
+    return CONTENDERS + (FLOAT8_CONTENDERS if float8_available() else [])
+
+
+def _convert_float8(model: nn.Module) -> None:
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+                               module_filter_fn=lambda module, fqn: ".mlp." in fqn)  # attention's out_proj is used
+                               # through F.multi_head_attention_forward (its weight, not its forward): left alone
 
 
 def build(name: str, mesh: Any) -> Tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(SEED)
     with torch.device(DEVICE):
         model = GPT(blocks=BLOCKS, vocab=VOCAB, width=WIDTH, heads=HEADS, max_seq=SEQ)
+    if name.endswith("_fp8"):
+        _convert_float8(model)
+        name = name[:-len("_fp8")]
     if name == "torch_fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy
         from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -81,6 +115,9 @@ def step(name: str, model: nn.Module, optim: torch.optim.Optimizer, tokens: torc
     loss.backward()
     optim.step()
     optim.zero_grad(set_to_none=True)
+    if name == "torch_fsdp2_fp8":
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+        precompute_float8_dynamic_scale_for_fsdp(model)
     _sync()
     return float(loss.detach())
 
@@ -147,11 +184,12 @@ def _run(args: argparse.Namespace, mesh: Any) -> Dict[str, Any]:
     gen = torch.Generator().manual_seed(DATA_SEED)
     batches = [tuple(t.to(DEVICE) for t in make_batch(BATCH, SEQ, VOCAB, gen)) for _ in range(args.warmup + args.steps)]
     t0 = time.perf_counter()
-    models = {name: build(name, mesh) for name in CONTENDERS}
-    print(f"built {', '.join(CONTENDERS)} in {time.perf_counter() - t0:.1f} s; "
+    names = contenders()
+    models = {name: build(name, mesh) for name in names}
+    print(f"built {', '.join(names)} in {time.perf_counter() - t0:.1f} s; "
           f"{_allocated() / GB:.1f} GB allocated")
-    times: Dict[str, List[float]] = {n: [] for n in CONTENDERS}
-    losses: Dict[str, List[float]] = {n: [] for n in CONTENDERS}
+    times: Dict[str, List[float]] = {n: [] for n in names}
+    losses: Dict[str, List[float]] = {n: [] for n in names}
     for i, (tokens, targets) in enumerate(batches):
         for name, (model, optim) in models.items():
             _sync()
@@ -165,7 +203,7 @@ def _run(args: argparse.Namespace, mesh: Any) -> Dict[str, Any]:
     _empty_cache()
 
     memory: Dict[str, Dict[str, int]] = {}
-    for name in CONTENDERS:  # each alone: build, one step, one measured step
+    for name in names:  # each alone: build, one step, one measured step
         gc.collect()
         _sync()
         before = _allocated()
@@ -179,9 +217,9 @@ def _run(args: argparse.Namespace, mesh: Any) -> Dict[str, Any]:
         _empty_cache()
 
     rows: Dict[str, Dict[str, Any]] = {n: {"median_ms": statistics.median(times[n]), "min_ms": min(times[n]), "max_ms": max(times[n]),
-                "step_ms": times[n], "losses": losses[n], **memory[n]} for n in CONTENDERS}
+                "step_ms": times[n], "losses": losses[n], **memory[n]} for n in names}
     checks = []
-    for num, den, target, what in TARGETS:
+    for num, den, target, what in TARGETS + (FLOAT8_TARGETS if "fully_shard_fp8" in names else []):
         key = "median_ms" if what == "step time" else "peak_bytes"
         value = rows[num][key] / rows[den][key] if rows[den][key] else float("nan")
         checks.append({"name": f"GPU: {what} {num}/{den} <= {target:.2f}", "ok": value <= target, "checked": True,
@@ -198,11 +236,11 @@ def print_report(result: Dict[str, Any]) -> None:
     print(f"GPT width {result['width']}, {result['heads']} heads, {result['blocks']} blocks, vocab {result['vocab']}, "
           f"seq {result['seq']}, batch {result['batch']}; bf16 compute (local: autocast; ours: MixedPrecision; "
           f"FSDP2: MixedPrecisionPolicy); {result['warmup']} warm-up + {result['steps']} timed rounds, alternating\n")
-    hdr = f"{'contender':<13}{'median ms':>10}{'min':>9}{'max':>9}{'peak GB':>9}{'final loss':>12}"
+    hdr = f"{'contender':<17}{'median ms':>10}{'min':>9}{'max':>9}{'peak GB':>9}{'final loss':>12}"
     print(hdr)
     print("-" * len(hdr))
     for name, r in result["contenders"].items():
-        print(f"{name:<13}{r['median_ms']:>10.1f}{r['min_ms']:>9.1f}{r['max_ms']:>9.1f}{r['peak_bytes'] / GB:>9.2f}"
+        print(f"{name:<17}{r['median_ms']:>10.1f}{r['min_ms']:>9.1f}{r['max_ms']:>9.1f}{r['peak_bytes'] / GB:>9.2f}"
               f"{r['losses'][-1]:>12.5f}")
     print("\nchecks (step times: ratio of medians; peak: torch.cuda.max_memory_allocated during one step of the "
           "contender alone, minus what was allocated before it was built)")

@@ -1054,7 +1054,7 @@ MUTANTS: List[Mutant] = [
        'composable_shard/integrations/pipelining.py', '        return buffers + [p for p in self.submod.parameters() if id(p) not in owned]',
        '        return buffers', _PP_ZB),
     # torchao float8 (issue 57, in part)
-    _m("fp8_all_gather_weights_unchecked", "torchao's float8 all-gather weights reach the flat parameter (a shape error at the first forward)",
+    _m("fp8_all_gather_weights_unchecked", "tensor-parallel float8 all-gather weights reach the flat parameter (a shape error at the first forward)",
        _INIT, "    check_all_gather_extensions(f\"fully_shard({type(module).__name__})\", module,",
        "    if False: check_all_gather_extensions(f\"fully_shard({type(module).__name__})\", module,",
        "tests/distributed/test_float8.py"),
@@ -1087,6 +1087,26 @@ MUTANTS: List[Mutant] = [
        "composable_shard/_runtime/flat_param.py",
        "        averages = (state.dp_world_size > 1 and state.gradient_divisor == state.dp_world_size and bool(groups)",
        "        averages = (state.dp_world_size > 1 and bool(groups)", "tests/unit/test_simulated_backend.py"),
+    # issue 57: float8 all-gather
+    _m("fp8_amax_not_agreed", "each rank scales its slices of a float8 weight with its own amax, not the whole weight's",
+       "composable_shard/_runtime/flat_param.py",
+       "                _collectives.all_reduce(amaxes, shard_group, tag=tag, op=dist.ReduceOp.MAX).wait()",
+       "                pass", "tests/distributed/test_float8.py"),
+    _m("fp8_first_scale_for_all", "every float8 weight of a module is given the first weight's scale",
+       "composable_shard/_base/float8.py",
+       "    return _AsFloat8Weight.apply(hp_view, data, fp8.scales[index], fp8.linear_mm_configs[index])",
+       "    return _AsFloat8Weight.apply(hp_view, data, fp8.scales[0], fp8.linear_mm_configs[index])",
+       "tests/distributed/test_float8.py"),
+    _m("fp8_gathered_kept_after_forward", "the float8 bytes are never freed: the buffer frees the gradient leaf instead",
+       "composable_shard/_runtime/flat_param.py", "                    _free_storage(group.gathered_buffer)",
+       "                    _free_storage(group.padded_unsharded_flat)", "tests/distributed/test_float8.py"),
+    _m("fp8_weights_gathered_in_full_precision", "torchao's float8 weights join the plain group and are gathered in float32",
+       "composable_shard/_runtime/flat_param.py",
+       "                   _float8.float8_weight_info(p)[1] if _float8.is_float8_weight(p) else None)",
+       "                   None)", "tests/distributed/test_float8.py"),
+    _m("fp8_gradient_not_passed", "the float8 weight's gradient is dropped on its way to the flat gradient",
+       "composable_shard/_base/float8.py", "        return grad, None, None, None",
+       "        return torch.zeros_like(grad), None, None, None", "tests/distributed/test_float8.py"),
 ]
 
 

@@ -6,6 +6,8 @@
   of a ``DTensor``.
 - ``pieces.py``: where a tensor-parallel (``DTensor``) parameter's local piece lies in its global
   tensor, and the ``DTensor`` views, joins and slices the runtime and state dicts make of it.
+- ``float8.py``: torchao's float8 weights gathered as float8 bytes, their scales and the float8
+  tensors the module computes on ([Note: float8 all-gather]).
 - ``host_mirror.py``: small integers to the device and device values back to the host without
   stopping the CPU (pinned copies, events): [Note: No host reads in a step].
 

@@ -32,6 +32,13 @@ versions checked (2.6, 2.11, 2.13, unless an entry says otherwise).
   they live in ``Tensor._backward_hooks`` and ``Tensor._post_accumulate_grad_hooks`` (``None``
   until one is registered, an empty dict once all are removed; the second since torch 2.1; read
   in the 2.13 sources).
+* ``float8_weight_parts``, ``float8_bytes`` (torchao's, not torch's, private attributes; torchao
+  0.18.0 read): float8 all-gather ([Note: float8 all-gather] in ``_base/float8.py``) needs a
+  float8 training weight's plain tensor, float8 dtype and matmul configuration
+  (``WeightWithDynamicFloat8CastTensor._tensor``, ``._dtype``, ``._linear_mm_config``) and a
+  ``Float8TrainingTensor``'s bytes (``._data``): torchao exposes them only to FSDP2, through
+  ``fsdp_pre_all_gather``, which casts a whole parameter and reduces its amax in a collective of
+  its own per weight.
 * ``make_wrapper_tensor``: the sharded state dict's values report a parameter's global shape
   while holding only this rank's elements (``sharded_slice.ShardedSlice``). A tensor whose
   metadata differs from its storage can only be made with ``torch.Tensor._make_wrapper_subclass``
@@ -155,7 +162,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = ["queue_backward_callback", "set_module_tensor", "is_in_backward", "current_graph_task", "tensor_version", "make_wrapper_tensor",
+__all__ = ["queue_backward_callback", "set_module_tensor", "is_in_backward", "current_graph_task",
+           "float8_weight_parts", "float8_bytes", "tensor_version", "make_wrapper_tensor",
            "is_compiled_module", "plain_torch_function", "as_plain", "FOREACH_NORM", "BATCH_NORM", "tensor_slots",
            "is_view_of", "DCPTensorHooks", "DCP_METADATA_GLOBALS", "GuardedApplyHook", "ALL_GATHER_SINGLE",
            "REDUCE_SCATTER_SINGLE", "FSDP2_MODULE_MARKER", "TORCH_FSDP_PACKAGE", "torch_state_dict_request", "UNKNOWN_REQUEST", "RunningFunction", "running_functions", "TORCH_STATE_DICT_MODULE", "TO_COPY", "fake_tensor_mode", "is_fake", "without_fake_mode", "TorchDispatchMode", "storage_id", "profiler_enabled"]
@@ -195,6 +203,16 @@ def current_graph_task() -> int:
 def tensor_version(tensor: "torch.Tensor") -> int:
     """The in-place version counter of ``tensor`` (bumped by every in-place op on it)."""
     return int(tensor._version)
+
+
+def float8_weight_parts(weight: Any) -> Tuple["torch.Tensor", "torch.dtype", Any]:
+    """torchao's float8 training weight's ``(plain tensor, float8 dtype, linear_mm_config)``."""
+    return weight._tensor, weight._dtype, weight._linear_mm_config
+
+
+def float8_bytes(tensor: Any) -> "torch.Tensor":
+    """A torchao ``Float8TrainingTensor``'s float8 data."""
+    return tensor._data  # type: ignore[no-any-return]
 
 
 def make_wrapper_tensor(cls: Any, shape: "torch.Size", dtype: "torch.dtype", device: "torch.device") -> Any:

@@ -397,8 +397,10 @@ def _plan_groups(module: nn.Module, params: List[nn.Parameter], mp: Optional[Mix
     """The flat groups ``FlatParamHandle(params, module, ...)`` builds: ``plan_groups``'s."""
     param_dtype = mp.param_dtype if mp is not None else None
     out: List[_GroupInfo] = []
-    for (dtype, requires_grad, full_precision), members in plan_groups(module, params, param_dtype,
-                                                                       full_precision_classes(mp))[0].items():
+    # a float8-gathered group (the key's fourth element) is described in its own dtype: its all-gather moves
+    # a quarter of float32's bytes, which these figures do not count yet
+    for (dtype, requires_grad, full_precision, _), members in plan_groups(module, params, param_dtype,
+                                                                          full_precision_classes(mp))[0].items():
         compute = compute_dtype_of(dtype, param_dtype, full_precision)
         out.append(_GroupInfo(dtype, requires_grad, sum(p.numel() for p, _ in members), len(members), compute,
                               reduce_dtype_of(mp, compute, full_precision)))

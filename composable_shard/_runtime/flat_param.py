@@ -110,6 +110,7 @@ from . import shard_math as _shard_math
 from .interop import ShardedGrad, as_sharded_grad, shard_source
 from . import watch as _watch
 from .streams import Streams
+from .._base import float8 as _float8
 from .._base.pieces import Piece, as_dtensor, piece_of, shard_groups, take_piece
 from .._base.torch_compat import current_graph_task, has_grad_hooks, is_view_of, set_module_tensor, tensor_version
 
@@ -276,6 +277,7 @@ class FlatGroup:
     landing_event: Optional[Any] = None  # CUDA: recorded after that copy was issued (None on CPU)
     forward_grad_due: bool = False  # a grad-mode forward's views may still bring their gradient (see [Note: Reentrant arrivals])
     kept_views: Optional["KeptViews"] = None  # this step's forward views, for its backward (see [Note: Kept views])
+    float8: Optional[_float8.Float8Group] = None  # float8-gathered weights (see [Note: float8 all-gather] in _base/float8.py)
     grad_sources: Optional[Tuple[Any, torch.device, List[Any]]] = None  # see FlatParamHandle._grad_sources
     averages: Optional[Tuple[Any, bool]] = None  # (divisor, world, dtype) -> whether its reductions average natively
 
@@ -301,11 +303,17 @@ class FlatGroup:
         return any(self.requires_grad_mask)
 
     @property
+    def gathered_buffer(self) -> torch.Tensor:
+        """The buffer the all-gather fills, whose storage is allocated exactly while the group is
+        unsharded: ``padded_unsharded_flat``, or a float8 group's bytes."""
+        return self.float8.gathered if self.float8 is not None else self.padded_unsharded_flat
+
+    @property
     def padded_numel(self) -> int:
         return int(self.flat_param._padded_unsharded_size.numel())
 
 
-GroupKey = Tuple[torch.dtype, bool, bool]  # (dtype, requires_grad, kept in full precision)
+GroupKey = Tuple[torch.dtype, bool, bool, Optional[torch.dtype]]  # (dtype, requires_grad, kept in full precision, float8 gathered as)
 
 
 def plan_groups(module: nn.Module, params: Sequence[nn.Parameter], param_dtype: Optional[torch.dtype],
@@ -314,10 +322,12 @@ def plan_groups(module: nn.Module, params: Sequence[nn.Parameter], param_dtype: 
                            Dict[GroupKey, List[Tuple[SharedParamInfo, nn.Parameter]]]]:
     """The flat groups a handle over ``params`` of ``module`` is built from (``describe`` plans
     with this same function): parameters in ``named_modules`` order, each once, grouped by
-    ``(dtype, requires_grad, kept in full precision)`` in first-seen order; the last is True for
-    parameters of a module of ``full_precision_classes`` under a ``param_dtype`` (see [Note:
-    Modules kept in full precision] in ``_runtime/mixed_precision.py``). Second registrations (tied
-    weights) are returned apart, per group."""
+    ``(dtype, requires_grad, kept in full precision, float8 dtype)`` in first-seen order; the third
+    is True for parameters of a module of ``full_precision_classes`` under a ``param_dtype`` (see
+    [Note: Modules kept in full precision] in ``_runtime/mixed_precision.py``), the fourth the
+    float8 dtype torchao's float8 weights are gathered in (see [Note: float8 all-gather] in
+    ``_base/float8.py``), else ``None``. Second registrations (tied weights) are returned
+    apart, per group."""
     wanted = {id(p) for p in params}
     by_group: Dict[GroupKey, List[Tuple[nn.Parameter, ParamInfo]]] = {}
     shared: Dict[GroupKey, List[Tuple[SharedParamInfo, nn.Parameter]]] = {}
@@ -331,8 +341,10 @@ def plan_groups(module: nn.Module, params: Sequence[nn.Parameter], param_dtype: 
                 gkey, index = first_index[id(p)]
                 shared.setdefault(gkey, []).append((SharedParamInfo(name, sub, sub_name, index), p))
                 continue
-            group = by_group.setdefault((p.dtype, p.requires_grad, full_precision), [])
-            first_index[id(p)] = ((p.dtype, p.requires_grad, full_precision), len(group))
+            key = (p.dtype, p.requires_grad, full_precision,
+                   _float8.float8_weight_info(p)[1] if _float8.is_float8_weight(p) else None)
+            group = by_group.setdefault(key, [])
+            first_index[id(p)] = (key, len(group))
             group.append((p, ParamInfo(name, sub, sub_name)))
     return by_group, shared
 
@@ -506,13 +518,15 @@ class FlatParamHandle:
             built.index = len(self.groups)
             self.groups.append(built)
 
-    def _build_group(self, key: Tuple[torch.dtype, bool, bool], members: List[Tuple[nn.Parameter, ParamInfo]],
+    def _build_group(self, key: GroupKey, members: List[Tuple[nn.Parameter, ParamInfo]],
                      shared: List[Tuple[SharedParamInfo, nn.Parameter]], module_fqn: str,
                      param_dtype: Optional[torch.dtype]) -> FlatGroup:
-        dtype, requires_grad, full_precision = key
+        dtype, requires_grad, full_precision, float8_dtype = key
         prefix = ""  # _fqns are relative to the owning module (API.md); module_fqn only names the handle
         pieces = [piece_of(p) if isinstance(p, DTensor) else None for p, _ in members]
         locals_ = [p.to_local() if isinstance(p, DTensor) else p for p, _ in members]
+        if float8_dtype is not None:  # see [Note: float8 all-gather] in _base/float8.py
+            locals_ = [_float8.float8_weight_info(p)[0] for p, _ in members]
         numels = [t.numel() for t in locals_]
         total = sum(numels)
         padded = _shard_math.padded_numel(total, self.world_size)
@@ -535,17 +549,24 @@ class FlatParamHandle:
         flat_param._shard_slices = tuple(_shard_math.rank_param_slices(numels, self.world_size, self.rank))
         _set_fsdp_flattened(flat_param)
         compute_dtype = compute_dtype_of(dtype, param_dtype, full_precision)
-        aliases = self.world_size == 1 and compute_dtype == dtype and self.shard_device == self.compute_device
-        if aliases:
+        aliases = (self.world_size == 1 and compute_dtype == dtype and self.shard_device == self.compute_device
+                   and float8_dtype is None)
+        float8: Optional[_float8.Float8Group] = None
+        if float8_dtype is not None:  # gathered as float8 bytes; the leaf only receives gradients
+            float8 = _float8.new_group_state(float8_dtype, [_float8.float8_weight_info(p)[2] for p, _ in members],
+                                             padded, len(members), self.compute_device)
+            unsharded = _float8.gradient_leaf(padded, compute_dtype, self.compute_device)
+        elif aliases:
             unsharded = flat_param.data  # same storage, own version counter (see [Note: Views])
         else:
             unsharded = torch.empty(padded, dtype=compute_dtype, device=self.compute_device)
             _free_storage(unsharded)
         unsharded.requires_grad_(requires_grad)
-        orig_params = [p if piece is None else _stand_in(p, members[k][1], shared, k, module_fqn)
+        orig_params = [p if piece is None and float8 is None else _stand_in(p, members[k][1], shared, k, module_fqn)
                        for k, ((p, _), piece) in enumerate(zip(members, pieces))]
         group = FlatGroup(flat_param, orig_params, compute_dtype, unsharded, aliases,
                           numels + ([padded - total] if padded > total else []))
+        group.float8 = float8
         group.requires_grad_mask = tuple(p.requires_grad for p in orig_params)
         group.full_precision = full_precision
         group.used = [False] * len(orig_params)
@@ -648,11 +669,11 @@ class FlatParamHandle:
 
     def needs_unshard(self) -> bool:
         """True if some group's unsharded storage is not allocated and filled."""
-        return any(not g.aliases_shard and not _storage_is_allocated(g.padded_unsharded_flat) for g in self.groups)
+        return any(not g.aliases_shard and not _storage_is_allocated(g.gathered_buffer) for g in self.groups)
 
     def unsharded_storage_freed(self) -> bool:
         """True if every group that owns an unsharded buffer has freed its storage."""
-        return all(g.aliases_shard or not _storage_is_allocated(g.padded_unsharded_flat) for g in self.groups)
+        return all(g.aliases_shard or not _storage_is_allocated(g.gathered_buffer) for g in self.groups)
 
     def shard_metadata(self) -> List[List[Tuple[str, torch.Size, int, int]]]:
         """Per group, per original parameter: ``(fqn, full shape, start, end)`` of the
@@ -666,7 +687,23 @@ class FlatParamHandle:
         """Allocate the unsharded storage and return ``(output, input)`` for the all-gather:
         the output aliases ``padded_unsharded_flat``; the input is the shard cast/moved to the
         compute dtype/device (kept alive on the group until the gather is waited). Records
-        what the buffer is gathered from (see :meth:`is_stale`)."""
+        what the buffer is gathered from (see :meth:`is_stale`). A float8 group gathers its
+        weights cast to float8 bytes (see [Note: float8 all-gather] in ``_base/float8.py``)."""
+        if group.float8 is not None:
+            _alloc_storage(group.float8.gathered)
+            shard = self.on_compute_device(group.flat_param.data)
+            owner = self.owner()
+            shard_group = owner.process_group if owner.world_size > 1 else None
+            tag = f"float8_amax:{self.fqn}"
+
+            def agree(amaxes: torch.Tensor) -> None:  # one MAX all-reduce of the group's amaxes
+                _collectives.all_reduce(amaxes, shard_group, tag=tag, op=dist.ReduceOp.MAX).wait()
+
+            cast = _float8.cast_shard(group.float8, shard, group.flat_param._shard_slices,
+                                      agree if shard_group is not None else None)
+            group.comm_shard = cast
+            group.gathered_at = (self._version_sum(group), self.optimizer_steps.epoch)
+            return group.float8.gathered, cast
         _alloc_storage(group.padded_unsharded_flat)
         shard = group.flat_param.data
         if shard.dtype != group.compute_dtype or shard.device != self.compute_device:
@@ -680,7 +717,7 @@ class FlatParamHandle:
         parameter was edited in place, or an optimizer holding one of its parameters stepped,
         since it was gathered."""
         epoch = self.optimizer_steps.epoch
-        return any(not g.aliases_shard and _storage_is_allocated(g.padded_unsharded_flat)
+        return any(not g.aliases_shard and _storage_is_allocated(g.gathered_buffer)
                    and g.gathered_at != (self._version_sum(g), epoch) for g in self.groups)
 
     @staticmethod
@@ -724,6 +761,10 @@ class FlatParamHandle:
             views = [piece.view(shape) if trainable else piece.detach().view(shape)
                      for piece, shape, trainable in zip(pieces, fp._shapes, group.requires_grad_mask)]
             views = [view if tp is None else as_dtensor(tp, view) for view, tp in zip(views, fp._pieces)]
+            if group.float8 is not None:  # see [Note: float8 all-gather] in _base/float8.py
+                starts = _float8.offsets(list(fp._numels))
+                views = [_float8.float8_view(group.float8, view, i, start, shape)
+                         for i, (view, start, shape) in enumerate(zip(views, starts, fp._shapes))]
         split = pieces[0].grad_fn if pieces else None
         if split is not None:
             split.register_prehook(_SplitBackwardHook(self, group, from_forward))
@@ -752,7 +793,7 @@ class FlatParamHandle:
         for g in self.groups:
             if g.pending_unshard is not None:
                 return False
-            if not needed and not g.aliases_shard and g.padded_unsharded_flat.untyped_storage().size() == 0:
+            if not needed and not g.aliases_shard and g.gathered_buffer.untyped_storage().size() == 0:
                 needed = True
         return needed
 
@@ -803,7 +844,7 @@ class FlatParamHandle:
         if free:
             for group in self.groups:
                 if not group.aliases_shard:
-                    _free_storage(group.padded_unsharded_flat)
+                    _free_storage(group.gathered_buffer)
         for group in self.groups:
             group.comm_shard = None
 

@@ -16,6 +16,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .._base.pieces import piece_of
+from .._base.float8 import is_float8_weight
 from ..api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from ..wrap import _Policy
 
@@ -261,24 +262,27 @@ def check_tensor_parallel(api: str, named_tensors: Iterable[Tuple[str, torch.Ten
 
 def check_all_gather_extensions(api: str, root: nn.Module, named_params: Iterable[Tuple[str, torch.Tensor]]) -> None:
     """``NotImplementedError`` for a parameter whose tensor class customizes FSDP2's all-gather
-    (it defines ``fsdp_pre_all_gather``: torchao's float8 weights converted with
-    ``Float8LinearConfig(enable_fsdp_float8_all_gather=True)``, quantized weights of the same
-    kind): a flat parameter gathers the values themselves, so such a weight would reach the
-    module as a flat slice of its plain values and fail in the module's forward with a shape
-    error naming nothing. Raised before anything changes, naming the parameter, its module and
-    the setting to change."""
+    (it defines ``fsdp_pre_all_gather``: quantized weights, torchao's float8 weights of a
+    tensor-parallel ``DTensor``), except torchao's float8 weights themselves, which the library
+    gathers as float8 ([Note: float8 all-gather] in ``_base/float8.py``): a flat parameter
+    gathers the values themselves, so such a weight would reach the module as a flat slice of its
+    plain values and fail in the module's forward with a shape error naming nothing. Raised before
+    anything changes, naming the parameter, its module and the setting to change."""
     for fqn, param in named_params:
         tensor = param.to_local() if isinstance(param, DTensor) else param
         if not callable(getattr(type(tensor), "fsdp_pre_all_gather", None)):
             continue
+        if is_float8_weight(tensor) and not isinstance(param, DTensor):
+            continue  # gathered as float8 bytes: [Note: float8 all-gather] in _base/float8.py
         owner_name = fqn.rpartition(".")[0]
         owner = root.get_submodule(owner_name) if owner_name else root
         kind = type(tensor).__name__
-        if kind == "WeightWithDynamicFloat8CastTensor":  # torchao.float8
-            setting = ("torchao's float8 all-gather (Float8LinearConfig(enable_fsdp_float8_all_gather=True)) is not "
-                       "supported yet: convert the model with enable_fsdp_float8_all_gather=False. Training is the "
-                       "same (each float8 linear casts its gathered weight with the same dynamic tensorwise scale); "
-                       "the all-gather moves the weight in its own dtype instead of float8.")
+        if is_float8_weight(tensor):  # torchao.float8, as the local tensor of a tensor-parallel DTensor
+            setting = ("torchao's float8 all-gather (Float8LinearConfig(enable_fsdp_float8_all_gather=True)) of a "
+                       "tensor-parallel weight is not supported: convert the model with "
+                       "enable_fsdp_float8_all_gather=False. Training is the same (each float8 linear casts its "
+                       "gathered weight with the same dynamic tensorwise scale); the all-gather moves the weight in "
+                       "its own dtype instead of float8.")
         else:
             setting = ("a tensor class that customizes FSDP2's all-gather (fsdp_pre_all_gather / "
                        "fsdp_post_all_gather) is not supported: keep the parameter a plain tensor or leave its module "

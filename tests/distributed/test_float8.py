@@ -1,5 +1,5 @@
 """torchao's float8 training (``torchao.float8.convert_to_float8_training``) under ``fully_shard``
-(issue 57, in part): how FSDP2 users get float8 matmuls.
+(issue 57): how FSDP2 users get float8 matmuls.
 
 * Converted with ``enable_fsdp_float8_all_gather=False``: the same numbers as torch's FSDP2 with
   torchao on the same script (per step the global loss, and after the steps every full parameter,
@@ -7,12 +7,18 @@
   one process on the combined batch), with blocks, their norms and biases sharded and a head left
   unconverted; the full state dict loads into the plain, unconverted model, whose outputs are then
   the trained model's without float8.
-* Converted with ``enable_fsdp_float8_all_gather=True`` (FSDP2 all-gathers such weights already
-  cast to float8): not supported yet. Before, the first forward failed with a shape error naming
-  nothing ("The size of tensor a (64) must match the size of tensor b (8192)"); now
-  ``fully_shard`` refuses at once, naming the parameter, its module and the setting, and leaves
-  the model as it was; at W = 4 also over tensor-parallel float8 weights (``DTensor`` s holding
-  torchao's tensors).
+* Converted with ``enable_fsdp_float8_all_gather=True`` (issue 57: FSDP2 all-gathers such weights
+  already cast to float8; main failed at the first forward with a shape error naming nothing, then
+  refused at ``fully_shard``): the same numbers as FSDP2 + torchao with float8 all-gather and
+  ``precompute_float8_dynamic_scale_for_fsdp`` (float32, and bf16 compute with float32 reduction);
+  every all-gather's bytes (one per float8 weight element, the norms and biases in their own dtype)
+  and one amax all-reduce per module and gather; a module whose every parameter is a float8 weight
+  (FSDP2 fails there on gloo) trains as FSDP2 without float8 all-gather; a checkpoint resumes
+  exactly. What would silently break without these: a scale from this rank's slice instead of the
+  whole weight (each rank casts differently), one weight's scale for another, the bytes kept after
+  forward, the weights gathered in full precision, the weight's gradient dropped on the way back.
+  At W = 4, tensor-parallel float8 weights (``DTensor`` s holding torchao's tensors) are refused at
+  ``fully_shard``, naming the parameter, its module and the setting, the model unchanged.
 * ``replicate`` (no all-gather): both conversions train with FSDP2's numbers.
 
 torchao is a test requirement (the ``float8`` extra); without it the test fails saying so.
@@ -21,7 +27,7 @@ torchao is a test requirement (the ``float8`` extra); without it the test fails 
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -58,24 +64,31 @@ def _converted(fp8_all_gather: bool) -> nn.Sequential:
     return model
 
 
-def _shard(model: nn.Sequential, fully_shard: Callable[..., Any]) -> nn.Sequential:
+def _shard(model: nn.Sequential, fully_shard: Callable[..., Any], **kwargs: Any) -> nn.Sequential:
     for block in model[:2]:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
     return model
 
 
-def _train(model: nn.Module) -> List[float]:
-    """AdamW steps on this rank's rows; the global mean loss of each step."""
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    generator = torch.Generator().manual_seed(100 + dist.get_rank())
+def _train(model: nn.Module, steps: int = STEPS, optim: Optional[torch.optim.Optimizer] = None,
+           precompute: bool = False, seed: int = 100) -> List[float]:
+    """AdamW steps on this rank's rows; the global mean loss of each step. ``precompute``:
+    torchao's ``precompute_float8_dynamic_scale_for_fsdp`` after each optimizer step, as
+    torchtitan does with float8 all-gather."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    optim = optim if optim is not None else torch.optim.AdamW(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(seed + dist.get_rank())
     losses = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         x = torch.randn(ROWS, WIDTH, generator=generator)
         loss = model(x).square().mean()
         loss.backward()
         optim.step()
         optim.zero_grad()
+        if precompute:
+            precompute_float8_dynamic_scale_for_fsdp(model)
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item() / dist.get_world_size())
@@ -86,25 +99,44 @@ def _full_params_fsdp2(model: nn.Module) -> List[Tuple[str, torch.Tensor]]:
     return [(n, p.full_tensor()) for n, p in model.named_parameters()]
 
 
-def _parity_with_fsdp2() -> None:
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
-    from composable_shard import fully_shard, get_model_state_dict, unshard_params
-    from torchao.float8.float8_linear import Float8Linear
-
-    ours = _shard(_converted(False), fully_shard)
-    assert sum(isinstance(m, Float8Linear) for m in ours.modules()) == 4, ours  # the float8 path really runs
-    theirs = _shard(_converted(False), torch_fully_shard)
-    losses, reference = _train(ours), _train(theirs)
+def _tolerance() -> float:
     # W = 2: the same sums, bit for bit; W = 4: gloo's reductions add four ranks in another order
-    tolerance = 0.0 if dist.get_world_size() == 2 else 1e-5
-    torch.testing.assert_close(losses, reference, rtol=tolerance, atol=0, msg=lambda m: f"losses: {m}")
-    assert reference[-1] < reference[0], reference  # it trained
+    return 0.0 if dist.get_world_size() == 2 else 1e-5
+
+
+def _assert_same_params(ours: nn.Module, theirs: nn.Module) -> List[Tuple[str, torch.Tensor]]:
+    from composable_shard import unshard_params
+
     with unshard_params(ours):
         mine = [(n, p.detach().clone()) for n, p in ours.named_parameters()]
     for (name, got), (other, want) in zip_same(mine, _full_params_fsdp2(theirs), what="parameters"):
         assert name == other, (name, other)
-        torch.testing.assert_close(got, want, rtol=0, atol=tolerance, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got, want, rtol=0, atol=_tolerance(), msg=lambda m: f"{name}: {m}")
+    return mine
+
+
+def _parity_with_fsdp2(fp8_all_gather: bool, bf16: bool = False) -> None:
+    """Losses at every step and the full parameters after the steps equal FSDP2 + torchao's with the
+    same conversion (with float8 all-gather, both call ``precompute_float8_dynamic_scale_for_fsdp``
+    after each step: a no-op for ours, see [Note: float8 all-gather]; ``bf16``: bfloat16 compute,
+    float32 reduction, where the float8 weights' original dtype is bfloat16); the state dict loads
+    into the unconverted model."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from composable_shard import MixedPrecision, fully_shard, get_model_state_dict
+    from torchao.float8.float8_linear import Float8Linear
+
+    ours_mp = {"mixed_precision": MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if bf16 else {}
+    their_mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if bf16 else {}
+    ours = _shard(_converted(fp8_all_gather), fully_shard, **ours_mp)
+    assert sum(isinstance(m, Float8Linear) for m in ours.modules()) == 4, ours  # the float8 path really runs
+    theirs = _shard(_converted(fp8_all_gather), torch_fully_shard, **their_mp)
+    losses = _train(ours, precompute=fp8_all_gather)
+    reference = _train(theirs, precompute=fp8_all_gather)
+    torch.testing.assert_close(losses, reference, rtol=_tolerance(), atol=0, msg=lambda m: f"losses: {m}")
+    assert reference[-1] < reference[0], reference  # it trained
+    mine = _assert_same_params(ours, theirs)
     # the checkpoint of a converted model is a plain model's: its state dict loads into the
     # unconverted model, which then computes what the trained model computes without float8
     plain = _model()
@@ -113,31 +145,110 @@ def _parity_with_fsdp2() -> None:
         assert torch.equal(p.detach(), want), name
 
 
-def _fp8_all_gather_refused() -> None:
+def _fp8_bytes() -> None:
+    """With float8 all-gather, every all-gather of a block's two float8 weights (2 x 64 x 128
+    elements) moves one byte per element, 16384 / W bytes per rank, and its norm and biases
+    (64 + 64 + 128 + 64 = 320 elements) their 4 bytes each in an all-gather of their own, 4 x 320 / W;
+    the scales are agreed in one all-reduce per gather of the two weights' amaxes (8 bytes), not
+    one per weight; FULL_SHARD gathers each block twice per step; the head (unconverted, the
+    root's) 4 x (64 x 16 + 16) / W. The same step without float8 all-gather moves 4 bytes per
+    weight element and no amax."""
+    from composable_shard import fully_shard
+    from composable_shard._runtime.collectives import record_collectives
+
+    world_size = dist.get_world_size()
+    expected_fp8 = {"0": [16384 // world_size, 4 * 320 // world_size] * 2,
+                    "1": [16384 // world_size, 4 * 320 // world_size] * 2, "": [4 * (64 * 16 + 16) // world_size]}
+    for fp8_all_gather in (True, False):
+        model = _shard(_converted(fp8_all_gather), fully_shard)
+        _train(model, steps=1)  # the first step records the order (and agrees on it)
+        with record_collectives() as rec:
+            _train(model, steps=1)
+        gathers = {tag: sorted(r.nbytes for r in rec.records if r.kind == "all_gather" and r.tag == tag)
+                   for tag in ("0", "1", "")}
+        amaxes = [(r.tag, r.nbytes) for r in rec.records if r.kind == "all_reduce" and r.tag.startswith("float8")]
+        if fp8_all_gather:
+            assert gathers == {t: sorted(v) for t, v in expected_fp8.items()}, gathers
+            assert sorted(amaxes) == [("float8_amax:0", 8)] * 2 + [("float8_amax:1", 8)] * 2, amaxes
+        else:
+            block = [4 * (16384 + 320) // world_size] * 2
+            assert gathers == {"0": block, "1": block, "": expected_fp8[""]}, gathers
+            assert amaxes == [], amaxes
+
+
+def _every_parameter_float8() -> None:
+    """A fully sharded module whose every parameter is a float8 weight (linears without bias; FSDP2
+    fails here on gloo, "Invalid scalar type", as its float8 buffer has no other dtype): ours
+    gathers their bytes (``uint8``), one byte per element, and trains with the numbers of FSDP2
+    without float8 all-gather (the same weight cast with the same scale, gathered the other way)."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from composable_shard import fully_shard
+    from composable_shard._runtime.collectives import record_collectives
+
+    def build(fp8_all_gather: bool) -> nn.Sequential:
+        torch.manual_seed(1)
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, HIDDEN, bias=False), nn.ReLU(),
+                                              nn.Linear(HIDDEN, WIDTH, bias=False)) for _ in range(2)])
+        convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=fp8_all_gather))
+        shard = fully_shard if fp8_all_gather else torch_fully_shard
+        for block in model:
+            shard(block)
+        shard(model)  # a root with no parameter of its own
+        return model
+
+    ours, theirs = build(True), build(False)
+    with record_collectives() as rec:
+        losses = _train(ours, steps=1)
+    assert [r.nbytes for r in rec.records if r.kind == "all_gather"] == [16384 // dist.get_world_size()] * 4, rec.records
+    losses += _train(ours, steps=STEPS - 1, seed=200)
+    reference = _train(theirs, steps=1) + _train(theirs, steps=STEPS - 1, seed=200)
+    torch.testing.assert_close(losses, reference, rtol=_tolerance(), atol=0, msg=lambda m: f"losses: {m}")
+    _assert_same_params(ours, theirs)
+
+
+def _resume_with_fp8_all_gather() -> None:
+    """A checkpoint of a model trained with float8 all-gather, loaded into a freshly converted and
+    sharded one, resumes exactly: the next steps' losses and parameters equal the uninterrupted run's."""
+    import tempfile
+
+    from composable_shard import fully_shard, load_checkpoint, save_checkpoint, unshard_params
+
+    model = _shard(_converted(True), fully_shard)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, steps=2, optim=optim)
+    paths = [tempfile.mkdtemp(prefix="cs_fp8_") if dist.get_rank() == 0 else ""]
+    dist.broadcast_object_list(paths, src=0)
+    path = paths[0] + "/step2"
+    save_checkpoint(path, model, optim)
+    resumed = _shard(_converted(True), fully_shard)
+    resumed_optim = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    load_checkpoint(path, resumed, resumed_optim)
+    expected = _train(model, steps=2, optim=optim, seed=300)
+    got = _train(resumed, steps=2, optim=resumed_optim, seed=300)
+    assert got == expected, (got, expected)
+    with unshard_params(model), unshard_params(resumed):
+        for (name, a), (_, b) in zip_same(list(model.named_parameters()), list(resumed.named_parameters())):
+            assert torch.equal(a, b), name
+
+
+def _tp_fp8_all_gather_refused() -> None:
+    """2-D: float8 weights that are tensor-parallel DTensors holding torchao's tensors are refused at
+    ``fully_shard`` naming the parameter, its module and the setting; the model is unchanged."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
     from composable_shard import FSDPModule, fully_shard
 
     model = _converted(True)
-    params = [(n, p, p.detach().clone()) for n, p in model.named_parameters()]
-    for target in (model[0], model):  # a block, and the root that would take its parameters
-        with pytest.raises(NotImplementedError) as info:
-            fully_shard(target)
-        message = str(info.value)
-        for part in ("'0.1.weight'" if target is model else "'1.weight'", "Float8Linear",
-                     "enable_fsdp_float8_all_gather=False", "WeightWithDynamicFloat8CastTensor"):
-            assert part in message, (part, message)
-    # the model is as it was: not managed, the same parameter objects and values
-    assert not any(isinstance(m, FSDPModule) for m in model.modules())
-    for (name, p, before), (other, now) in zip_same(params, list(model.named_parameters()), what="parameters"):
-        assert name == other and p is now and torch.equal(now.detach(), before), name
-    if dist.get_world_size() == 4:  # 2-D: the float8 weights are DTensors over "tp" holding torchao's tensors
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        parallelize_module(model[0], mesh["tp"], {"1": ColwiseParallel(), "3": RowwiseParallel()})
-        with pytest.raises(NotImplementedError, match=r"'1\.weight' of '1' \(Float8Linear\).*enable_fsdp_float8_all_gather"):
-            fully_shard(model[0], mesh=mesh["dp"])
-        assert not isinstance(model[0], FSDPModule)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model[0], mesh["tp"], {"1": ColwiseParallel(), "3": RowwiseParallel()})
+    params = [(n, p) for n, p in model.named_parameters()]
+    with pytest.raises(NotImplementedError, match=r"'1\.weight' of '1' \(Float8Linear\).*enable_fsdp_float8_all_gather"):
+        fully_shard(model[0], mesh=mesh["dp"])
+    assert not isinstance(model[0], FSDPModule)
+    assert all(p is q for (_, p), (_, q) in zip_same(params, list(model.named_parameters())))
 
 
 def _replicate_with_fsdp2s_numbers() -> None:
@@ -156,16 +267,30 @@ def _replicate_with_fsdp2s_numbers() -> None:
                                    msg=lambda m: f"replicate, enable_fsdp_float8_all_gather={fp8_all_gather}: {m}")
 
 
-_CASES = {"parity with FSDP2": _parity_with_fsdp2, "float8 all-gather refused": _fp8_all_gather_refused,
-          "replicate": _replicate_with_fsdp2s_numbers}
+_CASES: Dict[str, Callable[[], None]] = {
+    "parity with FSDP2": lambda: _parity_with_fsdp2(False),
+    "float8 all-gather: parity with FSDP2's": lambda: _parity_with_fsdp2(True),
+    "float8 all-gather, bf16: parity with FSDP2's": lambda: _parity_with_fsdp2(True, bf16=True),
+    "float8 all-gather: bytes": _fp8_bytes,
+    "float8 all-gather: every parameter float8": _every_parameter_float8,
+    "float8 all-gather: resume": _resume_with_fp8_all_gather,
+    "replicate": _replicate_with_fsdp2s_numbers}
+
+
+def _cases() -> List[str]:
+    return list(_CASES) + (["tensor-parallel float8 all-gather refused"] if dist.get_world_size() == 4 else [])
 
 
 def _case(case: str) -> None:
-    _CASES[case]()
+    _CASES.get(case, _tp_fp8_all_gather_refused)()
+
+
+def _all_cases() -> None:
+    run_subtests(_case, {"case": _cases()})
 
 
 @pytest.mark.parametrize("world_size", [w for w in world_sizes() if w > 1])
 def test_torchao_float8_under_fully_shard(world_size: int) -> None:
     """See the module docstring; one spawn for both cases."""
     _require_torchao()
-    run_distributed(run_subtests, world_size, _case, {"case": list(_CASES)}, timeout=180)
+    run_distributed(_all_cases, world_size, timeout=240)
