@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import pytest
 import torch
@@ -143,14 +143,15 @@ def _tile_rows(params: List[nn.Parameter], world_size: int, rank: int) -> List[t
 
 def _tiled_reference_losses(tile: Callable[[List[nn.Parameter], int, int], List[torch.Tensor]], world_size: int,
                             rank: int, batches: List[Tuple[torch.Tensor, torch.Tensor]], lr: float,
-                            grad_scale: float = 1.0) -> List[float]:
+                            grad_scale: Any = 1.0) -> List[float]:
     """Local SGD on the parameters the simulated rank computes on: before each step every module's
     parameters are replaced by its shards tiled (the all-gather), and the step's update of this
     rank's shard is the one of the local gradient (W identical contributions, averaged; times
-    ``grad_scale`` for a divide factor other than W)."""
+    ``grad_scale`` for a divide factor other than W: a number, or one per step)."""
     ref = _model()
     losses = []
-    for x, y in batches:
+    scales = grad_scale if isinstance(grad_scale, list) else [grad_scale] * len(batches)
+    for (x, y), scale in zip(batches, scales):
         with torch.no_grad():
             for params in _handles(ref):
                 for p, value in zip_same(params, tile(params, world_size, rank)):
@@ -160,7 +161,7 @@ def _tiled_reference_losses(tile: Callable[[List[nn.Parameter], int, int], List[
         with torch.no_grad():
             for p in ref.parameters():
                 assert p.grad is not None
-                p.sub_(lr * grad_scale * p.grad)
+                p.sub_(lr * scale * p.grad)
                 p.grad = None
         losses.append(float(loss.detach()))
     return losses
@@ -219,3 +220,89 @@ def test_training_equals_local_training_on_the_tiled_shards(api: str, world_size
     for step, (got, want) in enumerate(zip_same(losses, expected)):
         assert math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-6), (api, world_size, rank, step, losses, expected)
     assert len({round(v, 4) for v in losses}) == len(losses), f"the losses must move: {losses}"
+
+
+def _first_backward_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """This rank's gradient elements after one backward, in parameter order (each ``.grad`` is
+    this rank's slice of its parameter, flattened)."""
+    nn.functional.mse_loss(model(x), y).backward()
+    return torch.cat([p.grad.detach().float().reshape(-1) for p in model.parameters() if p.grad is not None])
+
+
+def _tiled_reference_grads(world_size: int, rank: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The same elements of the tiled local model's gradient (every handle's chunk ``rank``)."""
+    ref = _model()
+    with torch.no_grad():
+        for params in _handles(ref):
+            for p, value in zip_same(params, _tile_flat(params, world_size, rank)):
+                p.copy_(value.view_as(p))
+    nn.functional.mse_loss(ref(x), y).backward()
+    out = []
+    for params in _handles(ref):
+        flat = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]  # all used
+        chunk = math.ceil(flat.numel() / world_size)
+        out.append(flat[rank * chunk:(rank + 1) * chunk])
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("case", ["factor_switched", "hybrid", "bf16_reduce"])
+def test_averaging_collectives_against_the_tiled_model(case: str) -> None:
+    """The averaging path's neighbours, on a backend that averages (``ReduceOp.AVG``):
+
+    * ``factor_switched`` (W=4, rank 1): ``set_gradient_divide_factor(2.0)`` after two steps: the
+      next steps sum and divide by 2 (the decision is not kept from the first backward), then the
+      reduce-scatters ask for AVG twice, SUM twice per module.
+    * ``hybrid`` (W=8, rank 0, a 2 x 4 mesh, HYBRID_SHARD): the reduce-scatter over the shard group
+      and the all-reduce over the replicas both average; losses equal the model tiled over 4.
+    * ``bf16_reduce`` (W=4, rank 1, ``param_dtype=reduce_dtype=bfloat16``): averaged once, not also
+      divided before the collective; the first gradient within bfloat16's error of the tiled
+      model's (a factor W off would be 75% off)."""
+    from composable_shard import MixedPrecision, ShardingStrategy, fully_shard
+
+    lr = 0.1
+    gen = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(4, 6, generator=gen), torch.randn(4, 1, generator=gen)) for _ in range(5)]
+    world_size, rank = (8, 0) if case == "hybrid" else (4, 1)
+    with _simulated_world(world_size, rank) as group:
+        model = _model()
+        kwargs: Dict[str, Any] = {}
+        shard_group = replica_group = group
+        if case == "hybrid":
+            from torch.distributed.device_mesh import init_device_mesh
+            mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard"))
+            shard_group, replica_group = mesh["shard"].get_group(), mesh["replicate"].get_group()
+            kwargs = {"mesh": mesh, "strategy": ShardingStrategy.HYBRID_SHARD}
+        if case == "bf16_reduce":
+            kwargs = {"mixed_precision": MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)}
+        for module in (model[0], model[1], model):
+            fully_shard(module, **kwargs)
+        if case == "bf16_reduce":
+            x, y = batches[0]
+            got, want = _first_backward_grads(model, x, y), _tiled_reference_grads(4, 1, x, y)
+            error = float((got - want).abs().max() / want.abs().max())
+            assert error < 0.05, (error, got, want)
+            assert {op for kind, op in group.reduce_ops if kind == "reduce_scatter"} == {"AVG"}, group.reduce_ops
+            return
+        optim = torch.optim.SGD(model.parameters(), lr=lr)
+        losses = []
+        for i, (x, y) in enumerate(batches):
+            if case == "factor_switched" and i == 2:
+                for module in (model[0], model[1], model):
+                    module.set_gradient_divide_factor(2.0)  # type: ignore[operator]  # FSDPModule's method
+            loss = nn.functional.mse_loss(model(x), y)
+            losses.append(float(loss.detach()))
+            if i < len(batches) - 1:
+                loss.backward()
+                optim.step()
+                optim.zero_grad(set_to_none=True)
+        scatters = [op for kind, op in shard_group.reduce_ops if kind == "reduce_scatter"]
+        if case == "factor_switched":
+            expected = _tiled_reference_losses(_tile_flat, 4, 1, batches, lr, grad_scale=[1.0, 1.0, 2.0, 2.0, 2.0])
+            assert scatters == ["AVG"] * 6 + ["SUM"] * 6, group.reduce_ops
+        else:
+            expected = _tiled_reference_losses(_tile_flat, 4, 0, batches, lr)
+            replicas = [op for kind, op in replica_group.reduce_ops if kind == "all_reduce"]  # and the agreement's SUMs
+            assert scatters == ["AVG"] * 12 and replicas.count("AVG") == 12, (shard_group.reduce_ops, replicas)
+        del model, optim
+    for step, (got_loss, want_loss) in enumerate(zip_same(losses, expected)):
+        assert math.isclose(got_loss, want_loss, rel_tol=1e-5, abs_tol=1e-6), (case, step, losses, expected)
