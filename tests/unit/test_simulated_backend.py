@@ -167,6 +167,21 @@ def _tiled_reference_losses(tile: Callable[[List[nn.Parameter], int, int], List[
     return losses
 
 
+def _sgd_losses(model: nn.Module, optim: torch.optim.Optimizer, batches: List[Tuple[torch.Tensor, torch.Tensor]],
+                step_last: bool = False) -> List[float]:
+    """Each batch's loss; an SGD step after each but the last (after the last too if ``step_last``:
+    a run split in parts)."""
+    losses = []
+    for i, (x, y) in enumerate(batches):
+        loss = nn.functional.mse_loss(model(x), y)
+        losses.append(float(loss.detach()))
+        if step_last or i < len(batches) - 1:
+            loss.backward()
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+    return losses
+
+
 @pytest.mark.parametrize("api,world_size,rank,factor", [("fully_shard", 8, 0, None), ("fully_shard", 3, 1, None),
                                                        ("fully_shard", 4, 1, 2.0), ("torch_fsdp2", 8, 0, None)])
 def test_training_equals_local_training_on_the_tiled_shards(api: str, world_size: int, rank: int,
@@ -204,14 +219,7 @@ def test_training_equals_local_training_on_the_tiled_shards(api: str, world_size
                 torch_fully_shard(block, mesh=mesh)
             torch_fully_shard(model, mesh=mesh)
         optim = torch.optim.SGD(model.parameters(), lr=lr)
-        losses = []
-        for i, (x, y) in enumerate(batches):
-            loss = nn.functional.mse_loss(model(x), y)
-            losses.append(float(loss.detach()))
-            if i < len(batches) - 1:
-                loss.backward()
-                optim.step()
-                optim.zero_grad(set_to_none=True)
+        losses = _sgd_losses(model, optim, batches)
         if api == "fully_shard":
             scatters = [op for kind, op in group.reduce_ops if kind == "reduce_scatter"]
             assert scatters == ["SUM" if factor is not None else "AVG"] * 3 * (len(batches) - 1), group.reduce_ops
@@ -284,17 +292,12 @@ def test_averaging_collectives_against_the_tiled_model(case: str) -> None:
             assert {op for kind, op in group.reduce_ops if kind == "reduce_scatter"} == {"AVG"}, group.reduce_ops
             return
         optim = torch.optim.SGD(model.parameters(), lr=lr)
-        losses = []
-        for i, (x, y) in enumerate(batches):
-            if case == "factor_switched" and i == 2:
-                for module in (model[0], model[1], model):
-                    module.set_gradient_divide_factor(2.0)  # type: ignore[operator]  # FSDPModule's method
-            loss = nn.functional.mse_loss(model(x), y)
-            losses.append(float(loss.detach()))
-            if i < len(batches) - 1:
-                loss.backward()
-                optim.step()
-                optim.zero_grad(set_to_none=True)
+        switch = 2 if case == "factor_switched" else None
+        losses = _sgd_losses(model, optim, batches[:switch], step_last=True) if switch else _sgd_losses(model, optim, batches)
+        if switch:
+            for module in (model[0], model[1], model):
+                module.set_gradient_divide_factor(2.0)  # type: ignore[operator]  # FSDPModule's method
+            losses += _sgd_losses(model, optim, batches[switch:])
         scatters = [op for kind, op in shard_group.reduce_ops if kind == "reduce_scatter"]
         if case == "factor_switched":
             expected = _tiled_reference_losses(_tile_flat, 4, 1, batches, lr, grad_scale=[1.0, 1.0, 2.0, 2.0, 2.0])
