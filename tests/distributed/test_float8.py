@@ -278,7 +278,10 @@ _CASES: Dict[str, Callable[[], None]] = {
 
 
 def _cases() -> List[str]:
-    return list(_CASES) + (["tensor-parallel float8 all-gather refused"] if dist.get_world_size() == 4 else [])
+    if dist.get_world_size() == 4:  # what four ranks change: the sums' order, the shard sizes, 2-D meshes
+        return [c for c in _CASES if c not in ("float8 all-gather: resume", "float8 all-gather, bf16: parity with FSDP2's")
+                ] + ["tensor-parallel float8 all-gather refused"]
+    return list(_CASES)
 
 
 def _case(case: str) -> None:
