@@ -18,13 +18,16 @@ counts (bytes this rank sends into each collective):
 
 [Note: Collectives per step]
   per flat group of a fully sharded module, shard group of W ranks, replicate group of R:
-  all_gather      input = this rank's chunk in the compute dtype; 2 per step (forward, and again
+  all_gather      input = this rank's chunk in the compute dtype (a group of torchao's float8
+                  weights: one byte per element, [Note: float8 all-gather]); 2 per step (forward, and again
                   before backward) under FULL_SHARD/HYBRID_SHARD, 1 under SHARD_GRAD_OP and
                   _HYBRID_SHARD_ZERO2 (kept from forward to backward), 1 for the root (its
                   backward follows its forward at once); none when the shard is the unsharded
                   buffer (W = 1, no cast) or for NO_SHARD (a local cast at most)
   reduce_scatter  input = the padded unsharded gradient in the reduce dtype, once, if W > 1
-  all_reduce      the reduced shard across replicas, once, if R > 1 (NO_SHARD: the whole gradient)
+  all_reduce      the reduced shard across replicas, once, if R > 1 (NO_SHARD: the whole gradient);
+                  a float8 group also agrees its weights' amaxes before each all-gather, if W > 1:
+                  one all_reduce of 4 bytes per weight
   used flags      per root and (shard group, replicate group) pair, one all_reduce of 4 bytes per
                   original parameter of the groups that require grad, plus 8 (the optimizer-step
                   agreement, [Note: Step agreement] in ``_runtime/watch.py``), in each of the two groups
@@ -93,6 +96,7 @@ __all__ = ["describe", "ShardingDescription", "ModuleRow", "HandleInfo", "handle
 _KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 _KEPT_FROM_FORWARD_TO_BACKWARD = {ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2}
 STEP_BYTES = 4  # AdamW's float32 ``step`` tensor per parameter; also one used flag (int32)
+FLOAT8_AMAX_BYTES = 4  # one float32 amax per float8 weight, agreed before each all-gather
 
 
 @dataclass(frozen=True)
@@ -105,11 +109,21 @@ class _GroupInfo:
     num_params: int  # original parameters (shared ones once)
     compute_dtype: torch.dtype  # of the unsharded buffer and the all-gather
     reduce_dtype: torch.dtype  # of the gradient reduction
+    float8_dtype: Optional[torch.dtype] = None  # torchao's float8 weights: gathered as these bytes
+    aliases_shard: bool = False  # the unsharded buffer is the shard itself: nothing to gather (W = 1, no cast)
+
+    @property
+    def gather_dtype(self) -> torch.dtype:
+        """What the all-gather moves: float8 bytes for a float8-gathered group (see [Note: float8
+        all-gather] in ``_base/float8.py``), else the compute dtype."""
+        return self.float8_dtype if self.float8_dtype is not None else self.compute_dtype
 
     def label(self) -> str:
         name = str(self.dtype).replace("torch.", "")
         if self.compute_dtype != self.dtype:
             name += f"->{str(self.compute_dtype).replace('torch.', '')}"
+        if self.float8_dtype is not None:
+            name += f" (gathered as {str(self.float8_dtype).replace('torch.', '')})"
         return name if self.requires_grad else f"{name} (frozen)"
 
 
@@ -294,7 +308,8 @@ def _runtime_handles(model: nn.Module) -> Dict[int, HandleInfo]:
         replicate_world = dist.get_world_size(state.replicate_group) if state.replicate_group is not None else 1
         mp = state.mixed_precision
         groups = tuple(_GroupInfo(g.flat_param.dtype, g.requires_grad, int(g.flat_param._unpadded_unsharded_size.numel()),
-                                  len(g.orig_params), g.compute_dtype, reduce_dtype_of(mp, g.compute_dtype, g.full_precision))
+                                  len(g.orig_params), g.compute_dtype, reduce_dtype_of(mp, g.compute_dtype, g.full_precision),
+                                  g.float8.dtype if g.float8 is not None else None, g.aliases_shard)
                        for g in (state.handle.groups if state.handle is not None else []))
         aliases = state.handle is not None and all(g.aliases_shard for g in state.handle.groups)
         out[id(m)] = HandleInfo(
@@ -383,9 +398,9 @@ def plan_handles(model: nn.Module, world: int, policy: Any, strategy: ShardingSt
                              "sharding needs real groups")
         no_shard = target_strategy is ShardingStrategy.NO_SHARD
         mp: Optional[MixedPrecision] = target.config["mixed_precision"]
-        groups = _plan_groups(target.module, target.params, mp)
         shard_world = 1 if no_shard else world
-        aliases = shard_world == 1 and all(g.compute_dtype == g.dtype for g in groups)
+        groups = _plan_groups(target.module, target.params, mp, shard_world)
+        aliases = all(g.aliases_shard for g in groups)
         out[id(target.module)] = HandleInfo(
             target.fqn, target_strategy, target.module is model, shard_world, world if no_shard else 1,
             not no_shard and not aliases, bool(mp is not None and mp.keep_low_precision_grads), groups,
@@ -393,17 +408,17 @@ def plan_handles(model: nn.Module, world: int, policy: Any, strategy: ShardingSt
     return out
 
 
-def _plan_groups(module: nn.Module, params: List[nn.Parameter], mp: Optional[MixedPrecision]) -> Tuple[_GroupInfo, ...]:
+def _plan_groups(module: nn.Module, params: List[nn.Parameter], mp: Optional[MixedPrecision],
+                 shard_world: int) -> Tuple[_GroupInfo, ...]:
     """The flat groups ``FlatParamHandle(params, module, ...)`` builds: ``plan_groups``'s."""
     param_dtype = mp.param_dtype if mp is not None else None
     out: List[_GroupInfo] = []
-    # a float8-gathered group (the key's fourth element) is described in its own dtype: its all-gather moves
-    # a quarter of float32's bytes, which these figures do not count yet
-    for (dtype, requires_grad, full_precision, _), members in plan_groups(module, params, param_dtype,
-                                                                          full_precision_classes(mp))[0].items():
+    for (dtype, requires_grad, full_precision, float8), members in plan_groups(module, params, param_dtype,
+                                                                               full_precision_classes(mp))[0].items():
         compute = compute_dtype_of(dtype, param_dtype, full_precision)
         out.append(_GroupInfo(dtype, requires_grad, sum(p.numel() for p, _ in members), len(members), compute,
-                              reduce_dtype_of(mp, compute, full_precision)))
+                              reduce_dtype_of(mp, compute, full_precision), float8,
+                              shard_world == 1 and compute == dtype and float8 is None))
     return tuple(out)
 
 
@@ -443,8 +458,10 @@ def handle_row(h: HandleInfo) -> ModuleRow:
         start, end = _shard_math.chunk_bounds(g.numel, h.shard_world, 0)
         numel, padded, chunk = numel + g.numel, padded + g_padded, chunk + g_chunk
         param_bytes += g_chunk * _itemsize(g.dtype)
-        if h.gathers_in_group:
-            add("all_gather", gathers, g_chunk * _itemsize(g.compute_dtype))
+        if h.gathers_in_group and not g.aliases_shard:
+            add("all_gather", gathers, g_chunk * _itemsize(g.gather_dtype))
+        if g.float8_dtype is not None and h.shard_world > 1:  # each gather agrees the weights' amaxes first
+            add("all_reduce", gathers, FLOAT8_AMAX_BYTES * g.num_params)
         if not g.requires_grad:
             continue
         grad_dtype = g.compute_dtype if h.keep_low_precision_grads else g.dtype
