@@ -231,7 +231,7 @@ def _measure(rank: int, cfg: Dict[str, Any], distributed: bool) -> Dict[str, Any
     if distributed:
         from composable_shard import plan
         p = plan(model, wl.example(batches[0]), memory_budget=cfg["budget"], world_size=cfg["world_size"],
-                 loss_fn=wl.plan_loss(batches[0]))
+                 loss_fn=wl.plan_loss(batches[0]), profile=cfg.get("profile", "auto"))
         info = _plan_info(p)
         p.apply(model)
         del p
