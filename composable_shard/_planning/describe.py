@@ -311,10 +311,8 @@ def _runtime_handles(model: nn.Module) -> Dict[int, HandleInfo]:
                                   len(g.orig_params), g.compute_dtype, reduce_dtype_of(mp, g.compute_dtype, g.full_precision),
                                   g.float8.dtype if g.float8 is not None else None, g.aliases_shard)
                        for g in (state.handle.groups if state.handle is not None else []))
-        aliases = state.handle is not None and all(g.aliases_shard for g in state.handle.groups)
         out[id(m)] = HandleInfo(
-            fqn, state.strategy, root is m, state.world_size, replicate_world,
-            state.process_group is not None and not aliases, bool(mp is not None and mp.keep_low_precision_grads),
+            fqn, state.strategy, root is m, state.world_size, replicate_world, state.process_group is not None, bool(mp is not None and mp.keep_low_precision_grads),
             groups, (id(root), id(state.process_group), id(state.replicate_group)),
             frozenset(id(p) for g in (state.handle.groups if state.handle is not None else []) for p in g.orig_params))
     return out
@@ -400,10 +398,8 @@ def plan_handles(model: nn.Module, world: int, policy: Any, strategy: ShardingSt
         mp: Optional[MixedPrecision] = target.config["mixed_precision"]
         shard_world = 1 if no_shard else world
         groups = _plan_groups(target.module, target.params, mp, shard_world)
-        aliases = all(g.aliases_shard for g in groups)
         out[id(target.module)] = HandleInfo(
-            target.fqn, target_strategy, target.module is model, shard_world, world if no_shard else 1,
-            not no_shard and not aliases, bool(mp is not None and mp.keep_low_precision_grads), groups,
+            target.fqn, target_strategy, target.module is model, shard_world, world if no_shard else 1, not no_shard, bool(mp is not None and mp.keep_low_precision_grads), groups,
             (id(model), no_shard), frozenset(id(p) for p in target.params))
     return out
 
