@@ -34,11 +34,10 @@ __all__ = ["to_device", "HostMirror", "Waitable"]
 
 class Waitable(Protocol):
     """An issued collective (the runtime's ``collectives.Pending``): ``wait()`` blocks (CPU) or
-    orders the current stream (accelerators); ``is_completed()`` polls."""
+    orders the current stream (accelerators). Nothing polls it ([Note: Never poll a work] in
+    ``_runtime/collectives.py``)."""
 
     def wait(self) -> torch.Tensor: ...
-
-    def is_completed(self) -> bool: ...
 
 
 def to_device(values: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -66,12 +65,6 @@ class HostMirror:
         self._host.copy_(source, non_blocking=True)
         self._event = torch.Event(device=source.device)
         self._event.record()
-
-    def ready(self) -> bool:
-        """True if :meth:`values` would not wait (never waits itself)."""
-        if self._event is not None:
-            return bool(self._event.query())
-        return self._pending is None or self._pending.is_completed()
 
     def values(self) -> List[int]:
         """The values, waiting for the copy (or, on the CPU, the collective) if it has not finished."""

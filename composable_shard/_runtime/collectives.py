@@ -127,12 +127,22 @@ def _forget_watchdog() -> None:
 os.register_at_fork(after_in_child=_forget_watchdog)
 
 
+# [Note: Never poll a work]  ``Work.is_completed()`` keeps the GIL while it takes the work's
+# lock, and gloo's worker thread finishes a work holding that lock. Under torch's profiler that
+# finish first restores the issuing thread's state, and when that state holds Python objects
+# (the saved-tensor hooks of a non-reentrant checkpoint: a handle gathered inside a checkpointed
+# block's forward) restoring it needs the GIL: each thread waits for the other for ever. Seen on
+# torch 2.13 (gloo, CPU): one rank stuck in ``is_completed`` with its worker in
+# ``Work::finish`` -> ``gil_scoped_acquire``, the other rank waiting for it at the next gather
+# (1 run in about 160 of selective checkpointing under the profiler, on a loaded machine).
+# ``Work.wait()`` lets the GIL go, so the library only ever waits: no ``is_completed`` poll, no
+# fast path for a work that looks done (tests/distributed/test_host_reads.py checks that no
+# library frame calls it during a step).
+
+
 def _wait_watched(work: Any, pending: "Pending") -> None:
-    """``work.wait()``, registered for the watchdog meanwhile (see [Note: Stuck waits]); a work
-    already completed is waited without registering (it cannot get stuck)."""
-    if work.is_completed():
-        work.wait()
-        return
+    """``work.wait()``, registered for the watchdog meanwhile (see [Note: Stuck waits]); never
+    polls the work first ([Note: Never poll a work])."""
     if not _WATCHDOG:
         _start_watchdog()
     ident = threading.get_ident()
@@ -171,10 +181,6 @@ class Pending:
                     f"{dist.get_rank()}: {e}. {self.hint or TRAINING_HINT}"
                 ) from e
         return self.output
-
-    def is_completed(self) -> bool:
-        """True if ``wait()`` would not block (polls the work; never waits)."""
-        return self.work is None or bool(self.work.is_completed())
 
 
 @dataclass
@@ -388,9 +394,6 @@ class _Works:
             work.wait()
         self.works = []
         return True
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self.works)
 
 
 def _peers(group: Optional[dist.ProcessGroup]) -> Tuple[int, List[Tuple[int, int]]]:

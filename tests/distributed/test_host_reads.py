@@ -20,6 +20,12 @@ reads, and its ``torch.tensor``), and clipping made an index tensor from Python 
 configuration would fail naming the frame. The step agreement it read there is now read a synced
 backward later: ``test_fully_shard_divergence.py`` checks that the error still comes, on every rank.
 
+The same counter counts every call of ``Work.is_completed`` from a library frame (``host_mirror``
+included): polling a work keeps the GIL while it takes the work's lock, which gloo's worker holds
+while it finishes a work issued under torch's profiler inside a checkpointed forward, and then
+needs the GIL: a hang ([Note: Never poll a work] in ``_runtime/collectives.py``; the runtime's
+waits polled first, once per wait, in every configuration here).
+
 Beside it, the other per-step cost that needs no device: the runtime's profiler ranges are opened
 only while a profiler records (each costs tens of microseconds otherwise), and then all of them.
 
@@ -66,17 +72,29 @@ def _counting_host_reads() -> Iterator[Counter]:
             return original(*args, **kwargs)
         return counted
 
+    def wrap_poll(original: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            caller = sys._getframe(1)
+            module = caller.f_globals.get("__name__", "")
+            if module.startswith(_LIBRARY):  # host_mirror included: polling is never safe
+                counts[("Work.is_completed", module, caller.f_code.co_name, caller.f_lineno)] += 1
+            return original(*args, **kwargs)
+        return counted
+
     originals = {name: getattr(torch.Tensor, name) for name in _READS}
     original_tensor = torch.tensor
+    original_poll = dist.Work.is_completed
     try:
         for name, original in originals.items():
             setattr(torch.Tensor, name, wrap(name, original))
         torch.tensor = wrap("torch.tensor", original_tensor)  # type: ignore[assignment]
+        dist.Work.is_completed = wrap_poll(original_poll)  # type: ignore[method-assign]
         yield counts
     finally:
         for name, original in originals.items():
             setattr(torch.Tensor, name, original)
         torch.tensor = original_tensor  # type: ignore[assignment]
+        dist.Work.is_completed = original_poll  # type: ignore[method-assign]
 
 
 def _fully_shard_blocks(model: nn.Module, **kwargs: Any) -> None:
@@ -137,7 +155,7 @@ def _no_host_read_in_a_step(config: str) -> None:
             _step(model, optim, step)
     sites = "\n  ".join(f"{n} x {call} in {module}.{function}, line {line}"
                         for (call, module, function, line), n in sorted(counts.items()))
-    assert not counts, f"[{config}] host reads of device values by library frames in {MEASURED} steady-state steps:\n  {sites}"
+    assert not counts, f"[{config}] host reads of device values (or polls of a work) by library frames in {MEASURED} steady-state steps:\n  {sites}"
 
 
 def _the_counter_counts() -> None:
@@ -146,13 +164,16 @@ def _the_counter_counts() -> None:
     values = torch.arange(3)
     with _counting_host_reads() as counts:
         for module in ("composable_shard._runtime.hooks", "tests.elsewhere", _EXEMPT):
-            exec("values.tolist(); bool(values[0]); torch.tensor([1])", {"__name__": module, "values": values,
-                                                                          "torch": torch})
+            work = dist.all_reduce(torch.ones(1), async_op=True)
+            exec("values.tolist(); bool(values[0]); torch.tensor([1]); work.is_completed(); work.wait()",
+                 {"__name__": module, "values": values, "torch": torch, "work": work})
     assert sorted((call, module) for call, module, _, _ in counts) == [
+        ("Work.is_completed", "composable_shard._base.host_mirror"),
+        ("Work.is_completed", "composable_shard._runtime.hooks"),
         ("__bool__", "composable_shard._runtime.hooks"), ("tolist", "composable_shard._runtime.hooks"),
         ("torch.tensor", "composable_shard._runtime.hooks")], counts
     assert all(getattr(torch.Tensor, name).__name__ != "counted" for name in _READS)
-    assert torch.tensor.__name__ != "counted"
+    assert torch.tensor.__name__ != "counted" and dist.Work.is_completed.__name__ != "counted"
 
 
 def _ranges_only_under_a_profiler() -> None:
