@@ -368,7 +368,7 @@ def plan_extremes(workload: str, world: int, batch: int) -> Tuple[int, int]:
 
 def run_workload(name: str, args: argparse.Namespace, so_path: str) -> Dict[str, Any]:
     base = {"workload": name, "world_size": args.world_size, "batch": args.batch, "warmup": args.warmup,
-            "steps": args.steps, "timed_steps": args.timed_steps, "trace": args.trace}
+            "steps": args.steps, "timed_steps": args.timed_steps, "trace": args.trace, "profile": args.profile}
     local = spawn(dict(base, budget=None), so_path)
     if "error" in local:
         return {"workload": name, "error": f"the unsharded reference failed: {local['error']}"}
@@ -489,6 +489,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--timed-steps", type=int, default=3)
     p.add_argument("--no-trace", dest="trace", action="store_false", help="skip recording the tensors alive at the peak")
     p.add_argument("--top", type=int, default=12, help="size groups shown for a failing row")
+    p.add_argument("--profile", default="auto", choices=["auto", "fake", "measured"],
+                   help="plan()'s profile source: fake prices recomputation by FLOPs (a meta-device model's default)")
     p.add_argument("--json", default="")
     p.add_argument("--from-json", default="")
     args = p.parse_args(argv)
