@@ -134,7 +134,7 @@ os.register_at_fork(after_in_child=_forget_watchdog)
 # block's forward) restoring it needs the GIL: each thread waits for the other for ever. Seen on
 # torch 2.13 (gloo, CPU): one rank stuck in ``is_completed`` with its worker in
 # ``Work::finish`` -> ``gil_scoped_acquire``, the other rank waiting for it at the next gather
-# (1 run in about 160 of selective checkpointing under the profiler, on a loaded machine).
+# (at the 161st repetition of the two selective-checkpointing subtests under the profiler, loaded machine).
 # ``Work.wait()`` lets the GIL go, so the library only ever waits: no ``is_completed`` poll, no
 # fast path for a work that looks done (tests/distributed/test_host_reads.py checks that no
 # library frame calls it during a step).
