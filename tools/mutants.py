@@ -1250,6 +1250,23 @@ MUTANTS: List[Mutant] = [
        f"{PACKAGE}/plan.py", 'if options[j].api == "fully_shard" and (costs[j].unsharded_grad or options[j].checkpoint):',
        'if True:',
        "tests/distributed/test_plan_peak.py::test_llama_peaks_are_within_their_budgets_and_predictions"),
+    # 2026-11-28 (sixth session): my own quick round on checkpoint files, the step watch and the compress hooks
+    # (not a stranger's: the helper briefed for that, /work/briefs/stranger58.md, did not report in time)
+    _m("own58_checksum_mismatch_accepted", "a checkpoint file whose sha256 differs from checksums.json loads anyway",
+       f"{PACKAGE}/_state/checkpoint_files.py", "        if actual != expected[name]:", "        if False:",
+       "tests/distributed/test_checkpoint_crash.py"),
+    _m("own58_unlisted_file_accepted", "a file in the checkpoint folder that checksums.json does not list is accepted",
+       f"{PACKAGE}/_state/checkpoint_files.py", "    if extra:", "    if False:",
+       "tests/distributed/test_checkpoint_crash.py"),
+    _m("own58_hash_first_block_only", "only the first 4 KB of each MB of a file is hashed: a flipped bit further in loads silently",
+       f"{PACKAGE}/_state/checkpoint_files.py", "            digest.update(block)", "            digest.update(block[:4096])",
+       "tests/distributed/test_checkpoint_crash.py"),
+    _m("own58_steps_agreed_capped_at_one", "ranks that stepped 1 and 2 times between synced backwards agree (silently different models)",
+       f"{PACKAGE}/_runtime/watch.py", "        d = min(self.pending, _MAX_STEPS_AGREED)", "        d = min(self.pending, 1)",
+       "tests/distributed/test_fully_shard_divergence.py"),
+    _m("own58_compress_hook_not_averaged", "replicate's bf16/fp16 compress hooks sum the gradients instead of averaging (W times too large)",
+       f"{PACKAGE}/comm_hooks.py", "    compressed = buffer.to(dtype).div_(dist.get_world_size(process_group))",
+       "    compressed = buffer.to(dtype)", "tests/distributed/test_replicate.py"),
     _m("describe_aliasing_per_handle", "at one rank describe() counts an all-gather for every group of a handle with a float8 (or cast) group, also for the groups that alias their shard",
        'composable_shard/_planning/describe.py', 'if h.gathers_in_group and not g.aliases_shard:', 'if h.gathers_in_group:', 'tests/distributed/test_float8.py', 'tests/unit/test_describe.py'),
 ]

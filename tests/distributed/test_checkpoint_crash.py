@@ -45,6 +45,7 @@ from tests._models import make_model, sharded_adamw_run, zip_same
 WORLD_SIZE = 2
 TIMEOUT_S = 60.0
 DATA_FILE = "__1_0.distcp"  # rank 1's data file (DCP names them __<rank>_<n>.distcp)
+STRAY_FILE = "__2_0.distcp"  # a third rank's data file name, not part of a 2-rank checkpoint
 # ParityModel's tied weight: loading one of the two names rewrites the other's storage.
 TIED = ("model.emb.weight", "model.head.weight")
 
@@ -184,20 +185,22 @@ class _Damaged(NamedTuple):
     truncated: Dict[int, str]  # DATA_FILE truncated to half
     flipped: Dict[int, str]  # one bit flipped inside a tensor's data in DATA_FILE
     flipped_where: str  # which tensor
+    stray: Dict[int, str]  # an unlisted file beside the listed ones (STRAY_FILE)
 
 
 @pytest.fixture(scope="module")
 def damaged_loads(published: str, tmp_path_factory: pytest.TempPathFactory) -> _Damaged:
     work = tmp_path_factory.mktemp("damaged")
-    truncated, flipped = str(work / "truncated"), str(work / "flipped")
-    for copy in (truncated, flipped):
+    truncated, flipped, stray = str(work / "truncated"), str(work / "flipped"), str(work / "stray")
+    for copy in (truncated, flipped, stray):
         shutil.copytree(_step_dir(published, 2), copy)
     _truncate(os.path.join(truncated, DATA_FILE))
     where = _flip_tensor_byte(flipped, DATA_FILE)
-    run_distributed(_record_loads, WORLD_SIZE, [truncated, flipped], str(work), timeout=TIMEOUT_S)
-    truncated_outcomes, flipped_outcomes = ({rank: (work / f"{i}.rank{rank}").read_text() for rank in range(WORLD_SIZE)}
-                                            for i in range(2))
-    return _Damaged(truncated_outcomes, flipped_outcomes, where)
+    shutil.copy(os.path.join(stray, DATA_FILE), os.path.join(stray, STRAY_FILE))
+    run_distributed(_record_loads, WORLD_SIZE, [truncated, flipped, stray], str(work), timeout=TIMEOUT_S)
+    truncated_outcomes, flipped_outcomes, stray_outcomes = (
+        {rank: (work / f"{i}.rank{rank}").read_text() for rank in range(WORLD_SIZE)} for i in range(3))
+    return _Damaged(truncated_outcomes, flipped_outcomes, where, stray_outcomes)
 
 
 # ---------------------------------------------------------------------------- tests
@@ -241,6 +244,15 @@ def test_truncated_data_file_fails_to_load_naming_it(damaged_loads: _Damaged) ->
     for rank, outcome in damaged_loads.truncated.items():
         assert outcome.startswith("raised:"), f"rank {rank}: the truncated checkpoint {outcome}"
         assert f"{DATA_FILE} is damaged" in outcome, f"rank {rank}: {outcome}"
+
+
+def test_unlisted_file_fails_to_load_naming_it(damaged_loads: _Damaged) -> None:
+    """A data file in the folder that ``checksums.json`` does not list (what a save by more ranks
+    into a reused name, or a hand-copied file, leaves) fails to load on every rank, naming it,
+    before the model or optimizer changes: the listing must be exactly the folder's files."""
+    for rank, outcome in damaged_loads.stray.items():
+        assert outcome.startswith("raised:"), f"rank {rank}: the checkpoint with a stray file {outcome}"
+        assert f"{STRAY_FILE} is not part of the checkpoint" in outcome, f"rank {rank}: {outcome}"
 
 
 def test_flipped_data_bit_fails_to_load_naming_it(damaged_loads: _Damaged) -> None:

@@ -295,6 +295,8 @@ def _steps_on_some_ranks(api: str, cause: str) -> None:
         if scaler is None:
             if cause == "rank_condition" and step == 1 and rank == 1:
                 continue  # `if torch.isfinite(loss): optim.step()` with a loss that is inf on rank 1
+            if cause == "extra_step" and step == 1 and rank == 0:
+                optim.step()  # one step too many on rank 0 (a per-rank accumulation count): 2 against 1
             optim.step()
         else:
             # an overflow that lands in rank 1's slice of the gradients only
@@ -310,9 +312,11 @@ def _steps_on_some_ranks(api: str, cause: str) -> None:
     if cause == "sharded_grad_scaler":  # every rank skipped step 1 together: nothing to report
         _step(model)
         return
-    fragments = ["stepped 0 time(s)" if rank == 1 else "stepped 1 time(s)",
-                 "between the two synchronized backwards before this one",
-                 f"times on average over the {dist.get_world_size()} ranks", "must call optimizer.step() together"]
+    world = dist.get_world_size()  # rank 1 stepped once less, or rank 0 once more, than the others
+    mine, total = ((2 if rank == 0 else 1), world + 1) if cause == "extra_step" else ((0 if rank == 1 else 1), world - 1)
+    fragments = [f"stepped {mine} time(s)", "between the two synchronized backwards before this one",
+                 f"{total / world:g} times on average over the {world} ranks",
+                 "must call optimizer.step() together"]
     fragments.append("The replicas now differ" if api == "replicate" else "ShardedGradScaler")
     _expect_error(lambda: _step(model), *fragments)
     # The error came after the backward finished: once the ranks step together, training goes on.
@@ -349,7 +353,8 @@ _AGREED: Dict[str, Callable[[], None]] = {
         _order_differs_in_first_iteration, {"same_shapes": [True, False]}),
     "debug mode checks every iteration": _later,
     "optimizer stepped on some ranks": lambda: run_subtests(_steps_on_some_ranks, {
-        "api": ["fully_shard", "replicate"], "cause": ["rank_condition", "grad_scaler", "sharded_grad_scaler"]}),
+        "api": ["fully_shard", "replicate"],
+        "cause": ["rank_condition", "grad_scaler", "sharded_grad_scaler", "extra_step"]}),
     "optimizer stepped on some ranks before a state dict": lambda: run_subtests(_skip_before_a_state_dict, {
         "way": ["get_model_state_dict", "state_dict", "unshard_params"]}),
 }
