@@ -208,12 +208,15 @@ def test_killed_save_publishes_nothing(published: str, tmp_path: Path) -> None:
     """A rank SIGKILLed inside ``dcp.save`` (rank 1 before its data file; rank 0 with every data
     file written, before ``.metadata``), each in a copy of the published root: the save fails,
     ``step_000004`` does not exist, loading it or its temporary directory fails naming what is
-    missing, and the previous checkpoint is untouched: ``latest_checkpoint`` picks it and it
-    resumes exactly (both roots checked in one process group)."""
+    missing, and the previous checkpoint is untouched: ``latest_checkpoint`` picks it (not the
+    older ``step_1`` beside it) and it resumes exactly (both roots checked in one process group)."""
     killed: List[Tuple[str, str]] = []
     for victim, point in ((1, "before_data"), (0, "before_metadata")):
         root = str(tmp_path / point)
         shutil.copytree(published, root)
+        # An older checkpoint beside it, named without padding: the newest is step 2 by number
+        # (the oldest, or the largest name as text, would be this one; its content is never read).
+        shutil.copytree(_step_dir(published, 2), os.path.join(root, "step_1"))
         with pytest.raises(RankError, match="SIGKILL") as failure:
             run_distributed(_save_killed, WORLD_SIZE, root, 4, victim, point, timeout=TIMEOUT_S)
         assert failure.value.rank == victim, (point, str(failure.value))

@@ -161,17 +161,23 @@ def _parity_subtest(cap_mb: float, branch: bool) -> None:
 
 def _process_group_subtest() -> None:
     """replicate(process_group=G) averages over G only: with G = {0, 1} or {2, 3}, each rank's
-    gradients are the mean over its pair's batches, not over all four ranks'."""
+    gradients are the mean over its pair's batches, not over all four ranks'; also through each
+    comm hook registered with G as its state (as DDP's users do: a hook that divided by the
+    world's size instead of G's would give half the gradients here, and nothing at W = 2)."""
     rank = dist.get_rank()
     pair, _ = dist.new_subgroups_by_enumeration([[0, 1], [2, 3]])
-    torch.manual_seed(0)
-    ours = replicate(Net(), process_group=pair)
-    torch.manual_seed(0)
-    local = Net()
-    _loss(ours, *_batch(0, rank)).backward()
     members = [rank - rank % 2, rank - rank % 2 + 1]
-    (sum(_loss(local, *_batch(0, r)) for r in members) / len(members)).backward()  # type: ignore[operator]
-    _assert_grads(ours, local, 1e-5, "replicate(process_group=pair)")
+    for hook in (None, *_OUR_HOOKS):
+        torch.manual_seed(0)
+        ours = replicate(Net(), process_group=pair)
+        if hook is not None:
+            _replicated(ours).register_comm_hook(pair, _OUR_HOOKS[hook])
+        torch.manual_seed(0)
+        local = Net()
+        _loss(ours, *_batch(0, rank)).backward()
+        (sum(_loss(local, *_batch(0, r)) for r in members) / len(members)).backward()  # type: ignore[operator]
+        tol, relative = _HOOK_TOL[hook or "allreduce"]
+        _assert_grads(ours, local, tol, f"replicate(process_group=pair), hook {hook}", relative=relative)
 
 
 def _rank_parity() -> None:
