@@ -63,21 +63,12 @@ def _counting_host_reads() -> Iterator[Counter]:
     than ``host_mirror``, by site, while the context is open."""
     counts: Counter = Counter()
 
-    def wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    def wrap(name: str, original: Callable[..., Any], exempt: str = _EXEMPT) -> Callable[..., Any]:
         def counted(*args: Any, **kwargs: Any) -> Any:
             caller = sys._getframe(1)
             module = caller.f_globals.get("__name__", "")
-            if module.startswith(_LIBRARY) and module != _EXEMPT:
+            if module.startswith(_LIBRARY) and module != exempt:
                 counts[(name, module, caller.f_code.co_name, caller.f_lineno)] += 1
-            return original(*args, **kwargs)
-        return counted
-
-    def wrap_poll(original: Callable[..., Any]) -> Callable[..., Any]:
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            caller = sys._getframe(1)
-            module = caller.f_globals.get("__name__", "")
-            if module.startswith(_LIBRARY):  # host_mirror included: polling is never safe
-                counts[("Work.is_completed", module, caller.f_code.co_name, caller.f_lineno)] += 1
             return original(*args, **kwargs)
         return counted
 
@@ -88,7 +79,8 @@ def _counting_host_reads() -> Iterator[Counter]:
         for name, original in originals.items():
             setattr(torch.Tensor, name, wrap(name, original))
         torch.tensor = wrap("torch.tensor", original_tensor)  # type: ignore[assignment]
-        dist.Work.is_completed = wrap_poll(original_poll)  # type: ignore[method-assign]
+        # host_mirror included: polling a work is never safe
+        dist.Work.is_completed = wrap("Work.is_completed", original_poll, exempt="")  # type: ignore[method-assign]
         yield counts
     finally:
         for name, original in originals.items():
