@@ -19,6 +19,7 @@ from composable_shard import (FSDPModule, MixedPrecision, ModuleWrapPolicy, desc
                               unshard_params)
 from composable_shard._runtime.collectives import record_collectives
 from composable_shard._runtime.traversal import _get_fsdp_handles
+from composable_shard.contract import _get_registry
 from tests._harness import run_distributed, run_subtests
 from tests._models import Block, batch, local_rows, loss_fn, make_model, reference_grads, zip_same
 
@@ -169,8 +170,33 @@ def _describe_plans_the_built_groups(policy: bool) -> None:
             (torch.int64, torch.int64, False, False)} <= kinds, (policy, kinds)
 
 
+def _different_models(api: str, differ: str) -> None:
+    """Rank 1 holds another model than rank 0 (a buffer more, a wider layer, a parameter in
+    float64): both APIs raise on every rank before the init broadcast, naming the first
+    difference, and leave the model as it was (fully_shard with sync_module_states, whose
+    layouts are compared by a digest first). Without it the broadcast would hang or mix up data."""
+    rank = dist.get_rank()
+    model = make_model()
+    if rank == 1:
+        if differ == "buffer":
+            model.register_buffer("extra", torch.zeros(3))
+        elif differ == "shape":
+            model.blocks[0].fc1 = nn.Linear(model.blocks[0].fc1.in_features, model.blocks[0].fc1.out_features + 1)
+        else:
+            model.blocks[1].fc2.double()
+    before = type(model)
+    try:
+        _apply(api, model, **({"sync_module_states": True} if api == "fully_shard" else {}))
+    except RuntimeError as e:
+        assert "rank 1 holds different parameters or buffers than rank 0" in str(e), (api, differ, str(e))
+    else:
+        raise AssertionError(f"{api}: rank {rank} applied it to ranks holding different models ({differ})")
+    assert type(model) is before and _get_registry(model) is None, (api, differ, type(model))
+
+
 def _all() -> None:
     solo, _ = dist.new_subgroups_by_enumeration([[r] for r in range(dist.get_world_size())])
+    run_subtests(_different_models, {"api": APIS, "differ": ["buffer", "shape", "dtype"]})
     run_subtests(_gradient_sync_flag, {"api": APIS})
     run_subtests(_init_broadcast, {"api": APIS})
     run_subtests(_single_rank_group, {"api": APIS}, solo=solo)
@@ -178,5 +204,5 @@ def _all() -> None:
 
 
 def test_fully_shard_and_replicate_share_one_behaviour() -> None:
-    """The four cases above in one process group of 2 ranks."""
+    """The cases above in one process group of 2 ranks."""
     run_distributed(_all, 2, timeout=90)

@@ -8,6 +8,8 @@ differently would silently diverge, and ignored parameters would be sharded anyw
 
 from __future__ import annotations
 
+from typing import Any, Dict
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -48,14 +50,23 @@ def _meta_init(how: str) -> None:
     model(torch.randint(0, 13, (2, 5))).sum().backward()
 
 
-def _sync_module_states() -> None:
+def _sync_module_states(hybrid: bool = False) -> None:
+    """Every rank starts from rank 0's parameters and buffers; ``hybrid``: on a 2 x 2 mesh
+    (HYBRID_SHARD), where they travel over both groups (replicate, then shard)."""
     rank = dist.get_rank()
     torch.manual_seed(rank)  # different weights on every rank
     model = ParityModel()
     model.register_buffer("steps", torch.tensor([float(rank)]))
     torch.manual_seed(0)
     rank0 = ParityModel()
-    fully_shard(model, sync_module_states=True)
+    kwargs: Dict[str, Any] = {}
+    if hybrid:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from composable_shard import ShardingStrategy
+
+        kwargs = {"strategy": ShardingStrategy.HYBRID_SHARD, "mesh": init_device_mesh("cpu", (2, 2))}
+    fully_shard(model, sync_module_states=True, **kwargs)
     assert model.steps.item() == 0.0
     with unshard_params(model):
         for (name, p), (_, q) in zip_same(list(model.named_parameters()), list(rank0.named_parameters())):
@@ -142,5 +153,12 @@ def _hybrid_groups_made_once() -> None:
     assert dist.get_process_group_ranks(across) == [rank % 2, rank % 2 + 2], dist.get_process_group_ranks(across)
 
 
+def _at_four() -> None:
+    _hybrid_groups_made_once()
+    _sync_module_states(hybrid=True)
+
+
 def test_hybrid_groups_are_made_once_per_layout() -> None:
-    run_distributed(_hybrid_groups_made_once, 4, timeout=60)
+    """Also: sync_module_states on a 2 x 2 mesh reaches every rank (a broadcast over one of the
+    two groups left the other pair with its own initialization)."""
+    run_distributed(_at_four, 4, timeout=60)

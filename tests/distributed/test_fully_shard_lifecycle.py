@@ -281,12 +281,23 @@ def _unused_parameters(strategy: ShardingStrategy, sometimes_on: str) -> None:
         ref_optim.step()
         optim.zero_grad()
         ref_optim.zero_grad()
+    # Two synced backwards without zero_grad: gated as above in the first, used on no rank in the
+    # second. A parameter that had a .grad keeps it (plus nothing), as autograd leaves it.
+    for step, use in ((2, uses[sometimes_on]), (3, [False] * world_size)):
+        x = torch.randn(world_size * 2, 6, generator=torch.Generator().manual_seed(step))
+        model.inner.use = use[rank]
+        model(x[rank * 2:(rank + 1) * 2]).pow(2).mean().backward()
+        for r in range(world_size):
+            reference.inner.use = use[r]
+            (reference(x[r * 2:(r + 1) * 2]).pow(2).mean() / world_size).backward()
+    _assert_grads_equal(model, reference, f"[{strategy.name}/used on {sometimes_on}, then on none, no zero_grad]")
     assert_params_close(_full_params(model), list(reference.named_parameters()), what=f"[{strategy.name}]")
 
 
 def test_parameters_without_gradient_keep_grad_none() -> None:
     """A parameter no rank used keeps .grad None (AdamW's weight decay leaves it alone, as
-    locally); one used on some ranks only gets the averaged gradient on every rank. Every
+    locally); one used on some ranks only gets the averaged gradient on every rank; one that had
+    a .grad and is used on no rank in the next synced backward (no zero_grad) keeps it. Every
     strategy at 2 ranks; the hybrid ones on a 2 x 2 mesh in test_hybrid_sharding_at_four_ranks."""
     run_distributed(_all_world_sizes_entry, 2, "unused", timeout=180)
 
@@ -441,17 +452,21 @@ def test_unshard_params_in_every_idle_state() -> None:
 
 
 # ---------------------------------------------------------------------------- model changes
-def _model_changed_after_fully_shard(change: str) -> None:
+def _model_changed_after_fully_shard(change: str, before_first_forward: bool = False) -> None:
+    """``change`` after a step (or between fully_shard and the first forward): the next forward raises."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = _shard(make_model())
     inputs, _ = batch(0, world_size)
-    model(local_rows(inputs, rank)).sum().backward()
+    if not before_first_forward:
+        model(local_rows(inputs, rank)).sum().backward()
     if change == "parameter reassigned":
         model.blocks[1].fc1.weight = nn.Parameter(torch.zeros(7, 6))
-        expected = "'blocks.1.fc1.weight' was replaced"
+        expected = ("'blocks.1.fc1.weight' was replaced" if not before_first_forward
+                    else "fully_shard(blocks.1): parameter 'fc1.weight'")
     elif change == "submodule added":
         model.blocks[0].adapter = nn.Linear(6, 6)
-        expected = "'blocks.0.adapter'"
+        expected = ("'blocks.0.adapter'" if not before_first_forward
+                    else "fully_shard(blocks.0): submodule 'adapter'")
     elif change == "submodule cast":  # a plain submodule: FSDPModule._apply does not see it
         model.blocks[0].fc1.half()
         expected = "['blocks.0.fc1.weight', 'blocks.0.fc1.bias'] of fully_shard(blocks.0) no longer share storage"
@@ -582,9 +597,10 @@ _GRIDS: Dict[str, Callable[[], None]] = {
                                                                  "dict_of_lists", "opaque"]}),
     "unshard": lambda: run_subtests(_unshard_params_when_idle, {"situation": [
         "after eval forward", "after failed forward", "after failed backward"]}),
-    "changes": lambda: run_subtests(_model_changed_after_fully_shard, {"change": [
+    "changes": lambda: (run_subtests(_model_changed_after_fully_shard, {"change": [
         "parameter reassigned", "submodule added", "wrapped", "submodule cast", "data assigned",
-        "vector_to_parameters"]}),
+        "vector_to_parameters"]}), run_subtests(_model_changed_after_fully_shard, {"change": [
+            "parameter reassigned", "submodule added", "data assigned"]}, before_first_forward=True)),
     "casts": lambda: run_subtests(_cast_or_move_after_fully_shard, {"call": [
         "half", "double", "bfloat16", "to(float64)", "block.half", "to_empty"]}),
     "hooks": lambda: run_subtests(_hooks_on_parameters, {"kind": ["register_hook", "post_accumulate_grad"]}),
@@ -651,7 +667,8 @@ def test_changes_after_fully_shard_are_refused() -> None:
     """At 2 ranks, in one process group (each failure names its case):
 
     changes: a parameter reassigned, or a submodule with parameters added, after fully_shard
-    would be silently left out of training, and so would a parameter whose ``.data`` was
+    (after a step, or before the first forward) would be silently left out of training, and so
+    would a parameter whose ``.data`` was
     replaced (a plain submodule cast with ``.half()``, ``p.data = ...``, torch's
     ``vector_to_parameters``: the forward kept computing on the flat shard, the optimizer
     updated the new tensor): the next forward raises naming the FQN. Wrapping a managed module

@@ -8,6 +8,7 @@ per-rank losses). Collective counts and bytes come from ``_collectives.record_co
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -25,6 +26,7 @@ from composable_shard.api import MixedPrecision
 from composable_shard.contract import _get_registry, _register_api
 from composable_shard.replicate import ReplicateModule, _ReplicateState, replicate
 from tests._harness import assert_close_ranks, run_distributed, run_subtests
+from tests._models import zip_same
 
 NUM_STEPS = 5
 DIM_IN, DIM_HIDDEN, DIM_OUT, BATCH = 8, 16, 4, 4
@@ -300,6 +302,50 @@ def _no_sync_subtest(set_to_none: bool) -> None:
     _assert_params(ours, local, 1e-5, "after two accumulation cycles")
 
 
+def _unsynced_use_subtest(first_use: str) -> None:
+    """The branch gets gradients only in the first of 3 unsynced micro-batches (on rank 0 only,
+    or on every rank) and in none after, the synced one included: its accumulated gradient is
+    still averaged over the ranks at the synced backward, as DDP (find_unused_parameters) and
+    local training give, not left as each rank's own sum (rank 0's gradient on rank 0, None on
+    the others)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    ours, ddp, local = _three_models(True, bucket_cap_mb=SMALL_CAP_MB)
+    uses = [[r == 0 if first_use == "rank0" else True for r in range(world_size)]] + [[False] * world_size] * 3
+    _replicated(ours).set_requires_gradient_sync(False)
+    for micro, use in enumerate(uses):
+        if micro == len(uses) - 1:
+            _replicated(ours).set_requires_gradient_sync(True)
+        x, y = _batch(20 + micro, rank)
+        _loss(ours, x, y, use[rank]).backward()
+        with contextlib.nullcontext() if micro == len(uses) - 1 else ddp.no_sync():
+            _loss(ddp, x, y, use[rank]).backward()
+        (sum(_loss(local, *_batch(20 + micro, r), use[r]) for r in range(world_size)) / world_size).backward()  # type: ignore[operator]
+    assert ours.branch.weight.grad is not None, "the branch's accumulated gradient was dropped"
+    _assert_grads(ours, ddp.module, 1e-6, f"branch used in unsynced micro-batches only ({first_use}) vs DDP")
+    _assert_grads(ours, local, 1e-5, f"branch used in unsynced micro-batches only ({first_use}) vs local")
+
+
+def _buffers_broadcast_check() -> None:
+    """Buffers are broadcast from rank 0 at init like parameters (DDP does the same): a
+    BatchNorm's running statistics and step count and a plain registered buffer, made
+    differently on each rank, are rank 0's on every rank after replicate (rank 0's model
+    rebuilt here from its seed), and so are the parameters."""
+    def build(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+        model[1].running_mean.normal_()
+        model[1].running_var.uniform_(0.5, 2.0)
+        model[1].num_batches_tracked.fill_(seed + 3)
+        model.register_buffer("scale", torch.full((2,), float(seed + 1)))
+        return model
+
+    rank = dist.get_rank()
+    ours, rank0 = replicate(build(rank)), build(0)
+    for (name, actual), (_, expected) in zip_same(list(ours.state_dict().items()), list(rank0.state_dict().items()),
+                                                  what="state dict entries"):
+        assert torch.equal(actual, expected), f"rank {rank}: {name} is not rank 0's after replicate: {actual} vs {expected}"
+
+
 def _overlap_check() -> None:
     """Buckets are all-reduced while backward still runs: with one bucket per layer, the
     later layers' all-reduces are issued before the first layer's backward starts."""
@@ -345,15 +391,19 @@ def _rebuild_and_bytes_check() -> None:
 
 def _rank_no_sync_overlap_rebuild() -> None:
     run_subtests(_no_sync_subtest, {"set_to_none": [True, False]})
+    run_subtests(_unsynced_use_subtest, {"first_use": ["rank0", "all"]})
+    _buffers_broadcast_check()
     _overlap_check()
     _rebuild_and_bytes_check()
 
 
 def test_no_sync_overlap_and_bucket_rebuild() -> None:
     """set_requires_gradient_sync(False) communicates nothing and the synced backward averages
-    the accumulated sum; all-reduces start during backward; buckets are rebuilt once and move
-    the bytes computed by hand. Without it, a no_sync that still communicates, reductions
-    serialised at the end of backward, or a rebuild every step would pass."""
+    the accumulated sum (also of a parameter used only in unsynced micro-batches); buffers are
+    rank 0's after init; all-reduces start during backward; buckets are rebuilt once and move
+    the bytes computed by hand. Without it, a no_sync that still communicates, a parameter used
+    only unsynced left unreduced, buffers left as each rank made them, reductions serialised at
+    the end of backward, or a rebuild every step would pass."""
     run_distributed(_rank_no_sync_overlap_rebuild, 2)
 
 

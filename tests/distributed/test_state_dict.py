@@ -34,7 +34,7 @@ from composable_shard import (FullStateDictConfig, MixedPrecision, ModuleWrapPol
                               unshard_params)
 from composable_shard._runtime.traversal import _get_fsdp_handles
 from tests._harness import run_distributed, run_subtests
-from tests._models import Block, Scale, distributed_training, global_mean, loss_fn, make_model, reference_training
+from tests._models import Block, Scale, distributed_training, global_mean, loss_fn, make_model, reference_training, zip_same
 
 CONFIGS = ["manual", "policy", "submodules", "mixed_strategy", "frozen_block", "replicate_mixed", "bf16"]
 # At 4 ranks every handle's shards are uneven (at 2 the root's tied 78 and frozen 42 elements
@@ -312,10 +312,12 @@ def _load_state(path: str, model: nn.Module, optim: torch.optim.Optimizer, api: 
 
 
 def _save_run(path: str, layout: str, api: str) -> None:
-    """2 steps, a save through ``api`` (see :func:`_save_state`), 3 more steps; rank 0 records
+    """2 steps (AdamW, two param groups with different hyper-parameters), a save through ``api``
+    (see :func:`_save_state`), 3 more steps; rank 0 records
     the last 3 losses and the final full model and optimizer state."""
     model = _build(layout, seed=0)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    optim = torch.optim.AdamW(_two_groups(model, lr=3e-2, weight_decay=0.01, betas=(0.8, 0.95)), lr=1e-2,
+                              weight_decay=0.1)
     _train(model, optim, range(2))
     _save_state(path, model, optim, api)
     losses = _train(model, optim, range(2, 5))
@@ -325,13 +327,22 @@ def _save_run(path: str, layout: str, api: str) -> None:
         torch.save(final, f"{path}/uninterrupted.pt")
 
 
+def _two_groups(model: nn.Module, **rest: Any) -> List[Dict[str, Any]]:
+    """Two param groups: the blocks' parameters, and the others with the hyper-parameters
+    ``rest`` (a load that gave every group the first's, or dropped them, trains differently)."""
+    blocks = [p for n, p in model.named_parameters() if n.startswith("blocks.")]
+    return [{"params": blocks}, {"params": [p for n, p in model.named_parameters() if not n.startswith("blocks.")], **rest}]
+
+
 def _resume_run(path: str, layout: str, api: str) -> None:
-    """A differently initialised model and a fresh optimizer load the checkpoint, then take
-    the same 3 steps: the uninterrupted run's losses, parameters and optimizer state."""
+    """A differently initialised model and a fresh optimizer (other hyper-parameters in each of
+    its two param groups) load the checkpoint: each group's saved hyper-parameters; then the
+    same 3 steps give the uninterrupted run's losses, parameters and optimizer state."""
     model = _build(layout, seed=5)
-    optim = torch.optim.AdamW(model.parameters(), lr=0.5, weight_decay=0.0)  # hyper-parameters come from the checkpoint
+    optim = torch.optim.AdamW(_two_groups(model), lr=0.5, weight_decay=0.0)  # hyper-parameters come from the checkpoint
     _load_state(path, model, optim, api)
-    assert optim.param_groups[0]["lr"] == 1e-2 and optim.param_groups[0]["weight_decay"] == 0.1
+    loaded = [(g["lr"], g["weight_decay"], g["betas"]) for g in optim.param_groups]
+    assert loaded == [(1e-2, 0.1, (0.9, 0.999)), (3e-2, 0.01, (0.8, 0.95))], f"{layout}: param groups {loaded}"
     losses = _train(model, optim, range(2, 5))
     expected = torch.load(f"{path}/uninterrupted.pt")
     torch.testing.assert_close(losses, expected["losses"], atol=1e-5, rtol=0)
@@ -494,12 +505,18 @@ def _snapshot(model: nn.Module, optim: torch.optim.Optimizer) -> Tuple[Dict[str,
 
 
 def _strict() -> None:
-    """A state dict that does not fit raises, naming the keys, before anything is written."""
-    model = _shard(make_model(), "manual")
+    """A state dict that does not fit raises, naming the keys, before anything is written; a
+    non-persistent buffer (a rotary cache) is neither in the state dict nor expected in one."""
+    model = make_model()
+    model.blocks[0].register_buffer("cache", torch.arange(4.0), persistent=False)
+    model = _shard(model, "manual")
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _train(model, optim, range(1))
     good = make_model(seed=9).state_dict()
     before = _snapshot(model, optim)
+    assert sorted(before[0]) == sorted(good), sorted(set(before[0]) ^ set(good))
+    for load in (lambda s: set_model_state_dict(model, s), model.load_state_dict):
+        load(before[0])  # strict: its own state dict fits
     bad_inputs = {
         "unexpected": ({**good, "bogus.weight": torch.zeros(1)}, "bogus.weight"),
         "missing": ({k: v for k, v in good.items() if k != "blocks.1.fc1.bias"}, "blocks.1.fc1.bias"),
@@ -531,6 +548,37 @@ def _strict() -> None:
             assert torch.equal(torch.as_tensor(osd["state"][fqn][name]), torch.as_tensor(value)), (fqn, name)
     with pytest.raises(RuntimeError, match="get_model_state_dict"):
         copy.deepcopy(model)
+
+
+def _loaded_state_is_a_copy() -> None:
+    """``set_optimizer_state_dict`` gives the optimizer copies, never the caller's tensors
+    (torch's loader keeps what it is given): a full and a sharded state dict, each loaded into
+    two fresh optimizers that then take 1 and 2 steps. Each optimizer's state is its own (steps
+    counted 1 and 2 on from the saved count) and the state dict keeps the saved values, also
+    when the optimizer it was taken from steps on (no view of its state either); an aliased
+    ``step`` made both optimizers count every step of both, and changed the state dict."""
+    model = _shard(make_model(), "manual")
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, optim, range(1))
+    for full in (True, False):
+        osd = get_optimizer_state_dict(model, optim, full=full)
+        saved = copy.deepcopy(osd)
+        fresh = [torch.optim.AdamW(model.parameters(), lr=1e-2) for _ in range(2)]
+        for other in fresh:
+            set_optimizer_state_dict(model, other, osd)
+        for steps, other in zip_same([1, 2], fresh):
+            for step in range(steps):
+                _train(model, other, range(10 + step, 11 + step))
+        _train(model, optim, range(12, 13))  # and the optimizer it was taken from steps on
+        for fqn, entries in saved["state"].items():
+            for name, value in entries.items():
+                now, value = (v.local if isinstance(v, ShardedSlice) else torch.as_tensor(v)
+                              for v in (osd["state"][fqn][name], value))
+                assert torch.equal(now, value), \
+                    f"full={full}: the state dict's {fqn}.{name} changed when the optimizers loaded from it stepped"
+        for steps, other in zip_same([1, 2], fresh):
+            counted = {float(s["step"]) for s in other.state.values()}
+            assert counted == {float(v["step"]) + steps for v in saved["state"].values()}, (full, steps, counted)
 
 
 # ---------------------------------------------------------------------------- memory
@@ -644,7 +692,8 @@ def _torch_fsdp2_interop(path: str) -> None:
 _CHECKS: Dict[str, Callable[[str], None]] = {  # check -> fn(a directory of its own)
     "memory": _memory, "full_options": lambda path: _full_options(), "sharded_is_local": lambda path: _sharded_is_local(),
     "large_tensors_in_chunk_sized_boxes": lambda path: _large_tensors_cut_like_torch_chunk(),
-    "strict_loading": lambda path: _strict(), "extra_read_weights_only": _extra_weights_only,
+    "strict_loading": lambda path: _strict(), "loaded_state_is_a_copy": lambda path: _loaded_state_is_a_copy(),
+    "extra_read_weights_only": _extra_weights_only,
     "interoperate_with_torch_fsdp2": _torch_fsdp2_interop}
 _CHECKS_AT_4 = ["full_options", "sharded_is_local", "large_tensors_in_chunk_sized_boxes", "interoperate_with_torch_fsdp2"]
 
@@ -670,6 +719,7 @@ def test_state_dicts(tmp_path: Any, world_size: int) -> None:
     (``_sharded_is_local``, ``_large_tensors_cut_like_torch_chunk``); checkpoints interoperate
     with torch's FSDP2 both ways (``_torch_fsdp2_interop``); and at 2 ranks only (nothing in
     them depends on the world size beyond the shard arithmetic above): strict loading changes
-    nothing on error (``_strict``), ``extra`` is read weights_only (``_extra_weights_only``),
+    nothing on error (``_strict``), a loaded optimizer state is a copy
+    (``_loaded_state_is_a_copy``), ``extra`` is read weights_only (``_extra_weights_only``),
     and what a save and a load allocate (``_memory``, measured first, in a fresh process)."""
     run_distributed(_state_dicts, world_size, str(tmp_path), timeout=300)
