@@ -341,7 +341,7 @@ def _resume_run(path: str, layout: str, api: str) -> None:
     model = _build(layout, seed=5)
     optim = torch.optim.AdamW(_two_groups(model), lr=0.5, weight_decay=0.0)  # hyper-parameters come from the checkpoint
     _load_state(path, model, optim, api)
-    loaded = [(g["lr"], g["weight_decay"], g["betas"]) for g in optim.param_groups]
+    loaded = [(g["lr"], g["weight_decay"], tuple(g["betas"])) for g in optim.param_groups]  # torch:full: a list
     assert loaded == [(1e-2, 0.1, (0.9, 0.999)), (3e-2, 0.01, (0.8, 0.95))], f"{layout}: param groups {loaded}"
     losses = _train(model, optim, range(2, 5))
     expected = torch.load(f"{path}/uninterrupted.pt")
