@@ -1436,6 +1436,9 @@ MUTANTS: List[Mutant] = [
     _m("own59_had_grad_forgotten", "a synced backward forgets which parameters had a .grad before it (accumulated gradients dropped)",
        f"{PACKAGE}/_runtime/flat_param.py", "        group.had_grad = [g is not None for g in grads]",
        "        group.had_grad = [False for g in grads]", "tests/distributed/test_fully_shard_lifecycle.py"),
+    _m("own59_leftover_unsynced_never_reduced", "a unit with gradients from unsynced backwards only keeps each rank's own sum after the synced one",
+       f"{PACKAGE}/_runtime/hooks.py", "            if group.unreduced_grad is not None and not group.grad_ready:",
+       "            if False:", "tests/distributed/test_fully_shard_lifecycle.py::test_parameters_without_gradient_keep_grad_none"),
     _m("describe_aliasing_per_handle", "at one rank describe() counts an all-gather for every group of a handle with a float8 (or cast) group, also for the groups that alias their shard",
        'composable_shard/_planning/describe.py', 'if h.gathers_in_group and not g.aliases_shard:', 'if h.gathers_in_group:', 'tests/distributed/test_float8.py', 'tests/unit/test_describe.py'),
 ]

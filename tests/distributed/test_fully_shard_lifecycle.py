@@ -294,10 +294,51 @@ def _unused_parameters(strategy: ShardingStrategy, sometimes_on: str) -> None:
     assert_params_close(_full_params(model), list(reference.named_parameters()), what=f"[{strategy.name}]")
 
 
+class _TwoHeads(nn.Module):
+    """A trunk and two heads; ``head`` chooses per call which head the forward uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(6, 6)
+        self.a = nn.Linear(6, 3)
+        self.b = nn.Linear(6, 3)
+        self.head = "a"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(self, self.head)(self.trunk(x))
+
+
+def _unit_used_only_unsynced() -> None:
+    """Head ``a`` (a fully sharded unit of its own) gets gradients in an unsynced backward and
+    none in the synced one after it: its kept sum is reduced at that backward's end, as local
+    training keeps it; two such steps in a row (the per-backward flags reset between backwards,
+    or the second step's leftover was never reduced)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    reference = _TwoHeads()
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    fully_shard(model.a)
+    fully_shard(model.b)
+    fully_shard(model)
+    for step in range(2):
+        for micro, head in enumerate(("a", "b")):
+            model.set_requires_gradient_sync(micro == 1)  # type: ignore[operator]  # FSDPModule's
+            x = torch.randn(world_size * 2, 6, generator=torch.Generator().manual_seed(10 * step + micro))
+            model.head = reference.head = head
+            model(x[rank * 2:(rank + 1) * 2]).pow(2).mean().backward()
+            for r in range(world_size):
+                (reference(x[r * 2:(r + 1) * 2]).pow(2).mean() / world_size).backward()
+        _assert_grads_equal(model, reference, f"[step {step}: head a unsynced, head b synced]")
+        model.zero_grad()
+        reference.zero_grad()
+
+
 def test_parameters_without_gradient_keep_grad_none() -> None:
     """A parameter no rank used keeps .grad None (AdamW's weight decay leaves it alone, as
     locally); one used on some ranks only gets the averaged gradient on every rank; one that had
-    a .grad and is used on no rank in the next synced backward (no zero_grad) keeps it. Every
+    a .grad and is used on no rank in the next synced backward (no zero_grad) keeps it; a unit
+    used only in an unsynced backward gets its sum reduced by the next synced one. Every
     strategy at 2 ranks; the hybrid ones on a 2 x 2 mesh in test_hybrid_sharding_at_four_ranks."""
     run_distributed(_all_world_sizes_entry, 2, "unused", timeout=180)
 
@@ -590,8 +631,8 @@ _GRIDS: Dict[str, Callable[[], None]] = {
     "failed_backward": lambda: run_subtests(_failed_backward, {"strategy": _STRATEGIES}),
     "stale": lambda: run_subtests(_stale_case, {"case": _stale_cases()}),
     "freeze": lambda: run_subtests(_freeze_unfreeze, {"strategy": _STRATEGIES}),
-    "unused": lambda: (run_subtests(_unused_parameters, {"strategy": _STRATEGIES,
-                                                         "sometimes_on": ["all", "none", "rank0"]}),
+    "unused": lambda: (_unit_used_only_unsynced(),
+                       run_subtests(_unused_parameters, {"strategy": _STRATEGIES, "sometimes_on": ["all", "none", "rank0"]}),
                        _partial_grad_reset()),
     "outputs": lambda: run_subtests(_output_structures, {"kind": ["dataclass", "namedtuple", "model_output",
                                                                  "dict_of_lists", "opaque"]}),
