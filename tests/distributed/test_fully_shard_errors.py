@@ -162,6 +162,13 @@ def _fully_shard_argument_errors() -> None:
         ({"mixed_precision": MixedPrecision(param_dtype="bf16")}, TypeError,  # type: ignore[arg-type]
          ("mixed_precision.param_dtype", "torch.dtype", "bf16")),
         ({"mixed_precision": MixedPrecision(reduce_dtype=torch.int32)}, ValueError, ("reduce_dtype", "floating")),
+        # each of the three dtypes is checked both ways (a stranger's mutant dropped buffer_dtype's checks)
+        ({"mixed_precision": MixedPrecision(param_dtype=torch.int8)}, ValueError, ("param_dtype", "floating")),
+        ({"mixed_precision": MixedPrecision(reduce_dtype=32)}, TypeError,  # type: ignore[arg-type]
+         ("mixed_precision.reduce_dtype", "torch.dtype", "int")),
+        ({"mixed_precision": MixedPrecision(buffer_dtype="bf16")}, TypeError,  # type: ignore[arg-type]
+         ("mixed_precision.buffer_dtype", "torch.dtype", "bf16")),
+        ({"mixed_precision": MixedPrecision(buffer_dtype=torch.int64)}, ValueError, ("buffer_dtype", "floating")),
         ({"mixed_precision": MixedPrecision(cast_forward_inputs=1)}, TypeError,  # type: ignore[arg-type]
          ("cast_forward_inputs", "bool")),
         ({"cpu_offload": True}, TypeError, ("cpu_offload", "CPUOffload", "bool")),

@@ -160,6 +160,28 @@ def _buffer_dtype() -> None:
     fresh = _model().state_dict()
     model.load_state_dict(fresh)  # strict: original-dtype buffers load into the cast ones
     assert model[0].gain.dtype == BF16 and torch.equal(model[0].gain, fresh["0.gain"].to(BF16))
+    _ignored_module_is_left_alone()
+
+
+def _ignored_module_is_left_alone() -> None:
+    """A module in ``ignored_modules`` is the user's, as with torch FSDP: ``buffer_dtype`` does not
+    cast its buffers, and replacing one of its parameters between steps is not refused as a change
+    to the sharded model (the fully sharded blocks beside it are still watched)."""
+    model = _model()
+    fully_shard(model[0], mixed_precision=MixedPrecision(buffer_dtype=BF16))
+    fully_shard(model, ignored_modules=[model[1]], mixed_precision=MixedPrecision(buffer_dtype=BF16))
+    assert model[0].gain.dtype == BF16, model[0].gain.dtype
+    assert model[1].gain.dtype == torch.float32 and model[1].fc1.weight.dtype == torch.float32, model[1].gain.dtype
+    x, y = _batch(0, 4)
+    (model(x).float() - y).pow(2).mean().backward()
+    with torch.no_grad():
+        model[1].fc1.weight = nn.Parameter(model[1].fc1.weight.detach() * 0.5)  # the user's own module
+    (model(x).float() - y).pow(2).mean().backward()  # not refused
+    assert model[1].fc1.weight.grad is not None and model[1].fc1.weight.grad.shape == (16, 8)
+    with torch.no_grad():
+        model[0].fc1.weight = nn.Parameter(torch.zeros(16, 8))  # a sharded block's: refused
+    with pytest.raises(RuntimeError, match="fc1.weight"):
+        model(x)
 
 
 # ---------------------------------------------------------------------------- keep_low_precision_grads
