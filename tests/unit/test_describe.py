@@ -130,3 +130,13 @@ def test_cli_plans_the_benchmark_model(capsys: pytest.CaptureFixture[str]) -> No
     assert "parameters 10,578,944 B" in out and "reduce_scatter x5 21,157,888 B" in out and "all_gather x9" in out, out
     with pytest.raises(SystemExit, match="no module of that class"):
         cli_main(["describe", "benchmarks.model:GPT", "--wrap", "Nope"])
+    # --wrap '' (the help's "root only"): one handle, gathered once, reduced once
+    assert cli_main(["describe", "benchmarks.model:GPT", "--world", "2", "--wrap", ""]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split()[0] for line in out.splitlines() if line.startswith(("<root>", "blocks."))]
+    assert "policy=None" in out and rows == ["<root>"], out
+    assert "parameters 10,578,944 B" in out and "reduce_scatter x1 " in out and "all_gather x1 " in out, out
+    # a class named by --wrap (by its __name__) is what ModuleList items give by default
+    assert cli_main(["describe", "benchmarks.model:GPT", "--world", "2", "--wrap", " Block,"]) == 0
+    named = capsys.readouterr().out
+    assert "ModuleWrapPolicy({Block})" in named and "all_gather x9" in named, named
