@@ -18,7 +18,7 @@ import torch.nn as nn
 from ..api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, StateDictType
 from .flat_param import FlatParamHandle, HandleTrainingState, Reduction, _is_fsdp_flattened, _set_fsdp_flattened  # noqa: F401  # some re-exported
 from .streams import Streams
-from .watch import StepCounter, StepVerdict
+from .watch import ModelChange, StepCounter, StepVerdict
 from ..contract import _State
 
 __all__ = [
@@ -182,7 +182,7 @@ class _FSDPState(_State):
         # -- root only --
         self._ctx: Optional[RootContext] = None  # root only: what the root keeps for its whole tree
         # -- any state --
-        self.model_change: Optional[str] = None  # a structure change made after fully_shard (raised at forward)
+        self.model_change: Optional[ModelChange] = None  # a structure change made after fully_shard (raised at forward)
         self.streams: Optional["Streams"] = None  # CUDA streams shared by the tree (no-ops on CPU)
         self.optimizer_state_dict_watch: Any = None  # links optimizers to this handle ([Note: torch's state-dict API])
 

@@ -83,7 +83,7 @@ import contextlib
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, NamedTuple, Optional, Protocol, Sequence, Set, Tuple
 
 import torch.nn as nn
 from torch.nn.modules.module import (register_module_module_registration_hook,
@@ -101,7 +101,7 @@ class _Owner(Protocol):
     ``module_state`` imports ``flat_param``, which imports this file)."""
 
     fqn: str
-    model_change: Optional[str]
+    model_change: Optional["ModelChange"]
 
     @property
     def ctx(self) -> Any: ...  # root only: RootContext, whose changes_to_check this file sets
@@ -110,6 +110,21 @@ class _Owner(Protocol):
     def root(self) -> Optional["_Owner"]: ...
 
     def describe(self) -> str: ...
+
+
+class ModelChange(NamedTuple):
+    """A structure change recorded on a state: ``what`` (``parameter``, ``submodule``) at
+    ``relative`` (its FQN relative to the state's module), then ``rest``. Named in full (from the
+    root) only when raised: a change made between fully_shard and the first forward is recorded
+    before the root is known, so the state's own FQN is known only then."""
+
+    what: str
+    relative: str
+    rest: str
+
+    def message(self, state_fqn: str) -> str:
+        full = ".".join(p for p in (state_fqn, self.relative) if p)
+        return f"{self.what} {full!r} {self.rest}"
 
 
 @dataclass
@@ -174,20 +189,14 @@ def track(state: _Owner, modules: Iterable[tuple], params_by_slot: Dict[int, Dic
             _tracked[module] = _Tracked(ref, name, dict(params_by_slot.get(id(module), {})))
 
 
-def _record(tracked: _Tracked, what: str) -> None:
+def _record(tracked: _Tracked, what: str, name: str, rest: str) -> None:
     state = tracked.state_ref()
     if state is None:
         return
     if state.model_change is None:
-        state.model_change = what
+        state.model_change = ModelChange(what, ".".join(p for p in (tracked.name, name) if p), rest)
     if state.root is not None:  # before lazy init, the first forward checks anyway
         state.root.ctx.changes_to_check = True
-
-
-def _fqn(tracked: _Tracked, name: str) -> str:
-    state = tracked.state_ref()
-    parts = [state.fqn if state is not None else "", tracked.name, name]
-    return ".".join(p for p in parts if p)
 
 
 def _on_parameter(module: nn.Module, name: str, param: Any) -> None:
@@ -196,7 +205,7 @@ def _on_parameter(module: nn.Module, name: str, param: Any) -> None:
         if tracked is None or tracked.slots.get(name) is param:
             return
         action = "removed" if param is None else ("replaced" if name in tracked.slots else "registered")
-        _record(tracked, f"parameter {_fqn(tracked, name)!r} was {action} after fully_shard")
+        _record(tracked, "parameter", name, f"was {action} after fully_shard")
 
 
 def _on_module(module: nn.Module, name: str, submodule: Any) -> None:
@@ -206,8 +215,7 @@ def _on_module(module: nn.Module, name: str, submodule: Any) -> None:
             return
         new_params = _untracked_params(submodule)
         if new_params:
-            _record(tracked, f"submodule {_fqn(tracked, name)!r} with parameters {new_params} was added after "
-                             "fully_shard")
+            _record(tracked, "submodule", name, f"with parameters {new_params} was added after fully_shard")
             return
         for sub_name, sub in submodule.named_modules():
             if sub not in _tracked:
@@ -371,8 +379,8 @@ def raise_on_model_change(states: Iterable[_Owner]) -> None:
     for s in states:
         if s.model_change is not None:
             raise RuntimeError(
-                f"{s.describe()}: {s.model_change}. A handle owns the parameters that were registered when "
-                "fully_shard ran, so this change would be silently left out of training. Make such changes "
+                f"{s.describe()}: {s.model_change.message(s.fqn)}. A handle owns the parameters that were "
+                "registered when fully_shard ran, so this change would be silently left out of training. Make such changes "
                 "before fully_shard (build the model, then shard it), or rebuild and reshard the model."
             )
 

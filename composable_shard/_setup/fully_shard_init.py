@@ -75,6 +75,7 @@ from torch.distributed.tensor import DTensor
 from . import apply_guard as _apply_guard
 from . import init_draws
 from .._runtime.module_state import _FSDPState, _is_fsdp_flattened
+from .._runtime.watch import ModelChange
 from .data_parallel import (_expand_ignored_modules, _ignored_params, _join, _managed_modules, agreed, agreement_groups,
                             broadcast_from_rank0, check_composition, normalize_device)
 from .._runtime.flat_param import FlatParamHandle
@@ -515,7 +516,7 @@ class _Snapshot:
     """What :func:`_init_keeping_initialized` puts back after an init call."""
 
     kept: List[_Kept] = field(default_factory=list)  # the subtree's initialized tensors, one per object
-    changes: List[Tuple[_FSDPState, Optional[str]]] = field(default_factory=list)  # earlier calls' states in the
+    changes: List[Tuple[_FSDPState, Optional[ModelChange]]] = field(default_factory=list)  # earlier calls' states in the
     # subtree, each with the model change the watch had recorded for it
     registrations: Dict[int, _Registrations] = field(default_factory=dict)  # id(module) -> its registrations, for
     # every module under those states

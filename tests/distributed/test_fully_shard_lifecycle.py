@@ -502,12 +502,10 @@ def _model_changed_after_fully_shard(change: str, before_first_forward: bool = F
         model(local_rows(inputs, rank)).sum().backward()
     if change == "parameter reassigned":
         model.blocks[1].fc1.weight = nn.Parameter(torch.zeros(7, 6))
-        expected = ("'blocks.1.fc1.weight' was replaced" if not before_first_forward
-                    else "fully_shard(blocks.1): parameter 'fc1.weight'")
+        expected = "fully_shard(blocks.1): parameter 'blocks.1.fc1.weight' was replaced"  # named in full either way
     elif change == "submodule added":
         model.blocks[0].adapter = nn.Linear(6, 6)
-        expected = ("'blocks.0.adapter'" if not before_first_forward
-                    else "fully_shard(blocks.0): submodule 'adapter'")
+        expected = "fully_shard(blocks.0): submodule 'blocks.0.adapter' with parameters"
     elif change == "submodule cast":  # a plain submodule: FSDPModule._apply does not see it
         model.blocks[0].fc1.half()
         expected = "['blocks.0.fc1.weight', 'blocks.0.fc1.bias'] of fully_shard(blocks.0) no longer share storage"

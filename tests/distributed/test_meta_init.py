@@ -379,6 +379,67 @@ def _rng_of_both_flows() -> None:
 _MATERIALIZATIONS["(f) the RNG of both flows"] = _rng_of_both_flows
 
 
+class _GainedStack(nn.Module):
+    """Embedding, two Blocks, a head, and a ``gain`` on the root, which has no
+    ``reset_parameters()``: fully_shard defers the init (FSDP2's flow, as torchtitan's RoPE
+    cache makes it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+        self.gain = nn.Parameter(torch.ones(WIDTH))
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x * self.gain)
+
+
+def _frozen_parameters_in_fsdp2_flow() -> None:
+    """(g) Parameters frozen on the meta device (fine-tuning: a block's weight, the root's gain)
+    stay frozen through FSDP2's flow (fully_shard, ``to_empty``, the model's own init): the same
+    ``requires_grad`` on every parameter as one process, no gradient for the frozen ones, and 3
+    AdamW steps equal one process's on the combined batch (a frozen parameter trained by mistake
+    would move under AdamW's weight decay alone)."""
+    frozen = ("blocks.0.fc1.weight", "gain")
+
+    def build() -> _GainedStack:
+        torch.manual_seed(5)
+        with torch.device("meta"):
+            model = _GainedStack()
+        for name in frozen:
+            model.get_parameter(name).requires_grad_(False)
+        return model
+
+    reference = build()
+    reference.to_empty(device="cpu")
+    _model_init(reference)
+    with torch.no_grad():
+        reference.gain.fill_(1.5)
+    model = build()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    model.to_empty(device="cpu")
+    _model_init(model)
+    with torch.no_grad():
+        model.gain.fill_(1.5)
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    assert flags == {n: p.requires_grad for n, p in reference.named_parameters()}, flags
+    assert sorted(n for n, f in flags.items() if not f) == sorted(frozen), flags
+    expected = reference_training(reference, 3, dist.get_world_size())
+    losses = distributed_training(model, 3)
+    assert_losses_close(losses, expected)
+    assert all(model.get_parameter(n).grad is None for n in frozen)
+    assert_params_close(_full_params(model), list(reference.named_parameters()), what="(g) frozen in FSDP2's flow")
+
+
+_MATERIALIZATIONS["(g) frozen parameters, FSDP2's flow"] = _frozen_parameters_in_fsdp2_flow
+
+
 def _materialization(case: str) -> None:
     _MATERIALIZATIONS[case]()
 

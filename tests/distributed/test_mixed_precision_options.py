@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from composable_shard import MixedPrecision, ModuleWrapPolicy, fully_shard, unshard_params
+from composable_shard import (MixedPrecision, ModuleWrapPolicy, fully_shard, get_model_state_dict, set_model_state_dict,
+                              unshard_params)
 from composable_shard._runtime.traversal import _get_fsdp_handles
 from tests._harness import run_distributed, run_subtests
 from tests._models import assert_grads_relative, global_mean, zip_same
@@ -160,6 +161,14 @@ def _buffer_dtype() -> None:
     fresh = _model().state_dict()
     model.load_state_dict(fresh)  # strict: original-dtype buffers load into the cast ones
     assert model[0].gain.dtype == BF16 and torch.equal(model[0].gain, fresh["0.gain"].to(BF16))
+    # set_model_state_dict, which also checks floating dtypes: the model's own (full and sharded) state
+    # dicts and a plain model's load (buffers in their original dtype); a buffer in another dtype is refused
+    for full in (True, False):
+        set_model_state_dict(model, get_model_state_dict(model, full=full))
+    set_model_state_dict(model, fresh)
+    assert model[0].gain.dtype == BF16 and torch.equal(model[0].gain, fresh["0.gain"].to(BF16))
+    with pytest.raises(RuntimeError, match="0.gain"):
+        set_model_state_dict(model, dict(fresh, **{"0.gain": fresh["0.gain"].double()}))
     _ignored_module_is_left_alone()
 
 

@@ -358,10 +358,9 @@ def _resume_run(path: str, layout: str, api: str) -> None:
 # ---------------------------------------------------------------------------- several optimizers, extra state
 def _two_optimizers(model: nn.Module) -> Tuple[torch.optim.Optimizer, torch.optim.Optimizer, Any]:
     """AdamW on the blocks, SGD with momentum (and a step-decay schedule) on the rest."""
-    blocks = [p for n, p in model.named_parameters() if n.startswith("blocks.")]
-    rest = [p for n, p in model.named_parameters() if not n.startswith("blocks.") and p.requires_grad]
+    blocks, rest = (group["params"] for group in _two_groups(model))
     adamw = torch.optim.AdamW(blocks, lr=1e-2, weight_decay=0.1)
-    sgd = torch.optim.SGD(rest, lr=0.05, momentum=0.9)
+    sgd = torch.optim.SGD([p for p in rest if p.requires_grad], lr=0.05, momentum=0.9)
     return adamw, sgd, torch.optim.lr_scheduler.StepLR(sgd, step_size=1, gamma=0.5)
 
 

@@ -287,7 +287,7 @@ def _global_hooks_follow_the_models() -> None:
     try:
         model(batch(0, dist.get_world_size())[0])
     except RuntimeError as e:
-        assert "fully_shard(blocks.0): parameter 'fc1.extra' was registered after fully_shard" in str(e), e
+        assert "fully_shard(blocks.0): parameter 'blocks.0.fc1.extra' was registered after fully_shard" in str(e), e
     else:
         raise AssertionError("a parameter registered after fully_shard went unnoticed with the hooks reinstalled")
     del model
