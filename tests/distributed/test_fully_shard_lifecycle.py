@@ -88,12 +88,20 @@ def _global_step(model: nn.Module, step: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- failed backward
-def _failed_backward(strategy: ShardingStrategy) -> None:
+def _failed_backward(strategy: ShardingStrategy, after_unsynced: bool = False) -> None:
+    """``after_unsynced``: an unsynced micro-batch (kept, unreduced sums on every handle) comes
+    before the backward that raises; zero_grad then drops those sums too, as locally."""
     reference = make_model()
     model = _shard(make_model(), **_strategy_kwargs(strategy))
     armed = arm_backward_failure(model.blocks[0])
     optim = torch.optim.SGD(model.parameters(), lr=0.5)
     ref_optim = torch.optim.SGD(reference.parameters(), lr=0.5)
+    if after_unsynced:
+        armed[0] = False
+        model.set_requires_gradient_sync(False)  # type: ignore[operator]  # FSDPModule's
+        _local_step(model, 2)
+        model.set_requires_gradient_sync(True)  # type: ignore[operator]  # FSDPModule's
+        armed[0] = True
     expect_backward_failure(lambda: _local_step(model, 0))  # after scale's and blocks.1's reductions
     armed[0] = False
     optim.zero_grad()
@@ -308,18 +316,21 @@ class _TwoHeads(nn.Module):
         return getattr(self, self.head)(self.trunk(x))
 
 
-def _unit_used_only_unsynced() -> None:
-    """Head ``a`` (a fully sharded unit of its own) gets gradients in an unsynced backward and
-    none in the synced one after it: its kept sum is reduced at that backward's end, as local
-    training keeps it; two such steps in a row (the per-backward flags reset between backwards,
-    or the second step's leftover was never reduced)."""
+def _unit_used_only_unsynced(heads_sharded: bool = True) -> None:
+    """Head ``a`` gets gradients in an unsynced backward and none in the synced one after it:
+    its kept sum is reduced at that backward's end, as local training keeps it; two such steps
+    in a row (the per-backward flags reset between backwards, or the second step's leftover was
+    never reduced). ``heads_sharded``: each head a fully sharded unit of its own; else the heads
+    share the root's handle (and its one group) with the trunk, so the synced backward reaches
+    that group through head ``b`` while ``a``'s use is only in the unsynced one's record."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     reference = _TwoHeads()
     torch.manual_seed(0)
     model = _TwoHeads()
-    fully_shard(model.a)
-    fully_shard(model.b)
+    if heads_sharded:
+        fully_shard(model.a)
+        fully_shard(model.b)
     fully_shard(model)
     for step in range(2):
         for micro, head in enumerate(("a", "b")):
@@ -329,7 +340,8 @@ def _unit_used_only_unsynced() -> None:
             model(x[rank * 2:(rank + 1) * 2]).pow(2).mean().backward()
             for r in range(world_size):
                 (reference(x[r * 2:(r + 1) * 2]).pow(2).mean() / world_size).backward()
-        _assert_grads_equal(model, reference, f"[step {step}: head a unsynced, head b synced]")
+        _assert_grads_equal(model, reference, f"[heads sharded: {heads_sharded}, step {step}: head a unsynced, "
+                                              "head b synced]")
         model.zero_grad()
         reference.zero_grad()
 
@@ -626,10 +638,11 @@ def _groups_released_when_destroyed() -> None:
 
 # ---------------------------------------------------------------------------- entry
 _GRIDS: Dict[str, Callable[[], None]] = {
-    "failed_backward": lambda: run_subtests(_failed_backward, {"strategy": _STRATEGIES}),
+    "failed_backward": lambda: (run_subtests(_failed_backward, {"strategy": _STRATEGIES}),
+                                run_subtests(_failed_backward, {"strategy": _STRATEGIES[:2]}, after_unsynced=True)),
     "stale": lambda: run_subtests(_stale_case, {"case": _stale_cases()}),
     "freeze": lambda: run_subtests(_freeze_unfreeze, {"strategy": _STRATEGIES}),
-    "unused": lambda: (_unit_used_only_unsynced(),
+    "unused": lambda: (_unit_used_only_unsynced(), _unit_used_only_unsynced(heads_sharded=False),
                        run_subtests(_unused_parameters, {"strategy": _STRATEGIES, "sometimes_on": ["all", "none", "rank0"]}),
                        _partial_grad_reset()),
     "outputs": lambda: run_subtests(_output_structures, {"kind": ["dataclass", "namedtuple", "model_output",

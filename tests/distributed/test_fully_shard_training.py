@@ -174,6 +174,25 @@ def _cpu_offload_subtest(adamw: _Reference) -> None:
     assert_params_close(_full_params(model), adamw.params, what="[cpu_offload]")
 
 
+def _float64_subtest(strategy: ShardingStrategy) -> None:
+    """A float64 model (cast before fully_shard) trains as a local float64 one: gloo has no
+    averaging reduction, so float64 sums are divided after the reduction as float32 ones are (a
+    sum W times the mean moves plain SGD W times too far). 3 SGD steps: every backward's
+    gradients, the losses and the final parameters."""
+    world_size = dist.get_world_size()
+    reference = make_model().double()
+    grads: List[Named] = []
+    expected = reference_training(reference, STEPS, world_size, lr=0.1, optimizer="sgd", grads=grads)
+    model = make_model().double()
+    _apply(model, "policy", strategy)
+    what = f"[float64/{strategy.name}]"
+    losses = distributed_training(model, STEPS, lr=0.1, optimizer="sgd",
+                                  after_backward=check_grads_each_step(model, grads, what))
+    assert_losses_close(losses, expected, what=what)
+    assert_params_close(_full_params(model), list(reference.named_parameters()), what=what)
+    assert all(p.dtype == torch.float64 for p in model.parameters())
+
+
 def _cases(strategies: List[ShardingStrategy]) -> List[Tuple[ShardingStrategy, str, bool]]:
     """Each strategy under both annotations and both forward-prefetch settings, paired so that
     every (annotation, forward_prefetch) pair occurs across the strategies: the annotation only
@@ -191,12 +210,14 @@ def _parity(strategies: List[ShardingStrategy]) -> None:
         run_subtests(_torch_fsdp1_subtest, {"strategy": strategies}, sgd=sgd)
     if world_size == 4:
         _hybrid_with_group_pair(sgd)
+        _float64_subtest(ShardingStrategy.HYBRID_SHARD)
     if world_size == 2:  # what a policy assigns and where the shards live: nothing more ranks would add
         run_subtests(_custom_policy_override_subtest, {"root": [ShardingStrategy.FULL_SHARD], "override": [
             ShardingStrategy.NO_SHARD, ShardingStrategy.SHARD_GRAD_OP]}, adamw=adamw)
         run_subtests(_custom_policy_override_subtest, {"root": [ShardingStrategy.NO_SHARD],
                                                        "override": [ShardingStrategy.FULL_SHARD]}, adamw=adamw)
         _cpu_offload_subtest(adamw)
+        _float64_subtest(ShardingStrategy.FULL_SHARD)
 
 
 _ALL = [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD,

@@ -580,6 +580,30 @@ def _loaded_state_is_a_copy() -> None:
             assert counted == {float(v["step"]) + steps for v in saved["state"].values()}, (full, steps, counted)
 
 
+def _state_of_an_optimizer_that_never_stepped() -> None:
+    """A state dict taken of an optimizer that has not stepped yet (a checkpoint at step 0, as
+    torchtitan's first save) holds its state with ``step`` 0, full and sharded, and leaves the
+    optimizer as it was: AdamW then trains exactly as one never asked (a step count left at 1
+    would skip a step of the bias correction), and a fresh AdamW loaded from it too."""
+    def build() -> Tuple[nn.Module, torch.optim.Optimizer]:
+        model = _shard(make_model(), "manual")
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+    untouched, untouched_optim = build()
+    expected = _train(untouched, untouched_optim, range(2))
+    for full in (True, False):
+        model, optim = build()
+        osd = get_optimizer_state_dict(model, optim, full=full)
+        steps = {float(entries["step"]) for entries in osd["state"].values()}
+        assert osd["state"] and steps == {0.0}, (full, steps)
+        loaded_model, loaded = build()
+        set_optimizer_state_dict(loaded_model, loaded, osd)
+        for what, (m, o) in (("asked", (model, optim)), ("loaded", (loaded_model, loaded))):
+            losses = _train(m, o, range(2))
+            assert losses == expected, (full, what, losses, expected)
+            _assert_state_dicts_equal(get_model_state_dict(m), get_model_state_dict(untouched), f"full={full}, {what}")
+
+
 # ---------------------------------------------------------------------------- memory
 class _StorageTracker(TorchFunctionMode):
     """Bytes of tensor storages created (by torch functions called from Python) and still
@@ -692,6 +716,7 @@ _CHECKS: Dict[str, Callable[[str], None]] = {  # check -> fn(a directory of its 
     "memory": _memory, "full_options": lambda path: _full_options(), "sharded_is_local": lambda path: _sharded_is_local(),
     "large_tensors_in_chunk_sized_boxes": lambda path: _large_tensors_cut_like_torch_chunk(),
     "strict_loading": lambda path: _strict(), "loaded_state_is_a_copy": lambda path: _loaded_state_is_a_copy(),
+    "state_of_an_optimizer_that_never_stepped": lambda path: _state_of_an_optimizer_that_never_stepped(),
     "extra_read_weights_only": _extra_weights_only,
     "interoperate_with_torch_fsdp2": _torch_fsdp2_interop}
 _CHECKS_AT_4 = ["full_options", "sharded_is_local", "large_tensors_in_chunk_sized_boxes", "interoperate_with_torch_fsdp2"]
