@@ -64,7 +64,8 @@ from ._runtime import watch as _watch
 from ._runtime.module_state import WeakGroup, WeakHook
 from ._setup.data_parallel import (_expand_ignored_modules, _ignored_params, _join, _managed_modules,
                                    agreed, agreement_groups, broadcast_from_rank0, check_composition,
-                                   check_set_requires_gradient_sync, normalize_device)
+                                   check_not_inside_other_api, check_set_requires_gradient_sync, normalize_device,
+                                   note_replicated)
 from ._runtime.agreement import agree_used_and_steps
 from ._setup.validation import (check_dense_gradients, check_device_id, check_mixed_precision, check_modules,
                                 check_process_group, check_real, check_tensor_parallel)
@@ -272,6 +273,7 @@ def _check(api: str, module: nn.Module, process_group: Optional[dist.ProcessGrou
     check_mixed_precision(api, mixed_precision)
     check_composition(api, module, "fully_shard", "Apply replicate to a module fully_shard does not manage, or use "
                       "fully_shard(..., strategy=ShardingStrategy.NO_SHARD) for DDP-like behaviour.")
+    check_not_inside_other_api(api, module, [], _watch.owner_of(module))  # [Note: Inside another API's module]
     if mixed_precision is not None and (mixed_precision.param_dtype is not None
                                         or mixed_precision.buffer_dtype is not None):
         raise NotImplementedError(f"{api}: replicate computes in the parameters' dtype and only supports "
@@ -318,6 +320,7 @@ def _init_state(state: _ReplicateState, module: nn.Module, api: str, group: Opti
     state.bucket_cap_bytes = bucket_cap_bytes
     state.reduce_dtype = mixed_precision.effective_reduce_dtype if mixed_precision is not None else None
     _manage(state, candidates, {})
+    note_replicated(module, [p for _, p in candidates])  # [Note: Inside another API's module] in _setup/data_parallel.py
     state.step_counter = _watch.StepCounter(p for _, p in candidates)
     if state.frozen:
         module.register_forward_pre_hook(WeakHook(_adopt_unfrozen, state))

@@ -93,7 +93,7 @@ from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook, 
 from ..contract import _get_registry
 from .._base.host_mirror import HostMirror
 
-__all__ = ["track", "raise_on_model_change", "OptimizerSteps", "StepCounter", "STEP_AGREEMENT_INTS", "watch_replaced"]
+__all__ = ["track", "owner_of", "raise_on_model_change", "OptimizerSteps", "StepCounter", "STEP_AGREEMENT_INTS", "watch_replaced"]
 
 
 class _Owner(Protocol):
@@ -102,6 +102,7 @@ class _Owner(Protocol):
 
     fqn: str
     model_change: Optional["ModelChange"]
+    module: Optional[nn.Module]
 
     @property
     def ctx(self) -> Any: ...  # root only: RootContext, whose changes_to_check this file sets
@@ -187,6 +188,16 @@ def track(state: _Owner, modules: Iterable[tuple], params_by_slot: Dict[int, Dic
     for name, module in modules:
         if module not in _tracked:
             _tracked[module] = _Tracked(ref, name, dict(params_by_slot.get(id(module), {})))
+
+
+def owner_of(module: nn.Module) -> Optional[Tuple[nn.Module, str]]:
+    """The fully sharded module whose handle owns ``module`` (``module`` itself or an ancestor)
+    and ``module``'s path in it, if a live one does."""
+    tracked = _tracked.get(module)
+    state = tracked.state_ref() if tracked is not None else None
+    if tracked is None or state is None or state.module is None:
+        return None
+    return state.module, tracked.name
 
 
 def _record(tracked: _Tracked, what: str, name: str, rest: str) -> None:

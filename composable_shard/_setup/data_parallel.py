@@ -37,6 +37,7 @@ from __future__ import annotations
 import collections
 import functools
 import hashlib
+import weakref
 from typing import AbstractSet, Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple, TypeVar, Union
 
 import torch
@@ -50,7 +51,7 @@ from .._runtime.traversal import _NON_COMPOSABLE_APIS
 from .validation import check_bool
 from ..contract import _get_module_state, _get_registry
 
-__all__ = ["check_composition", "normalize_device", "check_set_requires_gradient_sync", "broadcast_from_rank0",
+__all__ = ["check_composition", "check_not_inside_other_api", "note_replicated", "normalize_device", "check_set_requires_gradient_sync", "broadcast_from_rank0",
            "agreement_groups", "agreed"]
 
 BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024  # the init broadcast's chunk bound, as DDP's
@@ -70,6 +71,65 @@ def check_composition(api: str, module: Any, other: str, instead: str) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(f"{api}: torch.distributed is not initialized; call dist.init_process_group(...) first "
                            "(torchrun sets up the environment).")
+
+
+# [Note: Inside another API's module]  One API per parameter: fully_shard leaves a subtree that
+# replicate manages alone, and replicate one that fully_shard manages, but only when the other
+# API's call came *after*, on an ancestor. Called on a module *inside* a module the other API
+# already manages, the call would take over parameters that are not free: replicate inside a
+# fully sharded module broadcast rank 0's slices of the flat shards over the other ranks' (a
+# silently different model), and fully_shard inside a replicated module turned the replicated
+# parameters into shard views behind replicate's back. Both refuse, naming the ancestor. What
+# fully_shard manages is known from its handles (``_runtime/watch.py`` tracks every module a
+# handle owns); what replicate manages, from this map, filled by replicate for every parameter it
+# takes (weakly both ways: a parameter alive does not keep its module alive).
+_REPLICATED: Dict[int, Tuple["weakref.ReferenceType[nn.Parameter]", "weakref.ReferenceType[nn.Module]"]] = {}
+
+
+def note_replicated(module: nn.Module, params: Sequence[nn.Parameter]) -> None:
+    """Record that ``replicate(module)`` manages ``params`` ([Note: Inside another API's module]).
+    Keyed by id (a tensor is no dictionary key: ``==`` compares elements); an entry goes with its
+    parameter."""
+    owner = weakref.ref(module)
+    for p in params:
+        key = id(p)
+
+        def forget(dead: "weakref.ReferenceType[nn.Parameter]", key: int = key) -> None:
+            if key in _REPLICATED and _REPLICATED[key][0] is dead:
+                del _REPLICATED[key]
+
+        _REPLICATED[key] = (weakref.ref(p, forget), owner)
+
+
+def _replicated_by(p: nn.Parameter) -> Optional[nn.Module]:
+    entry = _REPLICATED.get(id(p))
+    return entry[1]() if entry is not None and entry[0]() is p else None
+
+
+def check_not_inside_other_api(api: str, module: nn.Module, named_params: Sequence[Tuple[str, nn.Parameter]],
+                               fully_sharded_by: Optional[Tuple[nn.Module, str]]) -> None:
+    """``RuntimeError`` if ``module`` lies inside a module the other data-parallel API manages
+    ([Note: Inside another API's module]). ``named_params``: the parameters the call would take
+    (checked against replicate's); ``fully_sharded_by``: the fully sharded module whose handle
+    owns ``module`` and ``module``'s path in it, if any."""
+    if fully_sharded_by is not None:
+        owner, path = fully_sharded_by
+        raise RuntimeError(
+            f"{api}: this module is {path!r} inside {type(owner).__name__}, which fully_shard already manages: its "
+            "handle holds this module's parameters as slices of its flat shards, and replicate would overwrite the "
+            f"other ranks' slices with rank 0's. Apply replicate to {path!r} before fully_shard of its ancestor "
+            "(fully_shard leaves a replicated submodule alone), or leave it to fully_shard.")
+    for name, p in named_params:
+        replicated = _replicated_by(p)
+        if replicated is not None and replicated is not module and "replicate" in (_get_registry(replicated) or ()):
+            inside = next((n for n, m in replicated.named_modules() if m is module), None)
+            where = f"{inside!r} inside {type(replicated).__name__}" if inside is not None else \
+                f"holding a parameter of {type(replicated).__name__}"
+            raise RuntimeError(
+                f"{api}: this module is {where}, which replicate already manages: its parameter {name!r} is replicated "
+                "(each rank holds all of it, and replicate all-reduces its gradient). Apply fully_shard to the "
+                "submodule before replicate of its ancestor (replicate leaves a fully sharded submodule alone), "
+                "or leave it to replicate.")
 
 
 # ---------------------------------------------------------------------------- what a call manages

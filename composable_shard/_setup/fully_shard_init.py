@@ -77,7 +77,7 @@ from . import init_draws
 from .._runtime.module_state import _FSDPState, _is_fsdp_flattened
 from .._runtime.watch import ModelChange
 from .data_parallel import (_expand_ignored_modules, _ignored_params, _join, _managed_modules, agreed, agreement_groups,
-                            broadcast_from_rank0, check_composition, normalize_device)
+                            broadcast_from_rank0, check_composition, check_not_inside_other_api, normalize_device)
 from .._runtime.flat_param import FlatParamHandle
 from .._runtime.mixed_precision import full_precision_classes
 from .._runtime.traversal import _get_fsdp_states
@@ -153,6 +153,8 @@ def plan_fully_shard(root: nn.Module, kwargs: Dict[str, Any]) -> Plan:
     managed = {id(p) for target in plan.targets for p in target.params}
     check_dense_gradients(f"fully_shard({type(root).__name__})", root.named_modules(), managed,
                           "a flat parameter can neither hold nor reduce")
+    check_not_inside_other_api(f"fully_shard({type(root).__name__})", root,
+                               [(n, p) for n, p in root.named_parameters() if id(p) in managed], None)
     _check_not_inside_initialized_root(root)
     if plan.param_init_fn is None and _uninitializable(plan):
         plan.deferred = True

@@ -123,6 +123,28 @@ def _errors() -> None:
     _expect(lambda: fully_shard(model), RuntimeError, "fully_shard")
     _assert_unchanged(before, model)
 
+    # Inside a module the other API manages (a user's trial found both accepted): replicate on a
+    # submodule of a fully sharded module (its weight a slice of the flat shard of the same shape on
+    # both ranks: rank 0's slice was broadcast over rank 1's, silently), and fully_shard on a
+    # submodule of a replicated one (left half converted). Both refused, naming the ancestor, the
+    # model unchanged, and the model still trains afterwards.
+    model = nn.Sequential(nn.Linear(1, 2, bias=False), nn.Tanh(), nn.Linear(2, 2, bias=False), nn.Tanh(),
+                          nn.Linear(2, 1, bias=False))
+    fully_shard(model)
+    before = _snapshot(model)
+    _expect(lambda: replicate(model[2]), RuntimeError, "replicate(Linear)", "'2' inside FSDPSequential",
+            "fully_shard already manages", "before fully_shard of its ancestor")
+    _assert_unchanged(before, model)
+    model(torch.randn(2, 1)).sum().backward()
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    replicate(model)
+    before = _snapshot(model)
+    _expect(lambda: fully_shard(model[2]), RuntimeError, "fully_shard(Linear)", "'2' inside ReplicateSequential",
+            "replicate already manages", "'weight'", "before replicate of its ancestor")
+    _assert_unchanged(before, model)
+    model(torch.randn(2, 4)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
     # Nesting a FlatParameter.
     inner = nn.Linear(4, 4)
     fully_shard(inner)
