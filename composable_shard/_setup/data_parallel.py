@@ -38,7 +38,7 @@ import collections
 import functools
 import hashlib
 import weakref
-from typing import AbstractSet, Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple, TypeVar, Union
+from typing import AbstractSet, Any, Callable, Deque, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -81,29 +81,25 @@ def check_composition(api: str, module: Any, other: str, instead: str) -> None:
 # silently different model), and fully_shard inside a replicated module turned the replicated
 # parameters into shard views behind replicate's back. Both refuse, naming the ancestor. What
 # fully_shard manages is known from its handles (``_runtime/watch.py`` tracks every module a
-# handle owns); what replicate manages, from this map, filled by replicate for every parameter it
-# takes (weakly both ways: a parameter alive does not keep its module alive).
-_REPLICATED: Dict[int, Tuple["weakref.ReferenceType[nn.Parameter]", "weakref.ReferenceType[nn.Module]"]] = {}
+# handle owns); what replicate manages, from this map: each replicated module (weakly) -> the ids of
+# the parameters it took.
+_REPLICATED: "weakref.WeakKeyDictionary[nn.Module, FrozenSet[int]]" = weakref.WeakKeyDictionary()
 
 
 def note_replicated(module: nn.Module, params: Sequence[nn.Parameter]) -> None:
     """Record that ``replicate(module)`` manages ``params`` ([Note: Inside another API's module]).
-    Keyed by id (a tensor is no dictionary key: ``==`` compares elements); an entry goes with its
-    parameter."""
-    owner = weakref.ref(module)
-    for p in params:
-        key = id(p)
-
-        def forget(dead: "weakref.ReferenceType[nn.Parameter]", key: int = key) -> None:
-            if key in _REPLICATED and _REPLICATED[key][0] is dead:
-                del _REPLICATED[key]
-
-        _REPLICATED[key] = (weakref.ref(p, forget), owner)
+    By id, with no reference to the parameters: torch refuses to swap a tensor that has a weak
+    reference (``module.to_empty()``/``_apply`` of a tensor-parallel parameter does), and the
+    module is alive, so are the ids, for as long as the entry (the module weakly) is."""
+    _REPLICATED[module] = frozenset(id(p) for p in params)
 
 
-def _replicated_by(p: nn.Parameter) -> Optional[nn.Module]:
-    entry = _REPLICATED.get(id(p))
-    return entry[1]() if entry is not None and entry[0]() is p else None
+def _replicated_by(p: nn.Parameter, module: nn.Module) -> Optional[nn.Module]:
+    """The replicated ancestor of ``module`` (not itself) that manages ``p``, if any."""
+    for replicated, taken in list(_REPLICATED.items()):
+        if replicated is not module and id(p) in taken and any(m is module for m in replicated.modules()):
+            return replicated
+    return None
 
 
 def check_not_inside_other_api(api: str, module: nn.Module, named_params: Sequence[Tuple[str, nn.Parameter]],
@@ -120,13 +116,11 @@ def check_not_inside_other_api(api: str, module: nn.Module, named_params: Sequen
             f"other ranks' slices with rank 0's. Apply replicate to {path!r} before fully_shard of its ancestor "
             "(fully_shard leaves a replicated submodule alone), or leave it to fully_shard.")
     for name, p in named_params:
-        replicated = _replicated_by(p)
-        if replicated is not None and replicated is not module and "replicate" in (_get_registry(replicated) or ()):
-            inside = next((n for n, m in replicated.named_modules() if m is module), None)
-            where = f"{inside!r} inside {type(replicated).__name__}" if inside is not None else \
-                f"holding a parameter of {type(replicated).__name__}"
+        replicated = _replicated_by(p, module)
+        if replicated is not None and "replicate" in (_get_registry(replicated) or ()):
+            inside = next(n for n, m in replicated.named_modules() if m is module)
             raise RuntimeError(
-                f"{api}: this module is {where}, which replicate already manages: its parameter {name!r} is replicated "
+                f"{api}: this module is {inside!r} inside {type(replicated).__name__}, which replicate already manages: its parameter {name!r} is replicated "
                 "(each rank holds all of it, and replicate all-reduces its gradient). Apply fully_shard to the "
                 "submodule before replicate of its ancestor (replicate leaves a fully sharded submodule alone), "
                 "or leave it to replicate.")
