@@ -155,6 +155,8 @@ class _ReplicateState(_State):
         self.api: str = ""  # "replicate(<class name>)", for messages
         self.step_counter: Optional[_watch.StepCounter] = None  # optimizer steps, agreed per sync ([Note: Step agreement])
         self.step_verdict: Optional[_watch.StepVerdict] = None  # the last sync's step agreement, read at the next one
+        self.skipped: Set[nn.Module] = set()  # modules replicate leaves alone (ignored, another API's)
+        self.sync_buffers: bool = True  # broadcast rank 0's buffers before the next forward ([Note: Buffers follow rank 0])
 
     def describe(self) -> str:
         return f"replicate (of the module with parameters {', '.join(self.param_names[:3])}{', ...' if len(self.param_names) > 3 else ''})"
@@ -256,7 +258,37 @@ def replicate(
                          tag="replicate::init_broadcast")
     make_subclass(module, "Replicate", ReplicateModule)
     _init_state(_state_of(module), module, api, process_group, states, int(bucket_cap_mb * _MB), mixed_precision)
+    _state_of(module).skipped = skipped
+    module.register_forward_pre_hook(WeakHook(_broadcast_buffers, _state_of(module)))
+    module.register_forward_hook(WeakHook(_after_forward, _state_of(module)))
     return module
+
+
+# [Note: Buffers follow rank 0]  As torch's DDP (``broadcast_buffers=True``, its default): before
+# a forward, the buffers replicate manages (a BatchNorm's running statistics and step count,
+# any registered buffer; not those of skipped subtrees) are broadcast from the group's rank 0, so
+# every rank computes with, and ends up holding, rank 0's, unless the previous forward ran without
+# grad or with gradient sync off (an eval forward, or a no_sync micro-batch: DDP skips the
+# broadcast after those too). Without it each rank kept statistics of its own data: eval outputs
+# differed between ranks and from DDP's. One broadcast per dtype of buffers, none without buffers.
+def _broadcast_buffers(state: _ReplicateState, module: nn.Module, args: Tuple[Any, ...]) -> None:
+    if not state.sync_buffers or state.world_size == 1:
+        return
+    buffers = [b for _, m in _managed_modules(module, state.skipped) for b in m.buffers(recurse=False)
+               if type(b) is torch.Tensor]  # a tensor-parallel (DTensor) buffer is each rank's own piece
+    by_kind: Dict[Tuple[torch.dtype, torch.device], List[torch.Tensor]] = {}
+    for b in buffers:
+        by_kind.setdefault((b.dtype, b.device), []).append(b)
+    with torch.no_grad():
+        for same in by_kind.values():
+            flat = torch.cat([b.reshape(-1) for b in same])
+            _collectives.broadcast(flat, 0, state.process_group, tag=f"{state.api}::buffers")
+            for b, piece in zip(same, flat.split([b.numel() for b in same])):
+                b.copy_(piece.view_as(b))
+
+
+def _after_forward(state: _ReplicateState, module: nn.Module, args: Tuple[Any, ...], output: Any) -> None:
+    state.sync_buffers = torch.is_grad_enabled() and state.sync_gradients
 
 
 # ---------------------------------------------------------------- init: validate, plan

@@ -1893,6 +1893,12 @@ MUTANTS: List[Mutant] = [
     _m("own67_replicated_params_not_noted", "replicate does not record the parameters it manages",
        _REPLICATE, "    note_replicated(module, [p for _, p in candidates])",
        "    note_replicated(module, [])", "tests/distributed/test_fully_shard_errors.py"),
+    _m("own68_replicate_buffers_not_broadcast_per_forward", "replicate broadcasts buffers at init only: each rank keeps BatchNorm statistics of its own data (DDP broadcasts rank 0's before each forward)",
+       _REPLICATE, "    module.register_forward_pre_hook(WeakHook(_broadcast_buffers, _state_of(module)))",
+       "    pass", "tests/distributed/test_replicate.py::test_no_sync_overlap_and_bucket_rebuild"),
+    _m("own68_replicate_buffers_broadcast_after_unsynced", "replicate broadcasts buffers also before the forward after an unsynced or no-grad one (DDP does not)",
+       _REPLICATE, "    state.sync_buffers = torch.is_grad_enabled() and state.sync_gradients",
+       "    state.sync_buffers = True", "tests/distributed/test_replicate.py::test_no_sync_overlap_and_bucket_rebuild"),
     _m("describe_aliasing_per_handle", "at one rank describe() counts an all-gather for every group of a handle with a float8 (or cast) group, also for the groups that alias their shard",
        'composable_shard/_planning/describe.py', 'if h.gathers_in_group and not g.aliases_shard:', 'if h.gathers_in_group:', 'tests/distributed/test_float8.py', 'tests/unit/test_describe.py'),
 ]

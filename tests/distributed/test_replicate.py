@@ -346,6 +346,56 @@ def _buffers_broadcast_check() -> None:
         assert torch.equal(actual, expected), f"rank {rank}: {name} is not rank 0's after replicate: {actual} vs {expected}"
 
 
+def _buffers_follow_rank0_as_ddp() -> None:
+    """[Note: Buffers follow rank 0] in replicate.py: BatchNorm's running statistics and step count
+    equal torch DDP's (``broadcast_buffers=True``) on every rank after each step: a synced step, a
+    step of a no_sync micro-batch then a synced one (no broadcast before the forward after an
+    unsynced one), an eval forward under no_grad between steps (none after it either); then both
+    models in eval mode give every rank DDP's output. Before, each rank kept statistics of its own
+    data (a user's trial: eval outputs 4.8e-2 apart between ranks)."""
+    rank = dist.get_rank()
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+
+    ours, ddp = replicate(build()), DDP(build())
+    optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, ddp)]
+
+    def data(seed: int) -> torch.Tensor:
+        return torch.randn(8, 4, generator=torch.Generator().manual_seed(100 * seed + rank))
+
+    for step, plan in enumerate(("synced", "no_sync then synced", "eval forward between")):
+        for model, optim in zip((ours, ddp), optims):
+            if plan == "no_sync then synced":
+                with model.no_sync() if isinstance(model, DDP) else _unsynced(model):
+                    model(data(step + 10)).pow(2).mean().backward()
+            if plan == "eval forward between":
+                with torch.no_grad():
+                    model(data(step + 20))
+            model(data(step)).pow(2).mean().backward()
+            optim.step()
+            optim.zero_grad()
+        for (name, a), (_, b) in zip_same(list(ours.state_dict().items()), list(ddp.module.state_dict().items()),
+                                          what="state dict entries"):
+            assert torch.allclose(a.double(), b.double(), atol=1e-6), f"rank {rank}, after {plan!r}: {name} {a} vs DDP {b}"
+    ours.eval()
+    ddp.eval()
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(99))
+    out = ours(x)
+    assert torch.allclose(out, ddp(x), atol=1e-6)
+    assert_close_ranks(out, "eval output")
+
+
+@contextlib.contextmanager
+def _unsynced(model: nn.Module) -> Any:
+    model.set_requires_gradient_sync(False)  # type: ignore[operator]  # ReplicateModule's
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)  # type: ignore[operator]  # ReplicateModule's
+
+
 def _overlap_check() -> None:
     """Buckets are all-reduced while backward still runs: with one bucket per layer, the
     later layers' all-reduces are issued before the first layer's backward starts."""
@@ -393,6 +443,7 @@ def _rank_no_sync_overlap_rebuild() -> None:
     run_subtests(_no_sync_subtest, {"set_to_none": [True, False]})
     run_subtests(_unsynced_use_subtest, {"first_use": ["rank0", "all"]})
     _buffers_broadcast_check()
+    _buffers_follow_rank0_as_ddp()
     _overlap_check()
     _rebuild_and_bytes_check()
 
