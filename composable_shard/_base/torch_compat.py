@@ -102,6 +102,15 @@ versions checked (2.6, 2.11, 2.13, unless an entry says otherwise).
   module with neither is reported as ``UNKNOWN_REQUEST`` and refused by the callers, so a torch
   that moves this code fails loudly (the state-dict API tests fail) instead of handing it
   per-rank slices.
+* ``torch_state_dict_load``: torch's ``set_state_dict`` and ``set_model_state_dict`` skip the
+  model on a rank whose model state dict is empty (unless ``broadcast_from_rank0``), and
+  ``set_state_dict`` then treats the call as optimizer-only on that rank; what
+  ``get_state_dict(..., StateDictOptions(full_state_dict=True, cpu_offload=True))`` returns on
+  ranks other than 0 is exactly such a dict. Which ranks load the model is known only to each
+  rank's call: read from the private workers' locals ``info`` (``handle_model``,
+  ``broadcast_from_rank0``) and ``model``, and the public function's argument
+  ``model_state_dict`` (see [Note: torch's loads on every rank] in
+  ``_state/model_state_dict.py``). Read in 2.13; ``test_torch_state_dict_api.py`` fails when it moves.
 * ``TO_COPY``: ``ShardedSlice`` (a wrapper tensor of a parameter's global shape over this rank's
   elements) must follow a ``.to(device/dtype)`` (torch's state-dict API moves every value of a
   state dict with ``cpu_offload``): the operator a wrapper subclass's ``__torch_dispatch__``
@@ -166,7 +175,7 @@ __all__ = ["queue_backward_callback", "set_module_tensor", "is_in_backward", "cu
            "float8_weight_parts", "float8_bytes", "tensor_version", "make_wrapper_tensor",
            "is_compiled_module", "plain_torch_function", "as_plain", "FOREACH_NORM", "BATCH_NORM", "tensor_slots",
            "is_view_of", "DCPTensorHooks", "DCP_METADATA_GLOBALS", "GuardedApplyHook", "ALL_GATHER_SINGLE",
-           "REDUCE_SCATTER_SINGLE", "FSDP2_MODULE_MARKER", "TORCH_FSDP_PACKAGE", "torch_state_dict_request", "UNKNOWN_REQUEST", "RunningFunction", "running_functions", "TORCH_STATE_DICT_MODULE", "TO_COPY", "fake_tensor_mode", "is_fake", "without_fake_mode", "TorchDispatchMode", "storage_id", "profiler_enabled"]
+           "REDUCE_SCATTER_SINGLE", "FSDP2_MODULE_MARKER", "TORCH_FSDP_PACKAGE", "torch_state_dict_request", "TorchLoad", "torch_state_dict_load", "UNKNOWN_REQUEST", "RunningFunction", "running_functions", "TORCH_STATE_DICT_MODULE", "TO_COPY", "fake_tensor_mode", "is_fake", "without_fake_mode", "TorchDispatchMode", "storage_id", "profiler_enabled"]
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:
@@ -373,6 +382,42 @@ def torch_state_dict_request() -> Any:
         if options is None and function.name in _OPTIONS_ARGUMENT_FUNCTIONS or isinstance(options, options_cls):
             return options if options is not None else options_cls()
     return UNKNOWN_REQUEST if found_module else None
+
+
+class TorchLoad(NamedTuple):
+    """A load by torch's ``torch.distributed.checkpoint.state_dict`` running on this thread, as
+    :func:`torch_state_dict_load` reads it. Use it during that call only (it holds the call's
+    model and options)."""
+
+    api: str  # the public function called (``set_state_dict``, ...), else the private worker's name
+    info: Any  # the call's options (torch's ``_StateDictInfo``, a ``StateDictOptions``)
+    model: Any  # the model it loads (or whose optimizers it loads)
+    loads_model: bool  # whether the call loads the model on this rank (see the module docstring)
+
+
+def torch_state_dict_load() -> Optional[TorchLoad]:
+    """The torch state-dict load (``set_state_dict``, ``set_model_state_dict``,
+    ``set_optimizer_state_dict``) this thread runs inside, or ``None`` (see the module docstring,
+    ``torch_state_dict_load``)."""
+    if TORCH_STATE_DICT_MODULE not in sys.modules:  # never imported: none of its functions can be running
+        return None
+    worker: Optional[RunningFunction] = None
+    for function in running_functions():
+        if function.module != TORCH_STATE_DICT_MODULE:
+            continue
+        if worker is None and function.name in ("_load_model_state_dict", "_load_optim_state_dict"):
+            worker = function
+        elif worker is not None and function.name in _OPTIONS_ARGUMENT_FUNCTIONS:
+            info, model = worker.local("info"), worker.local("model")
+            given = function.local("model_state_dict")  # None in set_optimizer_state_dict
+            loads = bool(getattr(info, "handle_model", False)) and (
+                bool(given) or bool(getattr(info, "broadcast_from_rank0", False)))
+            return TorchLoad(function.name, info, model, loads)
+    if worker is None:
+        return None
+    info = worker.local("info")
+    return TorchLoad(worker.name, info, worker.local("model"),
+                     worker.name == "_load_model_state_dict" and bool(getattr(info, "handle_model", False)))
 
 
 # torch's public state-dict functions whose ``options`` argument, when None, means the defaults

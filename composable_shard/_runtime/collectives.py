@@ -447,16 +447,17 @@ def broadcast(tensor: torch.Tensor, src_rank: int, group: Optional[dist.ProcessG
     dist.broadcast(tensor, src=global_src, group=group)
 
 
-def exchange(values: List[int], group: Optional[dist.ProcessGroup], *, tag: str = "") -> List[List[int]]:
+def exchange(values: List[int], group: Optional[dist.ProcessGroup], *, tag: str = "", hint: str = "") -> List[List[int]]:
     """Every rank's ``values`` (a few integers, the same count on every rank), synchronously:
-    the cross-rank agreement checks use it before collectives that must match."""
+    the cross-rank agreement checks use it before collectives that must match. ``hint``: what
+    the stuck-wait warning advises (see [Note: Stuck waits])."""
     world_size = _report("exchange", 8 * len(values), group, tag)
     if world_size == 1:
         return [list(values)]
     device = _object_device(group)
     mine = torch.tensor(values, dtype=torch.int64, device=device)
     everyone = torch.empty(world_size * mine.numel(), dtype=torch.int64, device=device)
-    _gather_now(everyone, mine, group, "exchange", tag)
+    _gather_now(everyone, mine, group, "exchange", tag, hint)
     return everyone.view(world_size, -1).cpu().tolist()  # type: ignore[no-any-return]  # list of lists of int
 
 

@@ -623,6 +623,8 @@ def _pre_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
     forward order is being gathered (BACKWARD_PRE prefetch)."""
     if not handle.needs_pre_backward:
         return
+    if torch.is_grad_enabled() and not all(g.aliases_shard for g in handle.groups):
+        _refuse_graph_of_the_gradient(handle)
     handle.needs_pre_backward = False
     root = _root_of(state)
     if not root.ctx.final_callback_queued:
@@ -638,6 +640,22 @@ def _pre_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
         _prefetch_chosen(state.backward_prefetch_states, for_forward=False)
     elif state.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
         _prefetch_backward(state, handle)
+
+
+def _refuse_graph_of_the_gradient(handle: FlatParamHandle) -> None:
+    """[Note: Backward with create_graph]  A backward that builds a graph of the gradient
+    (``create_graph=True``: a gradient penalty, a Hessian-vector product) runs with grad mode on,
+    and the graph it builds holds the module's unsharded parameters, which this backward then
+    frees; the second backward fails in torch with "setStorage: ... out of bounds for storage of
+    size 0", naming nothing (FSDP2 fails the same way). Refused here, before anything of this
+    backward ran, for a handle whose groups have a real shard (NO_SHARD and one-rank groups
+    compute on the shard itself, which stays, and are exact)."""
+    raise RuntimeError(
+        f"fully_shard({handle.fqn or '<root>'}): a backward with create_graph=True (torch.autograd.grad(..., "
+        "create_graph=True) or backward(create_graph=True): a gradient penalty, a double backward) reaches this "
+        "fully sharded module. The graph it builds would hold the module's unsharded parameters, which are freed "
+        "after this backward, so the second backward cannot run. Apply replicate, or fully_shard with "
+        "strategy=ShardingStrategy.NO_SHARD, to the modules the penalty goes through.")
 
 
 @_profiled("cs::post_backward")

@@ -66,15 +66,16 @@ from .._base.pieces import Piece, take_piece, to_global
 from .._base.tree import local_piece
 from .sharded_slice import ShardedSlice
 from .._runtime.traversal import _get_fsdp_handles, _get_fsdp_states
-from .load_transaction import rank_of, state_entries, transactional
-from .._base.torch_compat import UNKNOWN_REQUEST, TORCH_STATE_DICT_MODULE, torch_state_dict_request, unwrap_compiled
+from .load_transaction import model_group, rank_of, state_entries, transactional
+from .._base.torch_compat import (UNKNOWN_REQUEST, TORCH_STATE_DICT_MODULE, torch_state_dict_load,
+                                  torch_state_dict_request, unwrap_compiled)
 from .unshard_params import check_between_steps, check_module, gather_flat
 from .._setup.validation import check_bool
 from ..api import FullStateDictConfig, ShardedStateDictConfig, StateDictType
 
 __all__ = ["state_dict_type", "get_model_state_dict", "set_model_state_dict", "register_state_dict_hooks",
            "check_model_state_dict", "managed_params", "Managed", "local_slice", "register_buffer_dtypes",
-           "sharded_model_views", "check_get_flags", "on_cpu", "torch_request"]
+           "sharded_model_views", "check_get_flags", "on_cpu", "torch_request", "agree_torch_load"]
 
 _REGISTRY_KEY = "_composable_shard_state_dict"  # in a registration module's __dict__: {param name: Managed}
 _BUFFER_DTYPES_KEY = "_composable_shard_buffer_dtypes"  # in a module's __dict__: {buffer name: dtype before buffer_dtype}
@@ -218,6 +219,69 @@ def torch_request(what: str, subject: Any) -> Any:
     if request is not None:
         check_callers(subject, "state_dict")
     return request
+
+
+# [Note: torch's loads on every rank]
+#   torch's ``set_state_dict`` and ``set_model_state_dict`` skip the model on a rank whose model
+#   state dict is empty, unless ``broadcast_from_rank0=True``; ``set_state_dict`` then even takes
+#   the call as optimizer-only on that rank, ``broadcast_from_rank0`` or not. An empty dict on
+#   ranks other than 0 is exactly what ``get_state_dict(..., StateDictOptions(full_state_dict=True,
+#   cpu_offload=True))`` returns. Our full-state-dict load is local (each rank slices its own
+#   elements), so rank 0 alone loaded its slices and returned: a model half trained, half fresh,
+#   and no error (FSDP2 hangs in the same call, rank 0 waiting in a collective).
+#   So each torch load of a model with a group of more than one rank agrees, once per call, on
+#   which ranks load the model:
+#   * at the first optimizer's load (``set_state_dict`` loads the optimizers first, on every
+#     rank, and ``set_optimizer_state_dict`` too): every rank says whether its call will load
+#     the model. If some will and some will not, every rank raises before anything is loaded,
+#     naming the ranks and the calls that work;
+#   * at the model's first load hook, if no optimizer agreed already: the ranks loading the
+#     model agree that all of them do. A rank that skipped never joins, so the others wait; the
+#     stuck-wait warning (``_runtime/collectives.py``) then says why, and which calls work.
+#   One exchange of a flag per call; none for a model whose groups have one rank.
+_TORCH_LOADS = threading.local()  # .agreed: weak reference to the options of the call that agreed last
+
+_SKIPPED_HINT = ("This rank loads the model in torch's set_state_dict/set_model_state_dict and waits for the other "
+                 "ranks of its group to load it too: torch skips the model on a rank whose model state dict is empty "
+                 "(as get_state_dict with StateDictOptions(full_state_dict=True, cpu_offload=True) returns on ranks "
+                 "other than 0) unless broadcast_from_rank0=True. Load a state dict held by rank 0 only with "
+                 "set_model_state_dict(model, msd, options=StateDictOptions(full_state_dict=True, "
+                 "broadcast_from_rank0=True)), then set_optimizer_state_dict(model, optim, osd, options=<the same>), "
+                 "or give every rank the whole state dicts.")
+
+
+def agree_torch_load(at_model: bool) -> None:
+    """See [Note: torch's loads on every rank]: called by the model's load hooks
+    (``at_model``) and the optimizers' ones; raises ``RuntimeError`` on every rank if some ranks
+    of the model's group would load the model and others would not."""
+    load = torch_state_dict_load()
+    if load is None or load.model is None:
+        return
+    agreed = getattr(_TORCH_LOADS, "agreed", None)
+    if agreed is not None and agreed() is load.info:
+        return
+    collective, group = model_group(unwrap_compiled(load.model))
+    if not collective:
+        return
+    try:
+        _TORCH_LOADS.agreed = weakref.ref(load.info)
+    except TypeError:  # options that take no weak reference: agree at every hook of the call
+        _TORCH_LOADS.agreed = None
+    flags = [flag for (flag,) in _collectives.exchange([1 if at_model or load.loads_model else 0], group,
+                                                      tag=f"{load.api}: which ranks load the model",
+                                                      hint=_SKIPPED_HINT)]
+    if len(set(flags)) > 1:
+        skip = [r for r, flag in enumerate(flags) if not flag]
+        take = [r for r, flag in enumerate(flags) if flag]
+        raise RuntimeError(
+            f"torch's {load.api}: ranks {skip} of the model's group skip the model, ranks {take} load it, which "
+            "would leave each flat shard partly loaded. torch skips the model on a rank whose model state dict is "
+            "empty (set_state_dict then takes the call as optimizer-only, even with broadcast_from_rank0=True), as "
+            "get_state_dict with StateDictOptions(full_state_dict=True, cpu_offload=True) returns on ranks other "
+            "than 0. Load a state dict held by rank 0 only with set_model_state_dict(model, msd, "
+            "options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)), then "
+            "set_optimizer_state_dict(model, optim, osd, options=<the same>); or give every rank the whole state "
+            "dicts. " + ("No flat shard was loaded on this rank." if at_model else "Nothing was loaded on any rank."))
 
 
 # ---------------------------------------------------------------------------- registration
@@ -524,6 +588,7 @@ def _pre_load_state_dict(module: nn.Module, state_dict: Dict[str, Any], prefix: 
     take_pending_init_values()  # see [Note: Initialization after to_empty] in _runtime/flat_param.py
     registry = managed_params(module)
     check_between_steps(list({id(m.state): m.state for m in registry.values()}.values()), "load_state_dict()")
+    agree_torch_load(at_model=True)  # see [Note: torch's loads on every rank]
     for name, m in registry.items():
         key = prefix + name
         if key not in state_dict:

@@ -72,7 +72,7 @@ from .._runtime import watch as _watch
 from .._runtime.module_state import _FSDPState
 from .sharded_slice import ShardedSlice
 from .._base.pieces import to_global
-from .model_state_dict import Managed, check_get_flags, local_slice, managed_params, on_cpu, torch_request
+from .model_state_dict import Managed, agree_torch_load, check_get_flags, local_slice, managed_params, on_cpu, torch_request
 from .load_transaction import is_distributed, rank_of, transactional
 from .._base.torch_compat import unwrap_compiled
 from .._base.tree import convert
@@ -462,6 +462,8 @@ def _load_state_dict_pre_hook(link_ref: Any, optimizer: Optimizer, state_dict: D
     """``optimizer.load_state_dict(sd)``: each state of a sharded parameter as this rank's slice."""
     link = link_ref()
     managed = link.managed() if link is not None else {}
+    if managed:
+        agree_torch_load(at_model=False)  # see [Note: torch's loads on every rank] in model_state_dict.py
     pairs = _saved_keys(state_dict, optimizer) if managed and "state" in state_dict else None
     if not pairs:
         return None
@@ -479,8 +481,10 @@ def _load_state_dict_pre_hook(link_ref: Any, optimizer: Optimizer, state_dict: D
 
 def _this_ranks(where: Managed, param: torch.Tensor, name: str, value: Any, current: Any) -> Any:
     """``value`` (state ``name`` of ``param``, a sharded parameter) as this rank's slice."""
-    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+    if not isinstance(value, torch.Tensor):
         return value
+    if value.dim() == 0:  # a step: the caller's own (torch's loader would keep it: two optimizers counting on one)
+        return value.detach().clone()
     label = f"optimizer state {name!r} of {where.name!r}"
     if isinstance(value, ShardedSlice):
         piece = local_slice(where, label, value)

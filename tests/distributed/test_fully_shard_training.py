@@ -193,6 +193,65 @@ def _float64_subtest(strategy: ShardingStrategy) -> None:
     assert all(p.dtype == torch.float64 for p in model.parameters())
 
 
+def _penalized_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A WGAN-GP-style loss: the error plus the squared gradient of the outputs by the inputs
+    (a graph of the gradient: ``create_graph=True``)."""
+    x = x.clone().requires_grad_(True)
+    out = model(x)
+    (slope,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    return nn.functional.mse_loss(out, y) + 0.3 * slope.pow(2).sum(1).mean()
+
+
+def _gradient_penalty_subtest(strategy: ShardingStrategy) -> None:
+    """A gradient penalty reaches a fully sharded module: with a real shard (FULL_SHARD,
+    SHARD_GRAD_OP, HYBRID) the first backward (``autograd.grad`` or ``backward`` with
+    ``create_graph=True``) raises naming the module and what to use (it failed later in torch's
+    "setStorage ... storage of size 0", naming nothing), and the next plain steps equal local
+    training; with NO_SHARD (the named remedy) 3 penalized SGD steps equal local training
+    (gradients of each backward, final parameters)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+
+    def make() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+
+    reference, model = make(), make()
+    kwargs = {"strategy": strategy, **_groups_kwargs(strategy)}
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    optim, reference_optim = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
+    generator = torch.Generator().manual_seed(1)
+    inputs, targets = torch.randn(4 * world_size, 5, generator=generator), torch.randn(4 * world_size, 3, generator=generator)
+    mine = slice(4 * rank, 4 * (rank + 1))
+    refused = strategy is not ShardingStrategy.NO_SHARD
+    if refused:
+        for how in ("grad", "backward"):
+            with pytest.raises(RuntimeError, match=r"fully_shard\(.*\): a backward with create_graph=True .* Apply "
+                                                   r"replicate, or fully_shard with strategy=ShardingStrategy.NO_SHARD"):
+                if how == "grad":
+                    _penalized_loss(model, inputs[mine], targets[mine]).backward()
+                else:
+                    nn.functional.mse_loss(model(inputs[mine]), targets[mine]).backward(create_graph=True)
+            optim.zero_grad()
+    for step in range(3):
+        if refused:
+            loss = nn.functional.mse_loss(model(inputs[mine]), targets[mine])
+            expected = nn.functional.mse_loss(reference(inputs), targets)
+        else:
+            loss, expected = _penalized_loss(model, inputs[mine], targets[mine]), _penalized_loss(reference, inputs, targets)
+        loss.backward()
+        expected.backward()
+        with unshard_params(model, with_grads=True):
+            for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=0,
+                                           msg=lambda m: f"[penalty/{strategy.name}] step {step} {name}.grad: {m}")
+        for o in (optim, reference_optim):
+            o.step()
+            o.zero_grad()
+    assert_params_close(_full_params(model), list(reference.named_parameters()), what=f"[penalty/{strategy.name}]")
+
+
 def _cases(strategies: List[ShardingStrategy]) -> List[Tuple[ShardingStrategy, str, bool]]:
     """Each strategy under both annotations and both forward-prefetch settings, paired so that
     every (annotation, forward_prefetch) pair occurs across the strategies: the annotation only
@@ -211,6 +270,7 @@ def _parity(strategies: List[ShardingStrategy]) -> None:
     if world_size == 4:
         _hybrid_with_group_pair(sgd)
         _float64_subtest(ShardingStrategy.HYBRID_SHARD)
+        _gradient_penalty_subtest(ShardingStrategy.HYBRID_SHARD)
     if world_size == 2:  # what a policy assigns and where the shards live: nothing more ranks would add
         run_subtests(_custom_policy_override_subtest, {"root": [ShardingStrategy.FULL_SHARD], "override": [
             ShardingStrategy.NO_SHARD, ShardingStrategy.SHARD_GRAD_OP]}, adamw=adamw)
@@ -218,6 +278,8 @@ def _parity(strategies: List[ShardingStrategy]) -> None:
                                                        "override": [ShardingStrategy.FULL_SHARD]}, adamw=adamw)
         _cpu_offload_subtest(adamw)
         _float64_subtest(ShardingStrategy.FULL_SHARD)
+        run_subtests(_gradient_penalty_subtest, {"strategy": [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP,
+                                                              ShardingStrategy.NO_SHARD]})
 
 
 _ALL = [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD,

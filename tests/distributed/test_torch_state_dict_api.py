@@ -12,6 +12,7 @@ one must not materialise the full model on any rank.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Dict, List, Tuple
 
 import pytest
@@ -229,3 +230,96 @@ def test_resume_through_torch_api_at_another_world_size(tmp_path: Any, how: str,
     losses, parameters and optimizer state."""
     run_distributed(_save_run, 2, str(tmp_path), "FULL_SHARD", how)
     run_distributed(_resume_run, world_size, str(tmp_path), layout, how)
+
+
+# ---------------------------------------------------------------------------- dicts held by rank 0 only
+def _snapshot(model: nn.Module, optim: torch.optim.Optimizer) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    """Full model and optimizer state through our own gathers, on every rank."""
+    return get_model_state_dict(model), get_optimizer_state_dict(model, optim)
+
+
+def _assert_same_state(actual: Tuple[Dict[str, Any], Dict[str, Any]], expected: Tuple[Dict[str, Any], Dict[str, Any]],
+                       what: str) -> None:
+    _assert_state_dicts_equal(actual[0], expected[0], f"{what}: model")
+    assert list(actual[1]["state"]) == list(expected[1]["state"]), what
+    for fqn, entries in expected[1]["state"].items():
+        for name, value in entries.items():
+            got = actual[1]["state"][fqn][name]
+            assert torch.equal(torch.as_tensor(got), torch.as_tensor(value)), f"{what}: optimizer {fqn}.{name}"
+
+
+def _rank0_only_full_state_dicts(layout: str) -> None:
+    """A full state dict that torch's ``get_state_dict(..., cpu_offload=True)`` put on rank 0
+    only (``{}`` elsewhere): torch's ``set_state_dict`` loads the model on rank 0 only (and with
+    ``broadcast_from_rank0`` too: an empty dict makes the call optimizer-only on the other ranks).
+    Before the fix rank 0 loaded its slices alone and every rank returned: a half-loaded model,
+    nothing raised; with broadcast_from_rank0 rank 0 hung. Now every rank raises before
+    anything is loaded, the message names the calls that work, and they round-trip exactly."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict as torch_set_optim
+
+    from composable_shard._runtime import collectives
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    trained = _build(layout, seed=0)
+    trained_optim = torch.optim.AdamW(trained.parameters(), lr=1e-2, weight_decay=0.1)
+    _train(trained, trained_optim, range(2))
+    held = _options(True, True)
+    msd, osd = torch_get_state_dict(trained, trained_optim, options=held)
+    assert (msd == {} and osd == {}) == (rank != 0), (rank, len(msd), len(osd))
+    want = _snapshot(trained, trained_optim)
+
+    fresh = _build(layout, seed=1)
+    fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=1e-2, weight_decay=0.1)
+    _train(fresh, fresh_optim, range(1))
+    before = _snapshot(fresh, fresh_optim)
+    skipping = ", ".join(str(r) for r in range(1, world_size))
+    for broadcast in (False, True):
+        with pytest.raises(RuntimeError) as raised:
+            torch_set_state_dict(fresh, fresh_optim, model_state_dict=msd, optim_state_dict=osd,
+                                 options=_options(True, True, broadcast_from_rank0=broadcast))
+        message = str(raised.value)
+        assert f"ranks [{skipping}] of the model's group skip the model, ranks [0] load it" in message, message
+        assert "set_model_state_dict(model, msd, options=StateDictOptions(full_state_dict=True, " \
+               "broadcast_from_rank0=True))" in message and "Nothing was loaded on any rank" in message, message
+        _assert_same_state(_snapshot(fresh, fresh_optim), before, f"{layout}: after the refused load ({broadcast})")
+
+    # torch's model-only call: the ranks given {} return at once, rank 0 waits for them, saying why
+    collectives_warning_after = collectives.STUCK_WARNING_AFTER_S
+    collectives.STUCK_WARNING_AFTER_S = 1.0
+    try:
+        if rank == 0:
+            with pytest.warns(RuntimeWarning, match="torch skips the model on a rank whose model state dict is "
+                                                    "empty") as warned, pytest.raises(RuntimeError) as raised:
+                torch_set_model(fresh, msd, options=held)
+            assert f"ranks [{skipping}] of the model's group skip the model" in str(raised.value), str(raised.value)
+            assert "which ranks load the model" in str(warned[0].message), str(warned[0].message)
+        else:
+            torch_set_model(fresh, msd, options=held)  # torch returns: nothing to load here
+            time.sleep(3.0)
+            collectives.exchange([0], None, tag="a rank that skipped the model")  # what rank 0 waits for
+    finally:
+        collectives.STUCK_WARNING_AFTER_S = collectives_warning_after
+    _assert_same_state(_snapshot(fresh, fresh_optim), before, f"{layout}: after the model-only load")
+
+    # the calls the message names: exact, and the next step too
+    options = _options(True, True, broadcast_from_rank0=True)
+    torch_set_model(fresh, msd, options=options)
+    torch_set_optim(fresh, fresh_optim, osd, options=options)
+    _assert_same_state(_snapshot(fresh, fresh_optim), want, f"{layout}: broadcast from rank 0")
+    # every rank given the whole dicts: the agreement lets it through
+    whole = _options(True, False)
+    again = _build(layout, seed=2)
+    again_optim = torch.optim.AdamW(again.parameters(), lr=1e-2, weight_decay=0.1)
+    _train(again, again_optim, range(1))
+    whole_msd, whole_osd = torch_get_state_dict(trained, trained_optim, options=whole)
+    torch_set_state_dict(again, again_optim, model_state_dict=whole_msd, optim_state_dict=whole_osd, options=whole)
+    _assert_same_state(_snapshot(again, again_optim), want, f"{layout}: whole dicts on every rank")
+    for model, optim in ((trained, trained_optim), (fresh, fresh_optim), (again, again_optim)):
+        _train(model, optim, range(2, 3))
+    _assert_same_state(_snapshot(fresh, fresh_optim), _snapshot(trained, trained_optim), f"{layout}: next step")
+    _assert_same_state(_snapshot(again, again_optim), _snapshot(trained, trained_optim), f"{layout}: next step")
+
+
+@pytest.mark.parametrize("world_size,layout", [(2, "FULL_SHARD"), (4, "HYBRID_SHARD")])
+def test_state_dicts_held_by_rank0_load_everywhere_or_raise_everywhere(world_size: int, layout: str) -> None:
+    run_distributed(_rank0_only_full_state_dicts, world_size, layout)
