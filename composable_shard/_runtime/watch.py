@@ -85,6 +85,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, Iterator, List, NamedTuple, Optional, Protocol, Sequence, Set, Tuple
 
+import torch
 import torch.nn as nn
 from torch.nn.modules.module import (register_module_module_registration_hook,
                                      register_module_parameter_registration_hook)
@@ -165,7 +166,8 @@ def _use_hooks(user: Any) -> None:
         if not _installed:
             _installed.extend([register_module_parameter_registration_hook(_on_parameter),
                                register_module_module_registration_hook(_on_module),
-                               register_optimizer_step_post_hook(_on_optimizer_step)])
+                               register_optimizer_step_post_hook(_on_optimizer_step),
+                               register_optimizer_step_pre_hook(_refuse_whole_tensor_optimizer)])
     _users.add(user)
     weakref.finalize(user, _release_hooks).atexit = False  # at exit nothing is left to spare
 
@@ -255,6 +257,80 @@ def _on_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     with _hook_running():
         for watch in list(_step_watches):
             watch.count(optimizer)
+
+
+# [Note: Optimizers that need whole tensors]  An optimizer whose update of an element depends on
+# other elements computes something else on fully_shard's parameters than on a plain model's:
+# * torch.optim.LBFGS takes dot products and norms over all its parameters' elements: on a rank's
+#   slices (a real shard) each rank steps differently from one process (a user's trial: off by
+#   0.48 after one step). On whole parameters (NO_SHARD, one-rank groups, replicate) the elements
+#   are the same, in another order, and it is exact if its closure returns the loss averaged
+#   over ranks.
+# * torch.optim.Adafactor keeps row and column statistics of each matrix and scales its step by
+#   the parameter's norm: any parameter fully_shard flattened (every strategy keeps 1-D views of
+#   its flat buffer between steps) is stepped as a vector (off by 3.6e-3 after one step, even under
+#   NO_SHARD; a ZeroDivisionError on a rank holding no element).
+# Their first step on such a parameter raises before anything is stepped, naming the parameter
+# (composable_shard.optim.Muon is the whole-matrix optimizer made for flat shards). Checked once
+# per optimizer until its groups change size; other optimizers cost one isinstance per step.
+class _WholeTensorOptimizer(NamedTuple):
+    why: str
+    needs_shape: bool  # True: refused on every flattened parameter; False: only on a real shard
+    remedy: str
+
+
+def _whole_tensor_optimizers() -> Dict[type, _WholeTensorOptimizer]:
+    found: Dict[type, _WholeTensorOptimizer] = {}
+    for name, rule in (("LBFGS", _WholeTensorOptimizer(
+                            "takes dot products and norms over all its parameters' elements", False,
+                            "Use it on whole parameters (replicate, or fully_shard with strategy="
+                            "ShardingStrategy.NO_SHARD) with a closure that returns the loss averaged over ranks, "
+                            "or an element-wise optimizer (SGD, Adam, AdamW, ...).")),
+                       ("Adafactor", _WholeTensorOptimizer(
+                            "keeps row and column statistics of each matrix and scales its step by the parameter's "
+                            "norm", True,
+                            "Use it under replicate (parameters keep their shapes), or an element-wise optimizer "
+                            "(Adam, AdamW, ...)."))):
+        cls = getattr(torch.optim, name, None)
+        if isinstance(cls, type):
+            found[cls] = rule
+    return found
+
+
+_WHOLE_TENSOR_OPTIMIZERS = _whole_tensor_optimizers()
+_WHOLE_TENSOR_CLASSES = tuple(_WHOLE_TENSOR_OPTIMIZERS)
+_whole_checked: "weakref.WeakKeyDictionary[Optimizer, Tuple[int, int]]" = weakref.WeakKeyDictionary()
+
+
+def _refuse_whole_tensor_optimizer(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+    if not isinstance(optimizer, _WHOLE_TENSOR_CLASSES):
+        return
+    groups = optimizer.param_groups
+    size = (len(groups), sum(len(g["params"]) for g in groups))
+    if _whole_checked.get(optimizer) == size:
+        return
+    rule = next(r for c, r in _WHOLE_TENSOR_OPTIMIZERS.items() if isinstance(optimizer, c))
+    stepped = {id(p): p for g in groups for p in g["params"]}
+    states = {id(s): s for s in (t.state_ref() for t in list(_tracked.values())) if s is not None}
+    for state in states.values():
+        handle = getattr(state, "handle", None)
+        if handle is None:
+            continue
+        for group in handle.groups:
+            sharded = not group.aliases_shard and getattr(state, "world_size", 1) > 1
+            for p, fqn, shape in zip(group.orig_params, group.flat_param._fqns, group.flat_param._shapes):
+                if p is None or stepped.get(id(p)) is not p:
+                    continue
+                now = tuple(stepped[id(p)].shape)
+                if not (sharded or (rule.needs_shape and now != tuple(shape))):
+                    continue
+                name = ".".join(part for part in (state.fqn, fqn) if part)
+                kind = "a slice" if sharded else f"a flat view (shape {now}, not {tuple(shape)})"
+                raise RuntimeError(
+                    f"{type(optimizer).__name__}.step(): it steps {name!r}, of which fully_shard gives each rank "
+                    f"{kind}; {type(optimizer).__name__} {rule.why}, so its step would differ from one process's, "
+                    f"silently. {rule.remedy} Nothing was stepped.")
+    _whole_checked[optimizer] = size
 
 
 # id(replaced DTensor parameter) -> (weak reference to it, its name); checked by every optimizer step from the

@@ -19,6 +19,11 @@
     of it, which torch's loader then copies into the parameter (a view of the shard). No
     collective. A value's global shape is checked first.
 
+  * A value that is the registered parameter itself (between steps, a view of this rank's
+    elements) loads as this rank's own elements, unchanged: torch's full-state-dict load fills
+    each key its dict lacks with the model's own parameter (``ignore_frozen_params=True``, or
+    ``strict=False`` with keys left out), as it does for FSDP2's ``DTensor`` s.
+
   ``FSDPModule.load_state_dict`` and :func:`set_model_state_dict` check every key and shape of
   the whole state dict before anything is written (torch's loader writes as it goes and
   reports errors at the end).
@@ -593,6 +598,9 @@ def _pre_load_state_dict(module: nn.Module, state_dict: Dict[str, Any], prefix: 
         key = prefix + name
         if key not in state_dict:
             continue
+        if state_dict[key] is module._parameters.get(name):  # the parameter itself: left as it is (see [Note: State dict hooks])
+            state_dict[key] = m.local.detach().clone()
+            continue
         try:
             state_dict[key] = local_slice(m, key, state_dict[key])
         except ValueError as e:
@@ -604,6 +612,7 @@ def _pre_load_state_dict(module: nn.Module, state_dict: Dict[str, Any], prefix: 
 class _Expected(NamedTuple):
     shape: Optional[torch.Size]  # None: not a tensor entry (extra state)
     dtype: Optional[torch.dtype]
+    live: Optional[torch.Tensor] = None  # the registered tensor itself (a value that is it loads as it is)
 
 
 def _expected_entries(module: nn.Module) -> Dict[str, _Expected]:
@@ -614,7 +623,7 @@ def _expected_entries(module: nn.Module) -> Dict[str, _Expected]:
         cast = m.__dict__.get(_BUFFER_DTYPES_KEY, {})  # state dicts hold these in their original dtype
         for key, name, t in state_entries(m, path + "." if path else ""):  # registry: parameter names; cast: buffers'
             entries[key] = _Expected(None, None) if t is None else _Expected(
-                registry[name].shape if name in registry else t.shape, cast.get(name, t.dtype))
+                registry[name].shape if name in registry else t.shape, cast.get(name, t.dtype), t)
     return entries
 
 
@@ -635,7 +644,7 @@ def check_model_state_dict(module: nn.Module, state_dict: Mapping[str, Any], str
             errors.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ".")
     for key, want in expected.items():
         value = state_dict.get(key)
-        if want.shape is None or not isinstance(value, torch.Tensor):
+        if want.shape is None or not isinstance(value, torch.Tensor) or value is want.live:
             continue
         if tuple(value.shape) != tuple(want.shape):
             errors.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from checkpoint, "

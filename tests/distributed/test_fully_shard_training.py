@@ -252,6 +252,64 @@ def _gradient_penalty_subtest(strategy: ShardingStrategy) -> None:
     assert_params_close(_full_params(model), list(reference.named_parameters()), what=f"[penalty/{strategy.name}]")
 
 
+def _whole_tensor_optimizers_subtest() -> None:
+    """torch's LBFGS (dot products over all elements) and Adafactor (row/column statistics, the
+    parameter's norm) on fully_shard's flat views: silently different steps before (LBFGS off by
+    0.48 after one step). Now the first step raises naming the parameter, with nothing stepped:
+    LBFGS on a real shard, Adafactor on any flattened parameter (NO_SHARD too). The remedies
+    they name are exact against one process: LBFGS under NO_SHARD with the loss averaged over
+    ranks, Adafactor under replicate."""
+    from composable_shard import replicate
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+
+    def make() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+
+    generator = torch.Generator().manual_seed(2)
+    inputs, targets = torch.randn(4 * world_size, 6, generator=generator), torch.randn(4 * world_size, 2, generator=generator)
+    mine = slice(4 * rank, 4 * (rank + 1))
+    for kind, strategy in (("LBFGS", ShardingStrategy.FULL_SHARD), ("Adafactor", ShardingStrategy.FULL_SHARD),
+                           ("Adafactor", ShardingStrategy.NO_SHARD)):
+        model = make()
+        fully_shard(model[0], strategy=strategy)
+        fully_shard(model, strategy=strategy)
+        optim = getattr(torch.optim, kind)(model.parameters(), lr=0.5)
+        before = _full_params(model)
+        nn.functional.mse_loss(model(inputs[mine]), targets[mine]).backward()
+        with pytest.raises(RuntimeError, match=rf"{kind}.step\(\): it steps '0.weight', of which fully_shard gives each "
+                                               rf"rank a (slice|flat view \(shape \(48,\), not \(8, 6\)\)); .* Nothing was stepped"):
+            optim.step((lambda: torch.zeros(())) if kind == "LBFGS" else None)
+        assert_params_close(_full_params(model), before, what=f"[{kind}/{strategy.name}: unchanged]", atol=0.0)
+
+    def averaged(model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> Any:
+        def closure() -> torch.Tensor:
+            optim.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            total = loss.detach().clone()
+            if x is not inputs:
+                dist.all_reduce(total)
+                total /= world_size
+            return total
+        return closure
+
+    for kind in ("LBFGS", "Adafactor"):
+        reference, model = make(), make()
+        if kind == "LBFGS":
+            fully_shard(model[0], strategy=ShardingStrategy.NO_SHARD)
+            fully_shard(model, strategy=ShardingStrategy.NO_SHARD)
+        else:
+            replicate(model)
+        optims = [getattr(torch.optim, kind)(m.parameters(), lr=0.5) for m in (reference, model)]
+        for _ in range(3):
+            optims[0].step(averaged(reference, optims[0], inputs, targets))
+            optims[1].step(averaged(model, optims[1], inputs[mine], targets[mine]))
+        got = _full_params(model) if kind == "LBFGS" else [(n, p.detach().clone()) for n, p in model.named_parameters()]
+        assert_params_close(got, list(reference.named_parameters()), what=f"[{kind}: remedy]")
+
+
 def _cases(strategies: List[ShardingStrategy]) -> List[Tuple[ShardingStrategy, str, bool]]:
     """Each strategy under both annotations and both forward-prefetch settings, paired so that
     every (annotation, forward_prefetch) pair occurs across the strategies: the annotation only
@@ -278,6 +336,7 @@ def _parity(strategies: List[ShardingStrategy]) -> None:
                                                        "override": [ShardingStrategy.FULL_SHARD]}, adamw=adamw)
         _cpu_offload_subtest(adamw)
         _float64_subtest(ShardingStrategy.FULL_SHARD)
+        _whole_tensor_optimizers_subtest()
         run_subtests(_gradient_penalty_subtest, {"strategy": [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP,
                                                               ShardingStrategy.NO_SHARD]})
 

@@ -323,3 +323,45 @@ def _rank0_only_full_state_dicts(layout: str) -> None:
 @pytest.mark.parametrize("world_size,layout", [(2, "FULL_SHARD"), (4, "HYBRID_SHARD")])
 def test_state_dicts_held_by_rank0_load_everywhere_or_raise_everywhere(world_size: int, layout: str) -> None:
     run_distributed(_rank0_only_full_state_dicts, world_size, layout)
+
+
+# ---------------------------------------------------------------------------- full dicts that leave keys out
+def _full_state_dicts_leaving_keys_out(layout: str) -> None:
+    """torch's full-state-dict load fills each key its dict lacks with the model's own parameter
+    (``ignore_frozen_params=True``, as LoRA fine-tuning saves; ``strict=False`` with keys left
+    out). Ours were views of this rank's elements, refused as a size mismatch on every rank:
+    now each left-out parameter keeps its values, every other one is loaded, and the next step
+    equals the trained model's (whose left-out values it is given first)."""
+    trained = _build(layout, seed=0)
+    fresh = _build(layout, seed=1)
+    frozen = [name for name, _ in trained.named_parameters() if name.startswith("blocks.0.")]
+    for model in (trained, fresh):
+        for name, p in model.named_parameters():
+            if name in frozen:
+                p.requires_grad_(False)
+    optims = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (trained, fresh)]
+    _train(trained, optims[0], range(2))
+    _train(fresh, optims[1], range(1))
+    frozen = [name for name, p in trained.named_parameters() if not p.requires_grad]  # and the model's own frozen.*
+    for options, left_out in ((_options(True, False, ignore_frozen_params=True), frozen),
+                              (_options(True, False, strict=False), ["scale.gain", "blocks.1.fc1.weight"])):
+        msd, osd = torch_get_state_dict(trained, optims[0], options=options)
+        for key in left_out:
+            msd.pop(key, None)
+        assert not set(left_out) & set(msd) and set(left_out) < set(get_model_state_dict(fresh)), (list(msd), left_out)
+        before = get_model_state_dict(fresh)
+        torch_set_state_dict(fresh, optims[1], model_state_dict=msd, optim_state_dict=osd, options=options)
+        after, want = get_model_state_dict(fresh), get_model_state_dict(trained)
+        for key in after:
+            expected = before[key] if key in left_out else want[key]
+            assert torch.equal(after[key], expected), (options, key, "left out" if key in left_out else "loaded")
+    with unshard_params(fresh), torch.no_grad():  # the same start everywhere, then the same step
+        for name, p in fresh.named_parameters():
+            p.copy_(want[name])
+    for model, optim in zip((trained, fresh), optims):
+        _train(model, optim, range(2, 3))
+    _assert_state_dicts_equal(get_model_state_dict(fresh), get_model_state_dict(trained), f"{layout}: next step")
+
+
+def test_full_state_dicts_leaving_keys_out_load_the_rest() -> None:
+    run_distributed(_full_state_dicts_leaving_keys_out, 2, "FULL_SHARD")
