@@ -48,7 +48,7 @@ from torch.distributed.checkpoint import CheckpointException
 
 from .checkpoint_files import (EXTRA, Optimizers, _claim_new_directory, _optimizers, _publish, _raise_from_rank0,
                                _require_numpy, _training_state)
-from .load_transaction import agree_or_raise, from_rank, is_distributed, rank_of
+from .load_transaction import agree_or_raise, agree_steps_now, from_rank, is_distributed, rank_of
 from .sharded_slice import ShardedSlice
 from .._base.torch_compat import unwrap_compiled
 
@@ -214,6 +214,7 @@ def save_checkpoint_async(path: str, model: nn.Module, optim: Optimizers = None,
         raise TypeError(f"{_API}: process_group must be a torch.distributed.ProcessGroup (a gloo group of every "
                         f"rank) or None, got {type(process_group).__name__}")
     _require_numpy(_API)
+    agree_steps_now(model, _API)  # see [Note: Steps agreed before a saved model] in load_transaction.py
     extra_bytes, extra_error = _pickled_extra(extra) if rank_of() == 0 else (None, "")
     _raise_from_rank0(extra_error, _API)
     tmp = _claim_new_directory(path, _API, _ADVICE)

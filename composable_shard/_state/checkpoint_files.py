@@ -68,7 +68,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from .load_transaction import from_rank, rank_of, transaction
+from .load_transaction import agree_steps_now, from_rank, rank_of, transaction
 from .optim_state_dict import param_groups_by_fqn, set_optimizer_state_dict, sharded_optim_views
 from .model_state_dict import get_model_state_dict, set_model_state_dict, sharded_model_views
 from .._base.torch_compat import DCP_METADATA_GLOBALS, unwrap_compiled
@@ -461,6 +461,7 @@ def save_checkpoint(path: str, model: nn.Module, optim: Optimizers = None, *,
     if extra is not None and not (isinstance(extra, Mapping) and all(isinstance(k, str) for k in extra)):
         raise TypeError(f"{api}: extra must be a dict with str keys (or None), got {type(extra).__name__}")
     _require_numpy(api)
+    agree_steps_now(model, api)  # see [Note: Steps agreed before a saved model]
     tmp = _claim_new_directory(path, api, "a published checkpoint is never written into. Save each checkpoint to a "
                                           "new directory (e.g. one per step).")
     dcp.save(_training_state(model, optims), checkpoint_id=tmp)

@@ -57,7 +57,7 @@ from .._runtime.traversal import _get_fsdp_handles, _get_fsdp_states
 from ..contract import _STATE_KEY
 from .._base.torch_compat import tensor_slots, unwrap_compiled
 
-__all__ = ["is_distributed", "rank_of", "from_rank", "agree_or_raise", "transaction", "Transaction", "transactional",
+__all__ = ["is_distributed", "rank_of", "from_rank", "agree_or_raise", "agree_steps_now", "transaction", "Transaction", "transactional",
            "model_group", "before_final_agreement", "state_entries"]
 
 T = TypeVar("T")
@@ -324,7 +324,7 @@ def transaction(api: str, module: Optional[nn.Module], optims: Sequence[torch.op
         _local.depth = 0
 
 
-def model_group(module: Any) -> Tuple[bool, Optional[dist.ProcessGroup]]:
+def model_group(module: Any, exact: bool = False) -> Tuple[bool, Optional[dist.ProcessGroup]]:
     """``(collective, group)`` for a ``set_*`` call on ``module``: the one process group of
     its ``fully_shard``/``replicate`` states (None: the world, also when they differ), or
     ``(False, None)`` if it has none with more than one rank (a plain module: a local load)."""
@@ -345,7 +345,46 @@ def model_group(module: Any) -> Tuple[bool, Optional[dist.ProcessGroup]]:
     if len(rank_sets) != 1:
         return bool(rank_sets), None
     ((ranks, group),) = rank_sets.items()
-    return True, None if ranks == world else group
+    return True, None if ranks == world and not exact else group
+
+
+# [Note: Steps agreed before a saved model]  The step agreement ([Note: Step agreement] in
+# _runtime/watch.py) rides on each synced backward's all-reduce and is read one synced backward
+# later, so after an optimizer step taken on some ranks only (torch.amp.GradScaler skipping it
+# where this rank's slices overflowed) the model is one no process computed until then: a user's
+# trial saved it with save_checkpoint and read it with get_model_state_dict, without an error.
+# The calls that read or save the model across ranks (save_checkpoint, save_checkpoint_async,
+# full model and optimizer state dicts, unshard_params) first exchange each step counter's steps
+# since the last synced backward (not consumed: the backward's agreement counts them still) and
+# raise on every rank, before anything is read or written, if the ranks differ. One exchange of a
+# few integers per call, over the model's group; none for a model whose groups have one rank.
+def agree_steps_now(module: Any, api: str, hint: str = "") -> None:
+    """See [Note: Steps agreed before a saved model]. ``hint``: what the stuck-wait warning and
+    the timeout error advise (the caller's: the call is collective)."""
+    if not isinstance(module, nn.Module):
+        return
+    collective, group = model_group(module, exact=True)  # the model's own group object (its timeout)
+    if not collective:
+        return
+    counters = [getattr(root.ctx, "step_counter", None) for root in {id(s.root): s.root for s in _get_fsdp_states(module)
+                                                   if s.root is not None}.values()]
+    for m in module.modules():
+        rstate = m.__dict__.get(_STATE_KEY, {}).get("replicate")
+        counters.append(getattr(rstate, "step_counter", None))
+    steps = [min(c.pending, 255) if c is not None else 0 for c in counters]
+    if not steps:
+        return
+    everyone = _collectives.exchange(steps, group, tag=f"{api}: optimizer steps since the last synced backward",
+                                     hint=hint)
+    if any(len(set(column)) > 1 for column in zip(*everyone)):
+        per_rank = [max(row) for row in everyone]
+        raise RuntimeError(
+            f"{api}: since the last synchronized backward, the optimizer(s) holding this model's parameters stepped "
+            f"{per_rank} time(s) on ranks 0..{len(per_rank) - 1}: the model is one that no single process computed "
+            "(each rank updates its own slices). Every rank must call optimizer.step() together: a step skipped on "
+            "some ranks (torch.amp.GradScaler skips it where this rank's gradients overflowed: use torch's "
+            "ShardedGradScaler, which agrees on it; or a step guarded by a per-rank condition) must be agreed first "
+            "(all_reduce the condition). Nothing was saved or read.")
 
 
 def transactional(api: str, *, model: bool, optim: bool) -> Callable[[Callable[..., T]], Callable[..., T]]:

@@ -71,7 +71,7 @@ from .._base.pieces import Piece, take_piece, to_global
 from .._base.tree import local_piece
 from .sharded_slice import ShardedSlice
 from .._runtime.traversal import _get_fsdp_handles, _get_fsdp_states
-from .load_transaction import model_group, rank_of, state_entries, transactional
+from .load_transaction import agree_steps_now, model_group, rank_of, state_entries, transactional
 from .._base.torch_compat import (UNKNOWN_REQUEST, TORCH_STATE_DICT_MODULE, torch_state_dict_load,
                                   torch_state_dict_request, unwrap_compiled)
 from .unshard_params import check_between_steps, check_module, gather_flat
@@ -160,6 +160,7 @@ class _Call:
     scratch: Dict[Tuple[torch.device, torch.dtype], torch.Tensor] = field(default_factory=dict)  # see _scratch
     owned: Dict[Tuple[Any, ...], torch.Tensor] = field(default_factory=dict)  # a live tensor's (storage, layout) -> its copy
     request: Any = None  # the options of torch's state-dict function that made the call (see torch_request), or None
+    steps_agreed: bool = False  # see [Note: Steps agreed before a saved model] in load_transaction.py
 
 
 # [Note: One call's state]  Sessions, the rank0_only scratch buffer and the ownership copies
@@ -400,6 +401,9 @@ def _pre_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
         return
     check_between_steps([state], "state_dict()")
     if effective_type(state, call.request)[0] is StateDictType.FULL_STATE_DICT:
+        if not call.steps_agreed:  # a full state dict gathers across ranks: agree on the steps first
+            call.steps_agreed = True
+            agree_steps_now(call.module() or module, "state_dict()", _STATE_DICT_HINT)
         call.sessions[id(state.handle)] = _Session()
 
 

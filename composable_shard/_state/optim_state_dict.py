@@ -73,7 +73,7 @@ from .._runtime.module_state import _FSDPState
 from .sharded_slice import ShardedSlice
 from .._base.pieces import to_global
 from .model_state_dict import Managed, agree_torch_load, check_get_flags, local_slice, managed_params, on_cpu, torch_request
-from .load_transaction import is_distributed, rank_of, transactional
+from .load_transaction import agree_steps_now, is_distributed, rank_of, transactional
 from .._base.torch_compat import unwrap_compiled
 from .._base.tree import convert
 from .unshard_params import check_module, gather_flat, local_flat, param_views
@@ -185,6 +185,8 @@ def get_optimizer_state_dict(module: nn.Module, optim: torch.optim.Optimizer, *,
     module = unwrap_compiled(module)  # torch.compile's wrapper: the names without its prefix
     _check("get_optimizer_state_dict", module, optim)
     check_get_flags("get_optimizer_state_dict", full, cpu_offload, rank0_only)
+    if full:  # gathered across ranks: see [Note: Steps agreed before a saved model] in load_transaction.py
+        agree_steps_now(unwrap_compiled(module), "get_optimizer_state_dict", _OPTIM_HINT)
     dropped = rank0_only and rank_of() != 0  # takes part in the gathers, keeps nothing
     osd = _by_fqn(module, optim, full=full, cpu_offload=cpu_offload, copy=not dropped)
     if dropped:

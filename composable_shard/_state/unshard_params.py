@@ -40,6 +40,7 @@ from .._base.torch_compat import is_in_backward, set_module_tensor
 from .._setup.validation import check_bool
 from .._runtime.traversal import _get_fsdp_states
 from ..contract import _get_module_state
+from .load_transaction import agree_steps_now
 
 __all__ = ["unshard_params", "check_between_steps", "check_module", "gather_flat", "local_flat", "param_views"]
 
@@ -96,6 +97,7 @@ def unshard_params(module: nn.Module, *, recurse: bool = True, writeback: bool =
                                   "than 0 have no full parameters to write back. Use writeback=False with rank0_only.")
     states = _selected_states(module, recurse)
     check_between_steps(states)
+    agree_steps_now(module, "unshard_params", _UNSHARD_HINT)  # see [Note: Steps agreed before a saved model] in load_transaction.py
     if with_grads:
         _check_no_unsynced_views(states)
     summoned: List[_Summoned] = []

@@ -347,6 +347,41 @@ def _skip_before_a_state_dict(way: str) -> None:
     get_model_state_dict(model)  # read once: the state dict is taken now
 
 
+def _skip_then_read_or_saved(api: str, way: str) -> None:
+    """A step taken on rank 0 only after the last synced backward (``torch.amp.GradScaler``
+    skipping it on rank 1): no backward has carried it yet, and a user's trial read the model with
+    ``get_model_state_dict`` and wrote it with ``save_checkpoint``, without an error. Every call
+    that reads or saves the model across ranks now raises on every rank first, writing nothing;
+    a sharded state dict (no collective) is taken as it is."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    from composable_shard import get_optimizer_state_dict, save_checkpoint, save_checkpoint_async
+
+    rank = dist.get_rank()
+    model = _stepped_model(api)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    _step(model)
+    if rank == 0:
+        optim.step()
+    optim.zero_grad()
+    where = [os.path.join(os.environ.get("TMPDIR", "/tmp"), f"cs_skip_{os.getpid()}") if rank == 0 else ""]
+    dist.broadcast_object_list(where, src=0)
+    path = os.path.join(where[0], "step_1")
+    calls: Dict[str, Callable[[], Any]] = {
+        "get_model_state_dict": lambda: get_model_state_dict(model),
+        "state_dict": model.state_dict,
+        "unshard_params": lambda: unshard_params(model).__enter__(),
+        "get_optimizer_state_dict": lambda: get_optimizer_state_dict(model, optim),
+        "torch get_state_dict": lambda: get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True)),
+        "save_checkpoint": lambda: save_checkpoint(path, model, optim),
+        "save_checkpoint_async": lambda: save_checkpoint_async(path, model, optim).result(),
+    }
+    _expect_error(calls[way], "since the last synchronized backward", "stepped [1, 0] time(s) on ranks 0..1",
+                  "Nothing was saved or read")
+    assert not os.path.exists(path), path
+    get_model_state_dict(model, full=False)  # sharded: no collective, no check
+
+
 # ---------------------------------------------------------------------------- entry
 _AGREED: Dict[str, Callable[[], None]] = {
     "different handle order in the first iteration": lambda: run_subtests(
@@ -357,6 +392,10 @@ _AGREED: Dict[str, Callable[[], None]] = {
         "cause": ["rank_condition", "grad_scaler", "sharded_grad_scaler", "extra_step"]}),
     "optimizer stepped on some ranks before a state dict": lambda: run_subtests(_skip_before_a_state_dict, {
         "way": ["get_model_state_dict", "state_dict", "unshard_params"]}),
+    "optimizer stepped on some ranks after the last backward": lambda: (run_subtests(_skip_then_read_or_saved, {
+        "api": ["fully_shard"], "way": ["get_model_state_dict", "state_dict", "unshard_params", "get_optimizer_state_dict",
+                                        "torch get_state_dict", "save_checkpoint", "save_checkpoint_async"]}),
+        run_subtests(_skip_then_read_or_saved, {"api": ["replicate"], "way": ["save_checkpoint"]})),
 }
 _AGREED_AT_4: Dict[str, Callable[[], None]] = {  # more than two ranks agreeing; a real hybrid mesh
     "different handle order in the first iteration": _AGREED["different handle order in the first iteration"],
@@ -394,7 +433,11 @@ def test_disagreement_raises_on_every_rank(world_size: int) -> None:
     not reported (2 ranks). At 4 ranks on a 2 x 2 mesh: the agreement sums over both groups.
 
     optimizer stepped on some ranks before a state dict (2 ranks): the verdict no later backward
-    read is read when the state dict is taken, and raises there."""
+    read is read when the state dict is taken, and raises there.
+
+    optimizer stepped on some ranks after the last backward (2 ranks): the steps no backward
+    carried yet are exchanged by every call that reads or saves the model across ranks, which
+    raises on every rank before anything is read or written."""
     cases = _AGREED_AT_4 if world_size == 4 else _AGREED
     run_distributed(run_subtests, world_size, _agreed_case, {"case": list(cases)}, timeout=150)
 

@@ -7,6 +7,7 @@ registered) and fail much later with an unrelated message, or hang.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
@@ -144,6 +145,22 @@ def _errors() -> None:
     _assert_unchanged(before, model)
     model(torch.randn(2, 4)).sum().backward()
     assert all(p.grad is not None for p in model.parameters())
+    # ...but a submodule replicate was told to ignore is its own: fully_shard is accepted there, and
+    # a step of the pair equals one process's on the combined batch
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    reference = copy.deepcopy(model)
+    replicate(model, ignored_modules=[model[2]])
+    fully_shard(model[2])
+    inputs = torch.randn(2 * world_size, 4, generator=torch.Generator().manual_seed(4))
+    model(inputs[2 * rank:2 * rank + 2]).pow(2).mean().backward()
+    reference(inputs).pow(2).mean().backward()
+    for optim in (torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(reference.parameters(), lr=0.5)):
+        optim.step()
+    with unshard_params(model[2]):
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), atol=1e-6, rtol=0, msg=lambda m: f"{name}: {m}")
 
     # Nesting a FlatParameter.
     inner = nn.Linear(4, 4)

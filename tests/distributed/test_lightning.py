@@ -273,9 +273,10 @@ def _counting() -> Iterator[Dict[str, Counter]]:
 #   dcp.save                    reduce_scatter("plan") = gather + scatter of objects, then
 #                               all_reduce("write") = gather + broadcast of objects
 #   dcp.load                    reduce_scatter("plan"), then all_gather("read") of objects
-#   save_checkpoint (ours)      from_rank of rank 0's (empty) error: its size only; of the temporary
-#                               path: size and bytes; of the (empty) publishing error: its size
-#                               only; 4 broadcasts. Nothing gathered: it saves views of the shards,
+#   save_checkpoint (ours)      the steps since the last synced backward: one exchange (an all-gather,
+#                               _allgather_base_); from_rank of rank 0's (empty) error: its size only; of
+#                               the temporary path: size and bytes; of the (empty) publishing error: its
+#                               size only; 4 broadcasts. Nothing gathered: it saves views of the shards,
 #                               and so does Lightning's dump (lightning_module_state_dict,
 #                               optimizer_state). A gathered model would add 4 all-gathers (2
 #                               blocks, the root's trainable and frozen handles).
@@ -292,9 +293,9 @@ _ALL_GATHER_OBJECT = Counter({"allgather_": 2})
 _DCP_SAVE = _GATHER_OBJECT + _SCATTER_OBJECT + _GATHER_OBJECT + _BROADCAST_OBJECT
 _DCP_LOAD = _GATHER_OBJECT + _SCATTER_OBJECT + _ALL_GATHER_OBJECT
 _BARRIER = Counter({"barrier": 1})
-SAVE_OURS = Counter({"broadcast": 4})
+SAVE_OURS = Counter({"exchange": 1, "broadcast": 4})
 LOAD_OURS = Counter({"exchange": 4})
-SAVE_C10D = _BROADCAST_OBJECT + _BROADCAST_OBJECT + Counter({"broadcast_": 4}) + _DCP_SAVE + _BARRIER
+SAVE_C10D = _BROADCAST_OBJECT + _BROADCAST_OBJECT + Counter({"_allgather_base_": 1, "broadcast_": 4}) + _DCP_SAVE + _BARRIER
 REPLACING_SAVE_C10D = SAVE_C10D + _BROADCAST_OBJECT + _BARRIER
 LOAD_C10D = _BROADCAST_OBJECT + Counter({"_allgather_base_": 4}) + _DCP_LOAD  # + fabric.load's barrier
 

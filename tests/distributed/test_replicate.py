@@ -346,20 +346,29 @@ def _buffers_broadcast_check() -> None:
         assert torch.equal(actual, expected), f"rank {rank}: {name} is not rank 0's after replicate: {actual} vs {expected}"
 
 
-def _buffers_follow_rank0_as_ddp() -> None:
+def _buffers_follow_rank0_as_ddp(ignore_second: bool = False) -> None:
     """[Note: Buffers follow rank 0] in replicate.py: BatchNorm's running statistics and step count
     equal torch DDP's (``broadcast_buffers=True``) on every rank after each step: a synced step, a
     step of a no_sync micro-batch then a synced one (no broadcast before the forward after an
     unsynced one), an eval forward under no_grad between steps (none after it either); then both
     models in eval mode give every rank DDP's output. Before, each rank kept statistics of its own
-    data (a user's trial: eval outputs 4.8e-2 apart between ranks)."""
+    data (a user's trial: eval outputs 4.8e-2 apart between ranks). ``ignore_second``: a second
+    BatchNorm in ``ignored_modules`` keeps each rank's own statistics and gradients, as DDP's
+    ignored parameters and buffers do."""
     rank = dist.get_rank()
 
     def build() -> nn.Module:
         torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+        return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8), nn.BatchNorm1d(8),
+                             nn.ReLU(), nn.Linear(8, 2))
 
-    ours, ddp = replicate(build()), DDP(build())
+    if ignore_second:
+        ours_model, ddp_model = build(), build()
+        ours = replicate(ours_model, ignored_modules=[ours_model[4]])
+        DDP._set_params_and_buffers_to_ignore_for_model(ddp_model, [f"4.{n}" for n, _ in ddp_model[4].state_dict().items()])
+        ddp = DDP(ddp_model)
+    else:
+        ours, ddp = replicate(build()), DDP(build())
     optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, ddp)]
 
     def data(seed: int) -> torch.Tensor:
@@ -384,7 +393,12 @@ def _buffers_follow_rank0_as_ddp() -> None:
     x = torch.randn(4, 4, generator=torch.Generator().manual_seed(99))
     out = ours(x)
     assert torch.allclose(out, ddp(x), atol=1e-6)
-    assert_close_ranks(out, "eval output")
+    if ignore_second:  # each rank's own statistics: the ranks' outputs differ
+        gathered = [torch.empty_like(out) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, out)
+        assert not torch.allclose(gathered[0], gathered[1]), "the ignored BatchNorm's statistics were made equal"
+    else:
+        assert_close_ranks(out, "eval output")
 
 
 @contextlib.contextmanager
@@ -444,6 +458,7 @@ def _rank_no_sync_overlap_rebuild() -> None:
     run_subtests(_unsynced_use_subtest, {"first_use": ["rank0", "all"]})
     _buffers_broadcast_check()
     _buffers_follow_rank0_as_ddp()
+    _buffers_follow_rank0_as_ddp(ignore_second=True)
     _overlap_check()
     _rebuild_and_bytes_check()
 
