@@ -380,6 +380,8 @@ def _skip_then_read_or_saved(api: str, way: str) -> None:
                   "Nothing was saved or read")
     assert not os.path.exists(path), path
     get_model_state_dict(model, full=False)  # sharded: no collective, no check
+    _step(model)  # the check consumed nothing: this backward carries the skipped step, the next one raises
+    _expect_error(lambda: _step(model), "must call optimizer.step() together")
 
 
 # ---------------------------------------------------------------------------- entry
