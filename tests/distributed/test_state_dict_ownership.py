@@ -169,6 +169,9 @@ def _all_state_dicts(model: nn.Module, optim: torch.optim.Optimizer) -> Dict[str
         "get_model_state_dict(rank0_only=True)": get_model_state_dict(model, rank0_only=True),
         "get_optimizer_state_dict()": get_optimizer_state_dict(model, optim),
         "get_optimizer_state_dict(full=False)": get_optimizer_state_dict(model, optim, full=False),
+        "get_optimizer_state_dict(full=False, cpu_offload=True)": get_optimizer_state_dict(model, optim, full=False,
+                                                                                           cpu_offload=True),
+        "get_model_state_dict(full=False, cpu_offload=True)": get_model_state_dict(model, full=False, cpu_offload=True),
         "get_optimizer_state_dict(rank0_only=True)": get_optimizer_state_dict(model, optim, rank0_only=True),
     }
     with state_dict_type(model, StateDictType.FULL_STATE_DICT):

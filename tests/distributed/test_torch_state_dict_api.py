@@ -365,3 +365,71 @@ def _full_state_dicts_leaving_keys_out(layout: str) -> None:
 
 def test_full_state_dicts_leaving_keys_out_load_the_rest() -> None:
     run_distributed(_full_state_dicts_leaving_keys_out, 2, "FULL_SHARD")
+
+
+# ---------------------------------------------------------------------------- an optimizer grown after its first step
+def _optimizer_grown_after_its_first_step() -> None:
+    """An optimizer built on the blocks only, then given the other parameters with
+    ``add_param_group`` after its first step (fused AdamW: no version counter tells an in-place
+    update): its later steps must count for the root's handle too (the root's kept unsharded
+    buffer gathered again, the step agreement, torch's state-dict API linking it). 3 steps equal
+    one process's on the combined batch, and torch's full optimizer state dict holds the root's
+    parameters' state whole, equal to the one process's."""
+    from tests.distributed.test_state_dict import _global_batch
+    from tests._models import loss_fn, make_model
+
+    model, reference = _build("FULL_SHARD", seed=0), make_model(0)
+    optims = []
+    for m in (model, reference):
+        optims.append(torch.optim.AdamW([p for n, p in m.named_parameters() if n.startswith("blocks.")], lr=1e-2,
+                                        fused=True))
+    _train(model, optims[0], range(1))
+    for step in range(3):
+        if step == 1:
+            for m, optim in zip((model, reference), optims):
+                optim.add_param_group({"params": [p for n, p in m.named_parameters()
+                                                  if not n.startswith("blocks.") and p.requires_grad]})
+        if step:
+            _train(model, optims[0], range(step, step + 1))
+        inputs, targets = _global_batch(step)
+        loss_fn(reference(inputs), targets).backward()
+        optims[1].step()
+        optims[1].zero_grad()
+    full = get_model_state_dict(model)
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(full[name], value, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+    _, osd = torch_get_state_dict(model, optims[0], options=_options(True, False))
+    theirs = {n: optims[1].state[p] for n, p in reference.named_parameters() if p in optims[1].state}
+    assert set(osd["state"]) == set(theirs) and "emb.weight" in theirs, (sorted(osd["state"]), sorted(theirs))
+    for name, entries in theirs.items():
+        for key, value in entries.items():
+            torch.testing.assert_close(osd["state"][name][key], value, atol=1e-5, rtol=0,
+                                       msg=lambda m: f"optimizer {name}.{key}: {m}")
+
+
+def _plain_copy_loaded_on_rank0() -> None:
+    """A plain copy of the model (an eval copy) loaded with set_model_state_dict and
+    set_optimizer_state_dict on rank 0 alone: a plain module's load is local, no rank waits."""
+    from composable_shard import set_model_state_dict, set_optimizer_state_dict
+    from tests._models import make_model
+
+    model = _build("FULL_SHARD", seed=0)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, optim, range(1))
+    msd, osd = get_model_state_dict(model), get_optimizer_state_dict(model, optim)
+    if dist.get_rank() == 0:
+        plain = make_model(1)
+        plain_optim = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+        set_model_state_dict(plain, msd)
+        set_optimizer_state_dict(plain, plain_optim, osd)
+        _assert_state_dicts_equal(dict(plain.state_dict()), msd, "plain copy")
+    dist.barrier()
+
+
+def _grown_and_plain() -> None:
+    _optimizer_grown_after_its_first_step()
+    _plain_copy_loaded_on_rank0()
+
+
+def test_an_optimizer_grown_after_its_first_step_and_a_plain_copy_on_rank0() -> None:
+    run_distributed(_grown_and_plain, 2)
