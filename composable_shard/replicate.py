@@ -50,6 +50,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import weakref
 from typing import Any, Dict, Iterable, List, Optional, Protocol, Sequence, Set, Tuple, Union, cast
 
 import torch
@@ -76,6 +77,7 @@ from ._base.tree import local_piece
 from .api import MixedPrecision
 from .comm_hooks import CommHook, GradBucket
 from .contract import _State, _get_module_state, contract
+from ._state.model_state_dict import agree_torch_load
 
 __all__ = ["replicate", "ReplicateModule"]
 
@@ -353,9 +355,43 @@ def _init_state(state: _ReplicateState, module: nn.Module, api: str, group: Opti
     state.reduce_dtype = mixed_precision.effective_reduce_dtype if mixed_precision is not None else None
     _manage(state, candidates, {})
     note_replicated(module, [p for _, p in candidates])  # [Note: Inside another API's module] in _setup/data_parallel.py
-    state.step_counter = _watch.StepCounter(p for _, p in candidates)
+    state.step_counter = _ReplicateSteps(p for _, p in candidates)
+    module.register_load_state_dict_pre_hook(_agree_before_model_load)
     if state.frozen:
         module.register_forward_pre_hook(WeakHook(_adopt_unfrozen, state))
+
+
+class _ReplicateSteps(_watch.StepCounter):
+    """The step counter of a replicated module, which also hooks the loads of every optimizer it
+    counts: [Note: torch's loads on every rank] in ``_state/model_state_dict.py`` (torch's
+    ``set_state_dict`` with a model state dict on rank 0 only loaded the replicas there alone:
+    replicas silently apart)."""
+
+    def stepped(self, optimizer: torch.optim.Optimizer) -> None:
+        super().stepped(optimizer)
+        if optimizer not in _LOADS_HOOKED:
+            _LOADS_HOOKED.add(optimizer)
+            optimizer.register_load_state_dict_pre_hook(_agree_before_optimizer_load)
+
+
+_LOADS_HOOKED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+
+
+def _agree_before_optimizer_load(optimizer: torch.optim.Optimizer, state_dict: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """Also gives the optimizer copies of the state's tensors (torch's loader keeps the caller's: after
+    ``get_state_dict(a)``, ``set_state_dict(b)`` in one process, two optimizers stepped one ``step`` and one
+    ``exp_avg``), as the library's own loads and fully_shard's hooks do."""
+    agree_torch_load(at_model=False)
+    if not isinstance(state_dict.get("state"), dict):
+        return None
+    owned = {key: {name: value.detach().clone() if isinstance(value, torch.Tensor) else value
+                   for name, value in entries.items()} if isinstance(entries, dict) else entries
+             for key, entries in state_dict["state"].items()}
+    return {**state_dict, "state": owned}
+
+
+def _agree_before_model_load(module: nn.Module, *args: Any) -> None:
+    agree_torch_load(at_model=True)
 
 
 def _manage(state: _ReplicateState, candidates: List[Tuple[str, nn.Parameter]], used: Dict[int, bool]) -> None:

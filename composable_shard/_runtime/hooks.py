@@ -88,7 +88,7 @@ from ..contract import _get_registry
 from ..api import BackwardPrefetch
 
 __all__ = ["register_runtime_hooks", "lazy_init", "wait_unshard", "issue_unshard", "reduce_accumulated",
-           "recover_interrupted_backward", "assert_internal", "begin_weight_pass",
+           "recover_interrupted_backward", "raise_detached", "assert_internal", "begin_weight_pass",
            "end_weight_pass"]
 
 log = logging.getLogger("composable_shard")
@@ -356,7 +356,7 @@ def _follow_user_changes(root: _FSDPState) -> None:
     for handle in root._all_handles:
         detached, hooked = handle.unusable_params()
         if detached:
-            _raise_detached(_state_of(handle), detached)
+            raise_detached(_state_of(handle), detached)
         if hooked:
             _raise_hooked(_state_of(handle), hooked)
         for group in handle.refresh_requires_grad():
@@ -373,7 +373,7 @@ def _raise_awaiting_init(state: _FSDPState) -> None:
         "Or pass param_init_fn=... to fully_shard to initialize while sharding.")
 
 
-def _raise_detached(state: _FSDPState, fqns: List[str]) -> None:
+def raise_detached(state: _FSDPState, fqns: List[str]) -> None:
     """[Note: Detached parameters]  Each original parameter is a view of its flat shard: the
     runtime gathers the shards, and the optimizer's in-place update of the parameter is an update
     of the shard. A parameter whose ``.data`` was replaced afterwards (``submodule.half()`` or

@@ -235,6 +235,7 @@ def torch_request(what: str, subject: Any) -> Any:
 #   cpu_offload=True))`` returns. Our full-state-dict load is local (each rank slices its own
 #   elements), so rank 0 alone loaded its slices and returned: a model half trained, half fresh,
 #   and no error (FSDP2 hangs in the same call, rank 0 waiting in a collective).
+#   Under replicate the replicas came apart the same way (rank 0's loaded, the others' not).
 #   So each torch load of a model with a group of more than one rank agrees, once per call, on
 #   which ranks load the model:
 #   * at the first optimizer's load (``set_state_dict`` loads the optimizers first, on every
@@ -281,7 +282,8 @@ def agree_torch_load(at_model: bool) -> None:
         take = [r for r, flag in enumerate(flags) if flag]
         raise RuntimeError(
             f"torch's {load.api}: ranks {skip} of the model's group skip the model, ranks {take} load it, which "
-            "would leave each flat shard partly loaded. torch skips the model on a rank whose model state dict is "
+            "would leave the model loaded on some ranks only (each rank's slices of a flat shard, or the replicas, no "
+            "longer one model). torch skips the model on a rank whose model state dict is "
             "empty (set_state_dict then takes the call as optimizer-only, even with broadcast_from_rank0=True), as "
             "get_state_dict with StateDictOptions(full_state_dict=True, cpu_offload=True) returns on ranks other "
             "than 0. Load a state dict held by rank 0 only with set_model_state_dict(model, msd, "
@@ -416,7 +418,8 @@ def _post_state_dict(module: nn.Module, state_dict: Dict[str, Any], prefix: str,
                 state_dict[prefix + name] = value.detach().to(dtype)
         registry = managed_params(module)
         if registry:
-            check_between_steps(list({id(m.state): m.state for m in registry.values()}.values()), "state_dict()")
+            check_between_steps(list({id(m.state): m.state for m in registry.values()}.values()), "state_dict()",
+                                detached=False)  # the owner's pre-hook checked
             once = _Session()  # for handles whose owner's state_dict() is not running
             for name, m in registry.items():
                 if prefix + name in state_dict:
@@ -596,7 +599,8 @@ def _pre_load_state_dict(module: nn.Module, state_dict: Dict[str, Any], prefix: 
                          strict: bool, missing_keys: List[str], unexpected_keys: List[str], error_msgs: List[str]) -> None:
     take_pending_init_values()  # see [Note: Initialization after to_empty] in _runtime/flat_param.py
     registry = managed_params(module)
-    check_between_steps(list({id(m.state): m.state for m in registry.values()}.values()), "load_state_dict()")
+    check_between_steps(list({id(m.state): m.state for m in registry.values()}.values()), "load_state_dict()",
+                        detached=False)
     agree_torch_load(at_model=True)  # see [Note: torch's loads on every rank]
     for name, m in registry.items():
         key = prefix + name

@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from .._runtime import collectives as _collectives
 from .._runtime.module_state import HandleTrainingState, TrainingState, _FSDPState
 from .._runtime.flat_param import FlatGroup, FlatParamHandle, set_grad_of_any_shape, take_pending_init_values
-from .._runtime.hooks import recover_interrupted_backward, take_step_verdicts
+from .._runtime.hooks import raise_detached, recover_interrupted_backward, take_step_verdicts
 from .._runtime.shard_math import param_offsets
 from .._base.pieces import as_dtensor
 from .._base.torch_compat import is_in_backward, set_module_tensor
@@ -136,10 +136,13 @@ def check_module(api: str, module: Any) -> None:
         raise TypeError(f"{api}: module must be an nn.Module, got {type(module).__name__}")
 
 
-def check_between_steps(states: List[_FSDPState], what: str = "unshard_params/summon_full_params") -> None:
+def check_between_steps(states: List[_FSDPState], what: str = "unshard_params/summon_full_params",
+                        detached: bool = True) -> None:
     """Refuse to run ``what`` during a forward or backward, or nested in ``unshard_params``;
     finish off a backward that raised (its end-of-backward step never ran), so any state
-    between steps is accepted."""
+    between steps is accepted. ``detached``: also refuse a parameter cut loose from its flat
+    shard ([Note: Detached parameters] in ``_runtime/hooks.py``): a state dict would hold the shard's
+    old values (a user's trial saved them after ``vector_to_parameters``)."""
     take_pending_init_values()  # see [Note: Initialization after to_empty] in _runtime/flat_param.py
     roots = {id(s.root): s.root for s in states if s.root is not None}
     for root in roots.values():
@@ -152,6 +155,10 @@ def check_between_steps(states: List[_FSDPState], what: str = "unshard_params/su
         if steps_disagree is not None:
             raise RuntimeError(steps_disagree)
     for s in states:
+        if detached and s.handle is not None:
+            cut_loose, _ = s.handle.unusable_params()
+            if cut_loose:
+                raise_detached(s, cut_loose)
         handle_state = s.handle.training_state if s.handle is not None else HandleTrainingState.IDLE
         if s.training_state is TrainingState.SUMMON_FULL_PARAMS or handle_state is not HandleTrainingState.IDLE:
             raise RuntimeError(f"{s.describe()}: {what} cannot be used during forward/backward "

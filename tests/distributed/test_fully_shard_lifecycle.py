@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from composable_shard import MixedPrecision, ShardingStrategy, fully_shard, unshard_params
+from composable_shard import MixedPrecision, ShardingStrategy, fully_shard, get_model_state_dict, unshard_params
 from tests._harness import assert_close_ranks, run_distributed, run_subtests
 from tests._models import (arm_backward_failure, assert_params_close, batch, expect_backward_failure, local_rows,
                            loss_fn, make_model, zip_same)
@@ -531,6 +531,15 @@ def _model_changed_after_fully_shard(change: str, before_first_forward: bool = F
         model.blocks[0].fc1 = nn.Sequential(model.blocks[0].fc1)
         model(local_rows(inputs, rank)).sum().backward()
         return
+    if "no longer share storage" in expected:  # a state dict or a full view would show the shard's old values
+        for what, read in (("get_model_state_dict", lambda: get_model_state_dict(model)),
+                           ("unshard_params", lambda: unshard_params(model).__enter__())):
+            try:
+                read()
+            except RuntimeError as e:
+                assert "no longer share storage" in str(e) and "after fully_shard" in str(e), (what, e)
+            else:
+                raise AssertionError(f"{change}: {what} must raise (a user's trial saved the old values)")
     try:
         model(local_rows(inputs, rank))
     except RuntimeError as e:

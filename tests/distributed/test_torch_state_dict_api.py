@@ -320,7 +320,7 @@ def _rank0_only_full_state_dicts(layout: str) -> None:
     _assert_same_state(_snapshot(again, again_optim), _snapshot(trained, trained_optim), f"{layout}: next step")
 
 
-@pytest.mark.parametrize("world_size,layout", [(2, "FULL_SHARD"), (4, "HYBRID_SHARD")])
+@pytest.mark.parametrize("world_size,layout", [(2, "FULL_SHARD"), (4, "HYBRID_SHARD"), (2, "replicate")])
 def test_state_dicts_held_by_rank0_load_everywhere_or_raise_everywhere(world_size: int, layout: str) -> None:
     run_distributed(_rank0_only_full_state_dicts, world_size, layout)
 
