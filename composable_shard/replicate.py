@@ -384,7 +384,7 @@ def _agree_before_optimizer_load(optimizer: torch.optim.Optimizer, state_dict: D
     agree_torch_load(at_model=False)
     if not isinstance(state_dict.get("state"), dict):
         return None
-    owned = {key: {name: value.detach().clone() if isinstance(value, torch.Tensor) else value
+    owned = {key: {name: value.detach().clone() if type(value) is torch.Tensor else value  # not a ShardedSlice
                    for name, value in entries.items()} if isinstance(entries, dict) else entries
              for key, entries in state_dict["state"].items()}
     return {**state_dict, "state": owned}

@@ -1957,7 +1957,7 @@ MUTANTS: List[Mutant] = [
        'composable_shard/_state/load_transaction.py', 'rstate = m.__dict__.get(_STATE_KEY, {}).get("replicate")  # by name',
        'rstate = m.__dict__.get(_STATE_KEY, {}).get("Replicate")  # by name', 'tests/distributed/test_checkpoint_faults.py', 'tests/distributed/test_state_dict.py', 'tests/distributed/test_torch_state_dict_api.py'),
     _m("own69_left_out_key_sliced_as_full", "torch's full load with ignore_frozen_params (or strict=False with keys left out) is refused on every rank: the model's own parameter it fills in is taken for a full value",
-       "composable_shard/_state/model_state_dict.py", "        if state_dict[key] is module._parameters.get(name):  # the parameter itself",
+       "composable_shard/_state/model_state_dict.py", "        if state_dict[key] is getattr(module, name, None):  # the parameter itself",
        "        if False:  # the parameter itself", "tests/distributed/test_torch_state_dict_api.py::test_full_state_dicts_leaving_keys_out_load_the_rest"),
     _m("own69_left_out_key_check_refuses", "FSDPModule.load_state_dict's check refuses the parameter itself as a size mismatch",
        "composable_shard/_state/model_state_dict.py", "        if want.shape is None or not isinstance(value, torch.Tensor) or value is want.live:",

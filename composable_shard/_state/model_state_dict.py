@@ -606,7 +606,7 @@ def _pre_load_state_dict(module: nn.Module, state_dict: Dict[str, Any], prefix: 
         key = prefix + name
         if key not in state_dict:
             continue
-        if state_dict[key] is module._parameters.get(name):  # the parameter itself: left as it is (see [Note: State dict hooks])
+        if state_dict[key] is getattr(module, name, None):  # the parameter itself: left as it is (see [Note: State dict hooks])
             state_dict[key] = m.local.detach().clone()
             continue
         try:
