@@ -10,6 +10,8 @@
   tensors the module computes on ([Note: float8 all-gather]).
 - ``host_mirror.py``: small integers to the device and device values back to the host without
   stopping the CPU (pinned copies, events): [Note: No host reads in a step].
+- ``sharded_reads.py``: the stand-ins a sharded parameter's slot holds during the first forwards,
+  which refuse computation ([Note: Sharded parameters read in forward]).
 
 May import: torch and the standard library only.
 """

@@ -12,9 +12,11 @@ wrong data when they agree, and the next collective hangs.
 small synchronous all-gather of integers (:func:`composable_shard._runtime.collectives.exchange`), what it
 is about to do: ``(kind, handle index, group index, flag)``. Every rank sees the same table,
 so on a difference every rank raises the same error naming the modules and the ranks.
-  * first iteration, always: before every all-gather of parameters (forward and backward), and
-    the layout of every handle once at lazy init (a digest; the full description only on a
-    mismatch);
+  * first iteration, always: before every all-gather of parameters (forward and backward) and
+    before every gradient reduction (with the gradient-sync flag: a module whose output enters
+    the loss on some ranks only leaves its reduction out there, and would otherwise wait for the
+    process group's timeout), and the layout of every handle once at lazy init (a digest; the
+    full description only on a mismatch);
   * later iterations: each rank compares its forward order with the recorded one locally and
     warns once on a change (no communication); on gloo a gather or reduction carries its
     handle's index in its point-to-point tag, so ranks that diverged wait instead of exchanging
@@ -91,7 +93,9 @@ def _agree(root: "_FSDPState", group: Optional[dist.ProcessGroup], mine: List[in
             "fully_shard: ranks disagree on the next collective, which would hang or mix up data:\n  "
             + "\n  ".join(lines)
             + "\nEvery rank must run the same fully sharded modules in the same order, with the same "
-            "gradient-sync setting, and raise in backward together (or not at all)."
+            "gradient-sync setting, and raise in backward together (or not at all). A module's gradient is "
+            "reduced on every rank only if its output reaches the loss on every rank: where it is used on some "
+            "ranks only, add it to the loss multiplied by 0 on the others."
         )
 
 

@@ -109,6 +109,7 @@ from . import collectives as _collectives
 from . import shard_math as _shard_math
 from .interop import ShardedGrad, as_sharded_grad, shard_source
 from . import watch as _watch
+from .._base.sharded_reads import stand_in_for
 from .streams import Streams
 from .._base import float8 as _float8
 from .._base.pieces import Piece, as_dtensor, piece_of, shard_groups, take_piece
@@ -504,6 +505,8 @@ class FlatParamHandle:
         self.state: Optional[_Owner] = None  # the owning module's runtime state (set by fully_shard)
         self.keep_low_precision_grads: bool = False  # .grad in the compute dtype (see _runtime/mixed_precision.py)
         self.init_buffers: Optional[List[torch.Tensor]] = None  # after to_empty: full buffers being initialized
+        # first forwards: what each group's sharded slots hold (see [Note: Sharded parameters read in forward])
+        self.stand_ins: Optional[List[List[torch.Tensor]]] = None
         self._build(params, module, module_fqn, param_dtype, tuple(full_precision_classes))
         # The steps of the optimizers holding its parameters (not another model's): see is_stale.
         self.optimizer_steps: _watch.OptimizerSteps = _watch.OptimizerSteps(
@@ -775,14 +778,31 @@ class FlatParamHandle:
         return views
 
     def use_sharded_views(self) -> None:
-        """Put the original parameters (views of the shard) back in the module slots."""
-        for group in self.groups:
+        """Put the original parameters (views of the shard) back in the module slots, or their
+        stand-ins while :meth:`guard_sharded_reads` is on."""
+        for index, group in enumerate(self.groups):
             fp = group.flat_param
-            for p, info in zip(group.orig_params, fp._param_infos):
+            params = group.orig_params if self.stand_ins is None else self.stand_ins[index]
+            for p, info in zip(params, fp._param_infos):
                 set_module_tensor(info.module, info.param_name, p)
             for sinfo in fp._shared_param_infos:
-                set_module_tensor(sinfo.module, sinfo.param_name, group.orig_params[sinfo.prim_param_index])
+                set_module_tensor(sinfo.module, sinfo.param_name, params[sinfo.prim_param_index])
         self.is_unsharded = False
+
+    def guard_sharded_reads(self, on: bool) -> None:
+        """While ``on``, the sharded slots hold stand-ins that refuse computation (see [Note:
+        Sharded parameters read in forward] in ``_base/sharded_reads.py``); off, the original
+        parameters again."""
+        if on:
+            owner = f"fully_shard({self.fqn or '<root>'})"
+            self.stand_ins = [[stand_in_for(p, f"{self.fqn}.{name}" if self.fqn else name, owner)
+                               for p, name in zip(group.orig_params, group.flat_param._fqns)] for group in self.groups]
+        elif self.stand_ins is None:
+            return
+        else:
+            self.stand_ins = None
+        if not self.is_unsharded:
+            self.use_sharded_views()
 
     # ------------------------------------------------------------------ gather transitions
     def will_gather(self) -> bool:

@@ -338,6 +338,9 @@ def _root_pre_forward(root: _FSDPState, args: Tuple[Any, ...], kwargs: Dict[str,
         s.training_state = TrainingState.FORWARD_BACKWARD
         if s.members is not None:  # a new round for every group of modules (see [Note: Groups of modules])
             s.group_pending, s.group_depth = set(), 0
+    if torch.is_grad_enabled() not in root.ctx.reads_guarded_in:  # see [Note: Sharded parameters read in forward]
+        root.ctx.reads_guarded_in.add(torch.is_grad_enabled())
+        _guard_sharded_reads(root, True)
     if root.compute_device.type != "cpu":
         args, kwargs = convert(args, _to_device(root)), convert(kwargs, _to_device(root))
     return args, kwargs
@@ -463,6 +466,8 @@ def _post_forward(state: _FSDPState, module: nn.Module, args: Tuple[Any, ...], o
         return _post_recompute(state, output)
     if state.training_state is TrainingState.SUMMON_FULL_PARAMS:
         return output  # a forward inside unshard_params: plain computation, see _check_forward_on_full_params
+    if state.is_root and state.ctx.guarding_reads:
+        _guard_sharded_reads(state, False)
     others_pending = False
     if state.members is not None:  # see [Note: Groups of modules]
         state.group_depth = max(state.group_depth - 1, 0)
@@ -500,6 +505,14 @@ def _post_forward(state: _FSDPState, module: nn.Module, args: Tuple[Any, ...], o
         if not needs_backward:  # nothing to differentiate: the iteration ends here
             _end_iteration(state)
     return output
+
+
+def _guard_sharded_reads(root: _FSDPState, on: bool) -> None:
+    """Stand-ins in every sharded slot of the tree (``on``), or the original parameters back
+    (see [Note: Sharded parameters read in forward] in ``_base/sharded_reads.py``)."""
+    root.ctx.guarding_reads = on
+    for handle in root._all_handles:
+        handle.guard_sharded_reads(on)
 
 
 def _record_post_forward_order(state: _FSDPState, handle: FlatParamHandle) -> None:
@@ -665,6 +678,12 @@ def _post_backward(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup)
     once every trainable group is done, handle BACKWARD_POST and resharded if it frees after
     backward."""
     _collectives.trace("post_backward", handle.fqn)
+    if handle.training_state is HandleTrainingState.IDLE:
+        raise RuntimeError(
+            f"{state.describe()}: a gradient reached its parameters in backward, but its forward returned no tensor "
+            "that requires grad, so nothing gathered them for the backward. Return the tensors the model uses "
+            "from the module's forward (in a tuple, list, dict or dataclass), instead of keeping them on the module "
+            "or in an object of your own.")
     if handle.training_state not in (HandleTrainingState.BACKWARD_PRE, HandleTrainingState.BACKWARD_POST):
         raise RuntimeError(f"handle of {handle.fqn or '<root>'!r}: expected BACKWARD_PRE/BACKWARD_POST, found "
                            f"{handle.training_state.name} in post_backward (did backward run without forward?)")
@@ -674,7 +693,7 @@ def _post_backward(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup)
     unsharded_grad = handle.take_unsharded_grad(group)
     group.grad_ready = True
     if unsharded_grad is not None:
-        if root.ctx.debug_checks:
+        if root.ctx.check_order or root.ctx.debug_checks:  # see [Note: Agreement] in _runtime/agreement.py
             _agreement.agree_before_reduction(root, state, handle, group.index, state.sync_gradients)
         if state.sync_gradients:
             handle.reduce(group, unsharded_grad)

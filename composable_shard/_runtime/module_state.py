@@ -126,10 +126,14 @@ class RootContext:
         self.final_callback_queued: bool = False  # a backward started (its end-of-backward callback is queued)
         self.forward_in_progress: bool = False  # between the root's pre-forward and post-forward
         self.pending_reductions: List[Reduction] = []  # reductions issued, not yet finished (a few at most)
-        self.check_order: bool = True  # agree across ranks before each all-gather (first iteration, debug)
+        self.check_order: bool = True  # agree across ranks before each all-gather and reduction (first iteration)
         self.debug_checks: bool = False  # COMPOSABLE_SHARD_DEBUG: agree before every collective, every step
         self.changes_to_check: bool = True  # a tracked module changed since the last check (_runtime/watch.py); the first forward checks
         self.step_counter: Optional[StepCounter] = None  # the optimizer steps on every handle's parameters
+        # grad modes (enabled or not) whose first forward ran with sharded reads refused
+        # ([Note: Sharded parameters read in forward] in _base/sharded_reads.py); guarding: one runs now
+        self.reads_guarded_in: Set[bool] = set()
+        self.guarding_reads: bool = False
         # per process-group pair: the last end-of-backward agreement's step verdict, read at the next one
         self.step_verdicts: Dict[Tuple[int, int], StepVerdict] = {}
 

@@ -133,3 +133,161 @@ def test_module_called_while_its_owner_is_sharded_raises_on_every_rank() -> None
     for world_size in (1, 2, 4):
         run_distributed(_called_while_sharded, world_size, timeout=120)
     run_distributed(_called_from_another_block, 2, timeout=120)
+
+
+# ---------------------------------------------------------------------------- parameters read, not called
+class _Gain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.g = nn.Parameter(torch.tensor([1.5, 0.5]))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * self.g
+
+
+class _Reader(nn.Module):
+    """``mode`` says how the forward uses ``gain``: ``"read"`` computes on ``gain.g`` without
+    calling ``gain`` (the bug), ``"call"`` calls it, ``"describe"`` calls it and also reads only
+    what describes ``gain.g`` (dtype, device, shape, requires_grad, ``x.to(g)``, ``g.new_zeros``),
+    ``"decay"`` adds a sum over every parameter to the output inside the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(4, 2)
+        self.gain = _Gain()
+        self.mode = "read"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.l1(x)
+        g = self.gain.g
+        if self.mode == "read":
+            return h * g
+        if self.mode == "cast":  # as a mixed-precision forward casts a weight
+            return h * g.to(h.dtype)
+        out = self.gain(h)
+        if self.mode == "describe":
+            assert g.dtype == torch.float32 and g.device == h.device and g.requires_grad and g.dim() == 1
+            assert g.is_floating_point() and g.numel() == g.shape[0] == g.size(0)
+            out = out + h.to(g) * 0 + h.type_as(g) * 0 + g.new_zeros(2)
+        if self.mode == "decay":
+            out = out + sum((p ** 2).sum() for p in self.parameters())
+        return out
+
+
+def _reader(mode: str) -> Tuple[_Reader, _Reader]:
+    torch.manual_seed(0)
+    local = _Reader()
+    torch.manual_seed(0)
+    model = _Reader()
+    fully_shard(model.l1)
+    fully_shard(model.gain)
+    fully_shard(model)
+    model.mode = local.mode = mode
+    return local, model
+
+
+def _read_in_forward() -> None:
+    """A parent's forward computing on a separately fully sharded child's parameter (on rank 1
+    at W=2 its slice has one element and broadcast: a wrong loss, 1.758 against 1.283 in a
+    user's trial), or on a cast of it, raises on every rank in the first forward without grad
+    and again in the first with grad, naming the parameter and its owner; the model is left as
+    it was, its slots hold the original parameters again after each forward, and it trains as
+    one process once the forward calls the child, with reads of what describes the parameter
+    allowed in the first forwards of both kinds."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = torch.randn(3 * world, 4, generator=torch.Generator().manual_seed(1))
+    mine = rows.view(world, 3, 4)[rank]
+    for mode in ("read", "cast"):
+        local, model = _reader(mode)
+        assert _slice_sizes(model.gain.g)[1] == 1 or world == 4, _slice_sizes(model.gain.g)  # the broadcasting slice
+        before = _state(model)
+        for grad in (False, True):
+            with torch.set_grad_enabled(grad):
+                _raises(lambda: model(mine), "parameter 'gain.g'", "fully_shard(gain)", "has it sharded",
+                        "call that module instead")
+            assert [n for n, _ in before] == [n for n, _ in _state(model)]
+            assert all(torch.equal(a, b) for (_, a), (_, b) in zip(before, _state(model)))
+            assert type(model.gain.g) is nn.Parameter and model.gain.g is dict(model.named_parameters())["gain.g"]
+    local, model = _reader("describe")
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    local_optim = torch.optim.SGD(local.parameters(), lr=0.1)
+    with torch.no_grad():
+        torch.testing.assert_close(model(mine), local(rows).view(world, 3, 2)[rank], atol=1e-6, rtol=1e-6)
+    for _ in range(2):
+        model(mine).square().mean().backward()
+        local(rows).square().mean().backward()
+        optim.step()
+        local_optim.step()
+        optim.zero_grad()
+        local_optim.zero_grad()
+        assert type(model.gain.g) is nn.Parameter and model.gain.g is optim.param_groups[0]["params"][2]
+    with unshard_params(model):
+        for (name, p), (_, q) in zip(model.named_parameters(), local.named_parameters()):
+            torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-6, msg=name)
+
+
+def _decay_inside_and_after() -> None:
+    """A sum over every parameter inside the forward (each sharded one a slice) is refused, and
+    the message says where it belongs; after the forward the same sum over the slices gives one
+    process's gradients exactly (each element's gradient lands on the rank that owns it)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = torch.randn(3 * world, 4, generator=torch.Generator().manual_seed(2))
+    mine = rows.view(world, 3, 4)[rank]
+    local, model = _reader("decay")
+    _raises(lambda: model(mine), "was used in a computation", "belongs after the forward")
+    model.mode = local.mode = "call"
+    decay = lambda m: 0.05 * sum((p ** 2).sum() for p in m.parameters())  # noqa: E731
+    (model(mine).square().mean() + decay(model)).backward()
+    (local(rows).square().mean() + decay(local)).backward()
+    with unshard_params(model, with_grads=True):
+        for (name, p), (_, q) in zip(model.named_parameters(), local.named_parameters()):
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-6, msg=name)
+
+
+def _hook_after_fully_shard(hook_first: bool) -> None:
+    """A forward hook adding a penalty on a fully sharded block's weight: registered after
+    fully_shard it ran after the block resharded and saw this rank's slice (gradients 5.5e-2
+    off in a user's trial), and now raises naming the weight and the remedy; registered
+    before, it sees the full weight and training equals one process's."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = torch.randn(3 * world, 4, generator=torch.Generator().manual_seed(3))
+    mine = rows.view(world, 3, 4)[rank]
+
+    def penalty(module: nn.Module, args: object, out: torch.Tensor) -> torch.Tensor:
+        return out + 0.05 * module.weight.pow(2).sum()
+
+    torch.manual_seed(0)
+    local = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    local[0].register_forward_hook(penalty)
+    if hook_first:
+        model[0].register_forward_hook(penalty)
+    fully_shard(model[0])
+    fully_shard(model)
+    if not hook_first:
+        model[0].register_forward_hook(penalty)
+        _raises(lambda: model(mine), "parameter '0.weight'", "fully_shard(0)", "register the hook before fully_shard")
+        return
+    model(mine).square().mean().backward()
+    local(rows).square().mean().backward()
+    with unshard_params(model, with_grads=True):
+        for (name, p), (_, q) in zip(model.named_parameters(), local.named_parameters()):
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-6, msg=name)
+
+
+def _reads_at_2() -> None:
+    _read_in_forward()
+    _decay_inside_and_after()
+    _hook_after_fully_shard(hook_first=False)
+    _hook_after_fully_shard(hook_first=True)
+
+
+def test_sharded_parameter_read_in_forward_raises_on_every_rank() -> None:
+    """W=2 and W=4: a sharded parameter computed on in the model's forward outside its own
+    module's forward (a parent reading a child's parameter, a forward hook registered after
+    fully_shard, a weight-decay sum inside the forward) raises on every rank in the first
+    forwards, naming it; reading only its dtype, device or shape does not; the right ways train
+    as one process."""
+    run_distributed(_reads_at_2, 2, timeout=120)
+    run_distributed(_read_in_forward, 4, timeout=120)

@@ -10,6 +10,7 @@ process inside gloo.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import warnings
 from datetime import timedelta
@@ -95,6 +96,70 @@ def _order_differs_in_first_iteration(same_shapes: bool) -> None:
     with unshard_params(model, with_grads=True), unshard_params(fresh, with_grads=True):
         for p, q in zip_same(list(model.parameters()), list(fresh.parameters()), what="parameters"):
             assert p.grad is not None and q.grad is not None and torch.equal(p.grad, q.grad)
+
+
+class _WithAux(nn.Module):
+    """A body, a head, and an auxiliary head whose output some ranks leave out of the loss."""
+
+    def __init__(self, aux_first: bool) -> None:
+        super().__init__()
+        self.body = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 2)
+        self.aux = nn.Linear(6, 2)
+        self.aux_first = aux_first
+
+    def forward(self, x: torch.Tensor) -> Any:
+        h = torch.tanh(self.body(x))
+        if self.aux_first:
+            aux = self.aux(h)
+            return self.head(h), aux
+        out = self.head(h)
+        return out, self.aux(h)
+
+
+def _aux_loss(model: nn.Module, x: torch.Tensor, aux_weight: float) -> torch.Tensor:
+    out, aux = model(x)
+    return (out ** 2).sum() + aux_weight * (aux ** 2).sum() if aux_weight else (out ** 2).sum()
+
+
+def _output_used_on_some_ranks(aux_first: bool, sync: bool) -> None:
+    """An auxiliary output in rank 0's loss only (the aux head running before or after the head,
+    so its reduction is first or in the middle of rank 0's): every rank raises at the first
+    reduction they disagree on, naming it, in the first iteration (it waited for the process
+    group's timeout). The message's remedy (the output times 0 on the others) then trains as one
+    process on the combined batch. With gradient sync off the same holds: the agreement carries
+    the flag."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = _WithAux(aux_first)
+    local = copy.deepcopy(model)
+    for name in ("body", "head", "aux"):
+        fully_shard(getattr(model, name), forward_prefetch=False)
+    fully_shard(model, forward_prefetch=False)
+    model.set_requires_gradient_sync(sync)
+    xs = [torch.randn(3, 6, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    # aux's backward comes second on rank 0 (after head's) where aux ran first, else first, where
+    # its backward all-gather is what the others do not do
+    mine, theirs = (("gradient of 'aux'", "gradient of 'body'") if aux_first else
+                    ("all-gather of the parameters of 'aux'", "all-gather of the parameters of 'head'"))
+    message = _expect_error(lambda: _aux_loss(model, xs[rank], 1.0 if rank == 0 else 0.0).backward(),
+                            f"rank 0: {mine}", f"rank {world - 1}: {theirs}",
+                            "reaches the loss on every rank", "multiplied by 0")
+    assert ("keeping it unreduced" in message) is (aux_first and not sync), message
+    model.zero_grad()
+    out, aux = model(xs[rank])
+    ((out ** 2).sum() + (1.0 if rank == 0 else 0.0) * (aux ** 2).sum()).backward()
+    if not sync:
+        model.set_requires_gradient_sync(True)
+        out, aux = model(xs[rank])
+        ((out ** 2).sum() + (1.0 if rank == 0 else 0.0) * (aux ** 2).sum()).backward()
+    passes = 1 if sync else 2
+    for _ in range(passes):
+        sum(_aux_loss(local, xs[r], 1.0 if r == 0 else 0.0) for r in range(world)).div(world).backward()
+    with unshard_params(model, with_grads=True):
+        for (name, p), q in zip_same(list(model.named_parameters()), list(local.parameters()), what="parameters"):
+            assert p.grad is not None and q.grad is not None, name
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-5, msg=name)
 
 
 # ---------------------------------------------------------------------------- later iterations
@@ -389,6 +454,8 @@ _AGREED: Dict[str, Callable[[], None]] = {
     "different handle order in the first iteration": lambda: run_subtests(
         _order_differs_in_first_iteration, {"same_shapes": [True, False]}),
     "debug mode checks every iteration": _later,
+    "an output in the loss on some ranks only": lambda: run_subtests(
+        _output_used_on_some_ranks, {"aux_first": [True, False], "sync": [True, False]}),
     "optimizer stepped on some ranks": lambda: run_subtests(_steps_on_some_ranks, {
         "api": ["fully_shard", "replicate"],
         "cause": ["rank_condition", "grad_scaler", "sharded_grad_scaler", "extra_step"]}),
@@ -403,6 +470,8 @@ _AGREED_AT_4: Dict[str, Callable[[], None]] = {  # more than two ranks agreeing;
     "different handle order in the first iteration": _AGREED["different handle order in the first iteration"],
     "optimizer stepped on some ranks": lambda: run_subtests(_steps_on_some_ranks, {
         "api": ["hybrid"], "cause": ["rank_condition"]}),
+    "an output in the loss on some ranks only": lambda: run_subtests(
+        _output_used_on_some_ranks, {"aux_first": [True], "sync": [True]}),
 }
 
 
@@ -419,6 +488,11 @@ def test_disagreement_raises_on_every_rank(world_size: int) -> None:
     order on rank 0 (same shapes: used to return wrong outputs and hang; different shapes: used
     to abort in gloo): every rank raises naming both blocks and the ranks, and the model trains
     normally afterwards.
+
+    an output in the loss on some ranks only (2 and 4 ranks): an auxiliary head's output in rank
+    0's loss alone left its reduction unmatched, and every rank waited for the process group's
+    timeout; the first iteration now agrees before each reduction, so every rank raises naming
+    the two gradients and the remedy, which then trains as one process.
 
     debug mode checks every iteration (2 ranks): after the first iteration an order change
     warns once (no communication); with COMPOSABLE_SHARD_DEBUG=1 a divergent order, gradient

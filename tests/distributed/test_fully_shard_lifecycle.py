@@ -11,6 +11,7 @@ wrong numbers, a broken model or a refusal before the runtime handled it.
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
@@ -452,6 +453,59 @@ def _output_structures(kind: str) -> None:
     _assert_grads_equal(model, reference, f"[{kind}]")
 
 
+class _Stashing(nn.Module):
+    """Keeps its result on itself and returns None (``stash``), or returns it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.stash = True
+        self.out: Optional[torch.Tensor] = None
+
+    def forward(self, h: torch.Tensor) -> Optional[torch.Tensor]:
+        self.out = torch.tanh(self.lin(h))
+        return None if self.stash else self.out
+
+
+class _ReadsStash(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(4, 6)
+        self.mid = _Stashing()
+        self.l3 = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.mid(self.l1(x))
+        return self.l3(self.mid.out if h is None else h)
+
+
+def _output_kept_on_the_module() -> None:
+    """A fully sharded module that keeps its output on itself and returns None: nothing gathers
+    its parameters for backward, and the gradient's arrival raises on every rank naming the
+    module and the fix (it named an internal state); returning the output then trains as one
+    process."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    local = _ReadsStash()
+    model = copy.deepcopy(local)
+    for name in ("l1", "mid", "l3"):
+        fully_shard(getattr(model, name))
+    fully_shard(model)
+    rows = torch.randn(2 * world, 4, generator=torch.Generator().manual_seed(5))
+    mine = rows.view(world, 2, 4)[rank]
+    try:
+        model(mine).square().sum().backward()
+    except RuntimeError as e:
+        assert "fully_shard(mid)" in str(e) and "returned no tensor that requires grad" in str(e), e
+    else:
+        raise AssertionError("a gradient reaching a module whose forward returned nothing must raise")
+    model.zero_grad()
+    model.mid.stash = local.mid.stash = False
+    model(mine).square().sum().backward()
+    local(rows).square().sum().div(world).backward()
+    _assert_grads_equal(model, local, "[stashed then returned]")
+
+
 def test_outputs_of_any_structure() -> None:
     """Root and block outputs as dataclass, namedtuple, OrderedDict subclass (ModelOutput-like)
     and nested dict/list/tuple: backward hooks reach every tensor and gradients equal local
@@ -654,8 +708,9 @@ _GRIDS: Dict[str, Callable[[], None]] = {
     "unused": lambda: (_unit_used_only_unsynced(), _unit_used_only_unsynced(heads_sharded=False),
                        run_subtests(_unused_parameters, {"strategy": _STRATEGIES, "sometimes_on": ["all", "none", "rank0"]}),
                        _partial_grad_reset()),
-    "outputs": lambda: run_subtests(_output_structures, {"kind": ["dataclass", "namedtuple", "model_output",
-                                                                 "dict_of_lists", "opaque"]}),
+    "outputs": lambda: (run_subtests(_output_structures, {"kind": ["dataclass", "namedtuple", "model_output",
+                                                                  "dict_of_lists", "opaque"]}),
+                        _output_kept_on_the_module()),
     "unshard": lambda: run_subtests(_unshard_params_when_idle, {"situation": [
         "after eval forward", "after failed forward", "after failed backward"]}),
     "changes": lambda: (run_subtests(_model_changed_after_fully_shard, {"change": [
