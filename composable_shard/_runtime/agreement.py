@@ -12,8 +12,9 @@ wrong data when they agree, and the next collective hangs.
 small synchronous all-gather of integers (:func:`composable_shard._runtime.collectives.exchange`), what it
 is about to do: ``(kind, handle index, group index, flag)``. Every rank sees the same table,
 so on a difference every rank raises the same error naming the modules and the ranks.
-  * first iteration, always: before every all-gather of parameters (forward and backward) and
-    before every gradient reduction (with the gradient-sync flag: a module whose output enters
+  * first iteration, always, in every data-parallel group of the module (see [Note: Agreement on
+    a 2-D mesh] for hybrid sharding): before every all-gather of parameters (forward and
+    backward) and before every gradient reduction (with the gradient-sync flag: a module whose output enters
     the loss on some ranks only leaves its reduction out there, and would otherwise wait for the
     process group's timeout), and the layout of every handle once at lazy init (a digest; the
     full description only on a mismatch);
@@ -59,44 +60,64 @@ def debug_mode() -> bool:
 
 
 def agree_before_gather(root: "_FSDPState", state: "_FSDPState", handle: "FlatParamHandle") -> None:
-    """Raise on every rank of ``state``'s shard group unless all are about to gather ``handle``."""
-    _agree(root, state.process_group, [GATHER, handle.index, 0, 0])
+    """Raise on every rank of ``state``'s data-parallel groups unless all are about to gather ``handle``."""
+    _agree(root, _dp_groups(state), [GATHER, handle.index, 0, 0])
 
 
 def agree_before_reduction(root: "_FSDPState", state: "_FSDPState", handle: "FlatParamHandle", group_index: int,
                            sync: bool) -> None:
     """Raise unless every rank is about to reduce (or, all of them, keep) the same gradient."""
-    for group in _dp_groups(state):
-        _agree(root, group, [REDUCE, handle.index, group_index, int(sync)])
+    _agree(root, _dp_groups(state), [REDUCE, handle.index, group_index, int(sync)])
 
 
 def agree_on_failed_backward(root: "_FSDPState") -> None:
     """A rank recovering from a backward that raised meets the others' next agreement: equal if
     they all failed, an error on every rank otherwise."""
-    for group in _dp_groups(root):
-        _agree(root, group, [FAILED_BACKWARD, -1, 0, 0])
+    _agree(root, _dp_groups(root), [FAILED_BACKWARD, -1, 0, 0])
 
 
 def _dp_groups(state: "_FSDPState") -> List[Any]:
+    """The shard group, then the replicate group (hybrid sharding), each if it has several ranks."""
     groups = [g for g in (state.process_group, state.replicate_group) if g is not None]
     return [g for g in groups if dist.get_world_size(g) > 1]
 
 
-def _agree(root: "_FSDPState", group: Optional[dist.ProcessGroup], mine: List[int]) -> None:
-    if group is None or dist.get_world_size(group) == 1:
+def _agree(root: "_FSDPState", groups: List[Any], mine: List[int]) -> None:
+    """[Note: Agreement on a 2-D mesh]  Under hybrid sharding a rank is in a shard group and a
+    replicate group. Raising as soon as one group disagrees would leave the ranks of the other
+    groups waiting for it in their next collective: every rank must learn of a disagreement
+    anywhere. Two exchanges do it: in the shard group (the values), then in the replicate group
+    (the values and whether the shard group disagreed). Where some shard group disagrees, every
+    replicate group holds one of its ranks and hears of it; where none does, each shard group
+    holds one value, every replicate group holds one rank of each, and so all of them see the
+    same difference or none. A rank that saw the differing values names them; one that only heard
+    of them names what it was about to do."""
+    if not groups:
         return
-    everyone = _collectives.exchange(mine, group, tag="agree")
-    if any(theirs != everyone[0] for theirs in everyone):
-        ranks = [dist.get_global_rank(group, r) for r in range(len(everyone))]
-        lines = [f"rank {rank}: {_describe(root, values)}" for rank, values in zip(ranks, everyone)]
+    found = _differing(root, groups[0], _collectives.exchange(mine, groups[0], tag="agree"))
+    if len(groups) > 1:
+        across = _collectives.exchange(mine + [int(found is not None)], groups[1], tag="agree")
+        if found is None:
+            found = _differing(root, groups[1], [row[:-1] for row in across])
+        if found is None and any(row[-1] for row in across):
+            found = [f"rank {dist.get_rank()}: {_describe(root, mine)}", "ranks of another group: something else"]
+    if found is not None:
         raise RuntimeError(
             "fully_shard: ranks disagree on the next collective, which would hang or mix up data:\n  "
-            + "\n  ".join(lines)
+            + "\n  ".join(found)
             + "\nEvery rank must run the same fully sharded modules in the same order, with the same "
             "gradient-sync setting, and raise in backward together (or not at all). A module's gradient is "
             "reduced on every rank only if its output reaches the loss on every rank: where it is used on some "
             "ranks only, add it to the loss multiplied by 0 on the others."
         )
+
+
+def _differing(root: "_FSDPState", group: Any, everyone: List[List[int]]) -> Optional[List[str]]:
+    """One line per rank of ``group`` saying what it is about to do, if they differ."""
+    if all(theirs == everyone[0] for theirs in everyone):
+        return None
+    ranks = [dist.get_global_rank(group, r) for r in range(len(everyone))]
+    return [f"rank {rank}: {_describe(root, values)}" for rank, values in zip(ranks, everyone)]
 
 
 def _describe(root: "_FSDPState", values: List[int]) -> str:

@@ -122,29 +122,39 @@ def _aux_loss(model: nn.Module, x: torch.Tensor, aux_weight: float) -> torch.Ten
     return (out ** 2).sum() + aux_weight * (aux ** 2).sum() if aux_weight else (out ** 2).sum()
 
 
-def _output_used_on_some_ranks(aux_first: bool, sync: bool) -> None:
+def _output_used_on_some_ranks(aux_first: bool, sync: bool, hybrid: bool = False) -> None:
     """An auxiliary output in rank 0's loss only (the aux head running before or after the head,
     so its reduction is first or in the middle of rank 0's): every rank raises at the first
     reduction they disagree on, naming it, in the first iteration (it waited for the process
     group's timeout). The message's remedy (the output times 0 on the others) then trains as one
     process on the combined batch. With gradient sync off the same holds: the agreement carries
-    the flag."""
+    the flag. ``hybrid`` (4 ranks, a 2 x 2 mesh): ranks 2 and 3 agree within their shard group,
+    and raise too (they waited for ranks 0 and 1 in the replicate group): see [Note: Agreement on
+    a 2-D mesh]."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = _WithAux(aux_first)
     local = copy.deepcopy(model)
+    kwargs: Dict[str, Any] = {"forward_prefetch": False}
+    if hybrid:
+        from torch.distributed.device_mesh import init_device_mesh
+        kwargs.update(mesh=init_device_mesh("cpu", (2, 2)), strategy=ShardingStrategy.HYBRID_SHARD)
     for name in ("body", "head", "aux"):
-        fully_shard(getattr(model, name), forward_prefetch=False)
-    fully_shard(model, forward_prefetch=False)
+        fully_shard(getattr(model, name), **kwargs)
+    fully_shard(model, **kwargs)
     model.set_requires_gradient_sync(sync)
     xs = [torch.randn(3, 6, generator=torch.Generator().manual_seed(r)) for r in range(world)]
     # aux's backward comes second on rank 0 (after head's) where aux ran first, else first, where
     # its backward all-gather is what the others do not do
     mine, theirs = (("gradient of 'aux'", "gradient of 'body'") if aux_first else
                     ("all-gather of the parameters of 'aux'", "all-gather of the parameters of 'head'"))
+    if hybrid:  # each rank names what it saw: its shard group's, its replicate group's, or only that one differed
+        seen = {0: [f"rank 0: {mine}", f"rank 1: {theirs}"], 1: [f"rank 0: {mine}", f"rank 1: {theirs}"],
+                2: [f"rank 0: {mine}", f"rank 2: {theirs}"], 3: [f"rank 3: {theirs}", "ranks of another group"]}[rank]
+    else:
+        seen = [f"rank 0: {mine}", f"rank {world - 1}: {theirs}"]
     message = _expect_error(lambda: _aux_loss(model, xs[rank], 1.0 if rank == 0 else 0.0).backward(),
-                            f"rank 0: {mine}", f"rank {world - 1}: {theirs}",
-                            "reaches the loss on every rank", "multiplied by 0")
+                            *seen, "reaches the loss on every rank", "multiplied by 0")
     assert ("keeping it unreduced" in message) is (aux_first and not sync), message
     model.zero_grad()
     out, aux = model(xs[rank])
@@ -471,7 +481,7 @@ _AGREED_AT_4: Dict[str, Callable[[], None]] = {  # more than two ranks agreeing;
     "optimizer stepped on some ranks": lambda: run_subtests(_steps_on_some_ranks, {
         "api": ["hybrid"], "cause": ["rank_condition"]}),
     "an output in the loss on some ranks only": lambda: run_subtests(
-        _output_used_on_some_ranks, {"aux_first": [True], "sync": [True]}),
+        _output_used_on_some_ranks, {"aux_first": [True, False], "sync": [True], "hybrid": [False, True]}),
 }
 
 
@@ -492,7 +502,8 @@ def test_disagreement_raises_on_every_rank(world_size: int) -> None:
     an output in the loss on some ranks only (2 and 4 ranks): an auxiliary head's output in rank
     0's loss alone left its reduction unmatched, and every rank waited for the process group's
     timeout; the first iteration now agrees before each reduction, so every rank raises naming
-    the two gradients and the remedy, which then trains as one process.
+    the two gradients and the remedy, which then trains as one process. On a 2 x 2 hybrid mesh the
+    ranks of the other shard group, which agree among themselves, raise too.
 
     debug mode checks every iteration (2 ranks): after the first iteration an order change
     warns once (no communication); with COMPOSABLE_SHARD_DEBUG=1 a divergent order, gradient
