@@ -164,6 +164,8 @@ class _Reader(nn.Module):
             return h * g
         if self.mode == "cast":  # as a mixed-precision forward casts a weight
             return h * g.to(h.dtype)
+        if self.mode == "detached":
+            return h * g.detach()
         out = self.gain(h)
         if self.mode == "describe":
             assert g.dtype == torch.float32 and g.device == h.device and g.requires_grad and g.dim() == 1
@@ -189,7 +191,7 @@ def _reader(mode: str) -> Tuple[_Reader, _Reader]:
 def _read_in_forward() -> None:
     """A parent's forward computing on a separately fully sharded child's parameter (on rank 1
     at W=2 its slice has one element and broadcast: a wrong loss, 1.758 against 1.283 in a
-    user's trial), or on a cast of it, raises on every rank in the first forward without grad
+    user's trial), or on a cast or a detached view of it, raises on every rank in the first forward without grad
     and again in the first with grad, naming the parameter and its owner; the model is left as
     it was, its slots hold the original parameters again after each forward, and it trains as
     one process once the forward calls the child, with reads of what describes the parameter
@@ -197,7 +199,7 @@ def _read_in_forward() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = torch.randn(3 * world, 4, generator=torch.Generator().manual_seed(1))
     mine = rows.view(world, 3, 4)[rank]
-    for mode in ("read", "cast"):
+    for mode in ("read", "cast", "detached"):
         local, model = _reader(mode)
         assert _slice_sizes(model.gain.g)[1] == 1 or world == 4, _slice_sizes(model.gain.g)  # the broadcasting slice
         before = _state(model)
@@ -211,16 +213,20 @@ def _read_in_forward() -> None:
     local, model = _reader("describe")
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     local_optim = torch.optim.SGD(local.parameters(), lr=0.1)
+    held = lambda: type(model.gain.g) is nn.Parameter and model.gain.g is optim.param_groups[0]["params"][2]  # noqa: E731
     with torch.no_grad():
         torch.testing.assert_close(model(mine), local(rows).view(world, 3, 2)[rank], atol=1e-6, rtol=1e-6)
+    assert held()  # the original parameters are back as soon as a forward ends, not at the next reshard
     for _ in range(2):
-        model(mine).square().mean().backward()
+        out = model(mine)
+        assert held()
+        out.square().mean().backward()
         local(rows).square().mean().backward()
         optim.step()
         local_optim.step()
         optim.zero_grad()
         local_optim.zero_grad()
-        assert type(model.gain.g) is nn.Parameter and model.gain.g is optim.param_groups[0]["params"][2]
+        assert held()
     with unshard_params(model):
         for (name, p), (_, q) in zip(model.named_parameters(), local.named_parameters()):
             torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-6, msg=name)

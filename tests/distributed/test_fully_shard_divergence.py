@@ -122,7 +122,7 @@ def _aux_loss(model: nn.Module, x: torch.Tensor, aux_weight: float) -> torch.Ten
     return (out ** 2).sum() + aux_weight * (aux ** 2).sum() if aux_weight else (out ** 2).sum()
 
 
-def _output_used_on_some_ranks(aux_first: bool, sync: bool, hybrid: bool = False) -> None:
+def _output_used_on_some_ranks(aux_first: bool, sync: bool, hybrid: bool = False, eval_first: bool = False) -> None:
     """An auxiliary output in rank 0's loss only (the aux head running before or after the head,
     so its reduction is first or in the middle of rank 0's): every rank raises at the first
     reduction they disagree on, naming it, in the first iteration (it waited for the process
@@ -130,7 +130,8 @@ def _output_used_on_some_ranks(aux_first: bool, sync: bool, hybrid: bool = False
     process on the combined batch. With gradient sync off the same holds: the agreement carries
     the flag. ``hybrid`` (4 ranks, a 2 x 2 mesh): ranks 2 and 3 agree within their shard group,
     and raise too (they waited for ranks 0 and 1 in the replicate group): see [Note: Agreement on
-    a 2-D mesh]."""
+    a 2-D mesh]. ``eval_first``: a forward without grad before the first training step (still
+    the first iteration: the checks hold until a backward ends)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = _WithAux(aux_first)
@@ -144,6 +145,9 @@ def _output_used_on_some_ranks(aux_first: bool, sync: bool, hybrid: bool = False
     fully_shard(model, **kwargs)
     model.set_requires_gradient_sync(sync)
     xs = [torch.randn(3, 6, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    if eval_first:
+        with torch.no_grad():
+            model(xs[rank])
     # aux's backward comes second on rank 0 (after head's) where aux ran first, else first, where
     # its backward all-gather is what the others do not do
     mine, theirs = (("gradient of 'aux'", "gradient of 'body'") if aux_first else
@@ -464,8 +468,9 @@ _AGREED: Dict[str, Callable[[], None]] = {
     "different handle order in the first iteration": lambda: run_subtests(
         _order_differs_in_first_iteration, {"same_shapes": [True, False]}),
     "debug mode checks every iteration": _later,
-    "an output in the loss on some ranks only": lambda: run_subtests(
+    "an output in the loss on some ranks only": lambda: (run_subtests(
         _output_used_on_some_ranks, {"aux_first": [True, False], "sync": [True, False]}),
+        _output_used_on_some_ranks(aux_first=True, sync=True, eval_first=True)),
     "optimizer stepped on some ranks": lambda: run_subtests(_steps_on_some_ranks, {
         "api": ["fully_shard", "replicate"],
         "cause": ["rank_condition", "grad_scaler", "sharded_grad_scaler", "extra_step"]}),
