@@ -26,7 +26,8 @@ RTOL = 0.02  # bf16 gradients vs a local bf16 model (observed < 1%): a 1.5x erro
 
 
 class NormBlock(nn.Module):
-    """Linear -> BatchNorm1d -> ReLU -> Linear, with a float buffer of its own."""
+    """Linear -> BatchNorm1d -> ReLU -> Linear, with a float buffer of its own and an integer one
+    (positions, as a transformer's ``position_ids``), which ``buffer_dtype`` must leave alone."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -34,10 +35,11 @@ class NormBlock(nn.Module):
         self.norm = nn.BatchNorm1d(16)
         self.fc2 = nn.Linear(16, 8)
         self.register_buffer("gain", torch.linspace(0.9, 1.1, 8))
+        self.register_buffer("order", torch.arange(7, -1, -1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.fc2(torch.relu(self.norm(self.fc1(x))))
-        return out * self.gain.to(out.dtype)
+        return (out * self.gain.to(out.dtype))[:, self.order]
 
 
 def _model() -> nn.Module:
@@ -136,6 +138,7 @@ def _buffer_dtype() -> None:
     world_size = dist.get_world_size()
     model = _shard(_model(), "manual", MixedPrecision(buffer_dtype=BF16))
     assert model[0].gain.dtype == BF16 and model[1].gain.dtype == BF16
+    assert model[0].order.dtype == torch.int64 and model[1].order.dtype == torch.int64  # integers are not cast
     assert model[0].norm.running_mean.dtype == torch.float32 and model[0].norm.running_var.dtype == torch.float32
     local = _model()
     for block in list(local)[:2]:

@@ -246,6 +246,14 @@ def _comm_hook_subtest(hook: str) -> None:
             optim.zero_grad()
     if torch_hook is not None:
         _assert_params(ours, ddp.module, 1e-6, f"{hook} hook vs DDP with torch's hook")
+    if hook == "bf16":  # gradients beyond float16's range (65504): bfloat16 keeps them, to its precision
+        for model in (ours, local):
+            model.zero_grad()
+        x, y = _batch(NUM_STEPS, rank)
+        (_loss(ours, x, y) * 1e7).backward()
+        (_local_loss(local, NUM_STEPS, world_size, False) * 1e7).backward()
+        assert max(p.grad.abs().max().item() for p in local.parameters() if p.grad is not None) > 1e5
+        _assert_grads(ours, local, tol, "bf16 hook, gradients beyond float16's range", relative=relative)
 
 
 def _mixed_precision_subtest() -> None:

@@ -183,7 +183,8 @@ def _all_state_dicts(model: nn.Module, optim: torch.optim.Optimizer) -> Dict[str
 
 def _no_shared_storage(config: str) -> None:
     """Nothing any getter returns shares storage with a live parameter, buffer, flat shard or
-    optimizer state tensor; a tied-weights positive control shows the check sees sharing."""
+    optimizer state tensor, and a deep copy of it shares storage with neither; a tied-weights
+    positive control shows the check sees sharing."""
     model, optim, _ = _trained(config, 2)
     live = _live(model, optim)
     assert any("optim state" in n and n.endswith(".step") for n in live), sorted(live)
@@ -195,6 +196,9 @@ def _no_shared_storage(config: str) -> None:
         assert list(_tensors(returned)), f"{config}: {what} returned no tensor"
         found = _overlaps(returned, live)
         assert not found, f"{config}: {what}:\n" + "\n".join(found)
+        # a deep copy (a snapshot kept while training goes on) shares memory with neither
+        copied = _overlaps(copy.deepcopy(returned), {**live, **{f"returned #{i}": t for i, t in enumerate(_tensors(returned))}})
+        assert not copied, f"{config}: copy.deepcopy of {what}:\n" + "\n".join(copied)
 
 
 def test_returned_state_dicts_share_no_storage_with_live_state() -> None:
