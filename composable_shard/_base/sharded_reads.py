@@ -29,10 +29,12 @@ forwards did not take is not seen.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, FrozenSet, Iterator, Optional
+from typing import Any, Callable, Dict, FrozenSet, Optional
 
 import torch
 import torch.nn as nn
+
+from .tree import convert, tensors_in
 
 __all__ = ["ShardedInForward", "stand_in_for"]
 
@@ -66,31 +68,14 @@ class ShardedInForward(torch.Tensor):
         if (func in _DESCRIBING or getattr(func, "__name__", "") in ("__get__", "__set__")
                 or (func in _LENDING_DTYPE and not isinstance(first, ShardedInForward))
                 or (func in _NEW and isinstance(first, ShardedInForward))):
-            return func(*_originals(args), **_originals(kwargs))
-        stand_in = next(_stand_ins((args, kwargs)), None)
+            return func(*convert(args, _original), **convert(kwargs, _original))
+        stand_in = next((t for t in tensors_in((args, kwargs), None) if isinstance(t, ShardedInForward)), None)
         raise RuntimeError(_message(stand_in, func) if stand_in is not None else
                            "composable_shard: a sharded parameter was used in a forward outside its module's forward")
 
 
-def _originals(value: Any) -> Any:
-    if isinstance(value, ShardedInForward):
-        return value._cs_param
-    if isinstance(value, (list, tuple)):
-        return type(value)(_originals(v) for v in value) if type(value) in (list, tuple) else value
-    if isinstance(value, dict):
-        return {k: _originals(v) for k, v in value.items()}
-    return value
-
-
-def _stand_ins(value: Any) -> Iterator[ShardedInForward]:
-    if isinstance(value, ShardedInForward):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _stand_ins(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _stand_ins(v)
+def _original(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._cs_param if isinstance(tensor, ShardedInForward) else tensor
 
 
 def _message(stand_in: ShardedInForward, func: Callable[..., Any]) -> str:
