@@ -250,6 +250,7 @@ def _every_parameter_float8() -> None:
 def _resume_with_fp8_all_gather() -> None:
     """A checkpoint of a model trained with float8 all-gather, loaded into a freshly converted and
     sharded one, resumes exactly: the next steps' losses and parameters equal the uninterrupted run's."""
+    import shutil
     import tempfile
 
     from composable_shard import fully_shard, load_checkpoint, save_checkpoint, unshard_params
@@ -260,10 +261,15 @@ def _resume_with_fp8_all_gather() -> None:
     paths = [tempfile.mkdtemp(prefix="cs_fp8_") if dist.get_rank() == 0 else ""]
     dist.broadcast_object_list(paths, src=0)
     path = paths[0] + "/step2"
-    save_checkpoint(path, model, optim)
-    resumed = _shard(_converted(True), fully_shard)
-    resumed_optim = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
-    load_checkpoint(path, resumed, resumed_optim)
+    try:
+        save_checkpoint(path, model, optim)
+        resumed = _shard(_converted(True), fully_shard)
+        resumed_optim = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+        load_checkpoint(path, resumed, resumed_optim)
+    finally:
+        dist.barrier()  # every rank has read it
+        if dist.get_rank() == 0:
+            shutil.rmtree(paths[0])
     expected = _train(model, steps=2, optim=optim, seed=300)
     got = _train(resumed, steps=2, optim=resumed_optim, seed=300)
     assert got == expected, (got, expected)

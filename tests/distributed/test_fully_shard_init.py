@@ -79,8 +79,12 @@ def _ignored(kind: str) -> None:
     full_frozen = model.frozen.weight.detach().clone()
     if kind == "modules":
         fully_shard(model, ignored_modules=[model.frozen])
-    else:
+    elif kind == "modules, a generator":  # any iterable, as FSDP1's ignored_modules: read once
+        fully_shard(model, ignored_modules=(m for m in [model.frozen]))
+    elif kind == "states":
         fully_shard(model, ignored_states=[model.frozen.weight, model.frozen.bias])
+    else:  # model.frozen.parameters(): a generator, which its check must not use up
+        fully_shard(model, ignored_states=model.frozen.parameters())
     assert model.frozen.weight.shape == (6, 6) and torch.equal(model.frozen.weight, full_frozen)
     handle = _get_fsdp_handles(model)[0]
     fqns = [f for fp in handle.flat_params for f in fp._fqns]
@@ -116,7 +120,7 @@ def _all() -> None:
     run_subtests(_meta_init, {"how": ["reset_parameters", "param_init_fn"]})
     _sync_module_states()
     dist.barrier()
-    run_subtests(_ignored, {"kind": ["modules", "states"]})
+    run_subtests(_ignored, {"kind": ["modules", "modules, a generator", "states", "states, a generator"]})
     _in_place()
 
 

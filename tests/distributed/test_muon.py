@@ -474,6 +474,11 @@ def _rank_errors() -> None:
     _expect(lambda: Muon(model, [named["blocks.1.ln.weight"]]), ValueError, "'blocks.1.ln.weight'", "(6,)")
     _expect(lambda: Muon(model, [named["scale.gain"]]), ValueError, "'scale.gain'", "(1,)")
     _expect(lambda: Muon(model, ["blocks.0.nope"]), ValueError, "'blocks.0.nope'")
+    # more than 2-D (convolutions' kernels) is refused as torch's Muon refuses it, not only fewer
+    convs = nn.Sequential(nn.Conv1d(2, 3, 3), nn.Conv2d(3, 2, 1))
+    fully_shard(convs)
+    _expect(lambda: Muon(convs, ["0.weight"]), ValueError, "'0.weight'", "(3, 2, 3)", "2-D")
+    _expect(lambda: Muon(convs, [convs[1].weight]), ValueError, "'1.weight'", "(2, 3, 1, 1)")
     _expect(lambda: Muon(model, [nn.Parameter(torch.zeros(3, 3))]), ValueError, "not a parameter")
     _expect(lambda: Muon(nn.Linear(2, 2).weight, MATRICES), TypeError, "nn.Module")  # type: ignore[arg-type]
     for bad, fragment in (({"ns_steps": 100}, "ns_steps"), ({"adjust_lr_fn": "x"}, "adjust_lr_fn"),
