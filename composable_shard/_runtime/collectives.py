@@ -21,6 +21,7 @@ import threading
 import time
 import warnings
 import weakref
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -447,18 +448,58 @@ def broadcast(tensor: torch.Tensor, src_rank: int, group: Optional[dist.ProcessG
     dist.broadcast(tensor, src=global_src, group=group)
 
 
+# [Note: Exchanges name themselves]  An exchange (and the lengths' gather of all_gather_json)
+# travels in a frame of a fixed size: a word naming what is exchanged (a CRC-32 of its tag), the
+# count of values, then up to _FRAME_VALUES values, zero-padded; more values follow in a second
+# gather of a size every rank has just agreed on. A rank that calls a collective API alone (a full
+# state dict under `if rank == 0:` before the first forward) meets the others' next exchange, which
+# carries other values: unframed, the two gathers paired up and each rank read the other's values
+# as its own (a state dict raised that the optimizer had stepped 3.6e18 times on rank 1), or gloo
+# aborted the process on the different sizes. Framed, every gather of the exchanges has the same
+# size, and each rank raises naming what it was exchanging and the ranks that were elsewhere.
+_FRAME_VALUES = 6
+_FRAME_WORDS = 2 + _FRAME_VALUES
+
+
 def exchange(values: List[int], group: Optional[dist.ProcessGroup], *, tag: str = "", hint: str = "") -> List[List[int]]:
     """Every rank's ``values`` (a few integers, the same count on every rank), synchronously:
     the cross-rank agreement checks use it before collectives that must match. ``hint``: what
-    the stuck-wait warning advises (see [Note: Stuck waits])."""
-    world_size = _report("exchange", 8 * len(values), group, tag)
+    the stuck-wait warning and the error of ranks exchanging different things advise (see [Note:
+    Stuck waits] and [Note: Exchanges name themselves])."""
+    world_size = _report("exchange", 8 * _FRAME_WORDS, group, tag)
     if world_size == 1:
         return [list(values)]
+    rows = _framed_gather(values, group, "exchange", tag, hint)
+    if len(values) > _FRAME_VALUES:
+        _report("exchange", 8 * (len(values) - _FRAME_VALUES), group, tag)
+    return rows
+
+
+def _framed_gather(values: List[int], group: Optional[dist.ProcessGroup], kind: str, tag: str,
+                   hint: str) -> List[List[int]]:
+    """Every rank's ``values`` through a frame (see [Note: Exchanges name themselves])."""
     device = _object_device(group)
-    mine = torch.tensor(values, dtype=torch.int64, device=device)
-    everyone = torch.empty(world_size * mine.numel(), dtype=torch.int64, device=device)
-    _gather_now(everyone, mine, group, "exchange", tag, hint)
-    return everyone.view(world_size, -1).cpu().tolist()  # type: ignore[no-any-return]  # list of lists of int
+    name = zlib.crc32(tag.encode("utf-8"))
+    frame = [name, len(values)] + list(values[:_FRAME_VALUES])
+    mine = torch.tensor(frame + [0] * (_FRAME_WORDS - len(frame)), dtype=torch.int64, device=device)
+    frames = torch.empty(dist.get_world_size(group) * _FRAME_WORDS, dtype=torch.int64, device=device)
+    _gather_now(frames, mine, group, kind, tag, hint)
+    everyone = frames.view(-1, _FRAME_WORDS).cpu().tolist()
+    elsewhere = [r for r, theirs in enumerate(everyone) if theirs[:2] != frame[:2]]
+    if elsewhere:
+        ranks = [r if group is None else dist.get_global_rank(group, r) for r in elsewhere]
+        raise RuntimeError(
+            f"composable_shard: rank {dist.get_rank()} was exchanging {tag or kind!r} with its process group, but "
+            f"rank(s) {ranks} were in another collective at the same time (a different exchange, or this one with "
+            f"another count of values), so the ranks have not called the same collectives in the same order. "
+            f"{hint or TRAINING_HINT}")
+    rows = [theirs[2:2 + min(len(values), _FRAME_VALUES)] for theirs in everyone]
+    if len(values) > _FRAME_VALUES:  # the rest, in a gather of the size every rank has just agreed on
+        rest = torch.tensor(values[_FRAME_VALUES:], dtype=torch.int64, device=device)
+        more = torch.empty(len(everyone) * rest.numel(), dtype=torch.int64, device=device)
+        _gather_now(more, rest, group, kind, tag, hint)
+        rows = [row + tail for row, tail in zip(rows, more.view(len(everyone), -1).cpu().tolist())]
+    return rows
 
 
 def all_gather_json(obj: Any, group: Optional[dist.ProcessGroup], *, tag: str = "", hint: str = "") -> List[Any]:
@@ -467,24 +508,22 @@ def all_gather_json(obj: Any, group: Optional[dist.ProcessGroup], *, tag: str = 
     come back as lists). Synchronous; init-time and error paths only.
 
     JSON, not pickle: what a peer sends is decoded as data and can never run code here
-    (``dist.all_gather_object`` unpickles, and needs numpy). Two tensor all-gathers: lengths,
-    then padded bytes."""
+    (``dist.all_gather_object`` unpickles, and needs numpy). Two tensor all-gathers: lengths
+    (in an exchange's frame, [Note: Exchanges name themselves]), then padded bytes."""
     world_size = _report("all_gather_json", 0, group, tag)
     encoded = json.dumps(obj, allow_nan=False).encode("utf-8")
     if world_size == 1:
         return [json.loads(encoded)]
     device = _object_device(group)
     payload = torch.frombuffer(bytearray(encoded), dtype=torch.uint8).to(device)
-    length = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
-    lengths = torch.empty(world_size, dtype=torch.int64, device=device)
-    _gather_now(lengths, length, group, "all_gather_json", tag, hint)
-    longest = int(lengths.max().item())
+    lengths = [length for (length,) in _framed_gather([payload.numel()], group, "all_gather_json", tag, hint)]
+    longest = max(lengths)
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[: payload.numel()].copy_(payload)
     everyone = torch.empty(world_size * longest, dtype=torch.uint8, device=device)
     _gather_now(everyone, padded, group, "all_gather_json", tag, hint)
     rows = everyone.view(world_size, longest).cpu()
-    return [json.loads(bytes(rows[r, : int(lengths[r])].tolist()).decode("utf-8")) for r in range(world_size)]
+    return [json.loads(bytes(rows[r, : lengths[r]].tolist()).decode("utf-8")) for r in range(world_size)]
 
 
 def _object_device(group: Optional[dist.ProcessGroup]) -> torch.device:

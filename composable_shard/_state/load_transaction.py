@@ -42,6 +42,7 @@ import contextlib
 import copy
 import functools
 import threading
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
@@ -374,10 +375,12 @@ def agree_steps_now(module: Any, api: str, hint: str = "") -> None:
     steps = [min(c.pending, 255) if c is not None else 0 for c in counters]
     if not steps:
         return
-    everyone = _collectives.exchange(steps, group, tag=f"{api}: optimizer steps since the last synced backward",
-                                     hint=hint)
-    if any(len(set(column)) > 1 for column in zip(*everyone)):
-        per_rank = [max(row) for row in everyone]
+    # the most steps, and a checksum of every counter's (each fits a byte): two integers whatever the
+    # count of counters (one per module), which differ between ranks whenever some counter does
+    everyone = _collectives.exchange([max(steps), zlib.crc32(bytes(steps))], group,
+                                     tag=f"{api}: optimizer steps since the last synced backward", hint=hint)
+    if any(theirs != everyone[0] for theirs in everyone):
+        per_rank = [most for most, _ in everyone]
         raise RuntimeError(
             f"{api}: since the last synchronized backward, the optimizer(s) holding this model's parameters stepped "
             f"{per_rank} time(s) on ranks 0..{len(per_rank) - 1}: the model is one that no single process computed "

@@ -578,8 +578,10 @@ def _local_steps(model: nn.Module, steps: range) -> List[float]:
 
 
 class _FabricRun:
-    """One Fabric training run's objects: the model, its two optimizers, their schedulers and the
-    user's Tally, set up through ``fabric.setup``."""
+    """One Fabric training run's objects: the model, its two optimizers, their schedulers, the
+    user's Tally (set up through ``fabric.setup``), and a plain module the user keeps beside the
+    model (updated every step, the same on every rank: an EMA-like module that Fabric's checkpoint
+    holds as one more stateful object, not a second model)."""
 
     def __init__(self, fabric: Any) -> None:
         model = make_model(0)
@@ -589,6 +591,10 @@ class _FabricRun:
         sgd, adamw, (self.sgd_schedule, self.adamw_schedule) = _two_optimizers(model)
         self.model, self.sgd, self.adamw = fabric.setup(model, sgd, adamw)
         self.tally = Tally()
+        self.ema = nn.Linear(2, 2)
+        with torch.no_grad():
+            self.ema.weight.zero_()
+            self.ema.bias.zero_()
         self.fabric = fabric
 
     def steps(self, steps: range) -> List[float]:
@@ -610,18 +616,22 @@ class _FabricRun:
                 optim.zero_grad()
             self.sgd_schedule.step()
             self.adamw_schedule.step()
+            with torch.no_grad():
+                self.ema.weight.add_(step + 1.0)  # the same on every rank, as the model is
+                self.ema.bias.add_(1.0)
         return losses
 
     def checkpoint_state(self, **values: Any) -> Dict[str, Any]:
         """What ``fabric.save`` / ``fabric.load`` get: the objects, and ``values`` (plain)."""
         return {"model": self.model, "sgd": self.sgd, "adamw": self.adamw, "sgd_schedule": self.sgd_schedule,
-                "adamw_schedule": self.adamw_schedule, "tally": self.tally, **values}
+                "adamw_schedule": self.adamw_schedule, "tally": self.tally, "ema": self.ema, **values}
 
     def state(self) -> Dict[str, Any]:
         """Everything a resumed run must have back, on this rank."""
         return {"model": _model_state(self.model), "sgd": _optimizer_state(self.sgd),
                 "adamw": _optimizer_state(self.adamw), "sgd_schedule": _copied(self.sgd_schedule.state_dict()),
-                "adamw_schedule": _copied(self.adamw_schedule.state_dict()), "tally": self.tally.state_dict()}
+                "adamw_schedule": _copied(self.adamw_schedule.state_dict()), "tally": self.tally.state_dict(),
+                "ema": _copied(self.ema.state_dict())}
 
 
 def _fabric_runs(path: str) -> None:
@@ -673,7 +683,7 @@ def _loads_by_strictness(fabric: Any, path: str, saved: Dict[str, Any]) -> None:
     run = _FabricRun(fabric)
     objects = run.checkpoint_state()
     renamed = {"model": objects["model"], "adam": objects["adamw"], "momentum": objects["sgd"],
-               **{key: objects[key] for key in ("sgd_schedule", "adamw_schedule", "tally")}}
+               **{key: objects[key] for key in ("sgd_schedule", "adamw_schedule", "tally", "ema")}}
     lenient = {**renamed, "best_loss": 9.0, "step": 0}
     remainder = fabric.load(path, lenient, strict=False)
     assert (lenient["step"], lenient["best_loss"], remainder) == (2, 9.0, {"note": "after two steps"}), \

@@ -715,14 +715,15 @@ def _one_rank_refuses(case: str, directory: str, annotation: str) -> None:
 
 
 def _init_collectives() -> None:
-    """Each fully_shard call issues one exchange of six int64 values (48 bytes) in its group
-    before anything else, and with sync_module_states nothing but that and the broadcasts."""
+    """Each fully_shard call issues one exchange of six int64 values (in a 64-byte frame: [Note:
+    Exchanges name themselves] in collectives.py) in its group before anything else, and with
+    sync_module_states nothing but that and the broadcasts."""
     for annotation, calls in (("policy", 1), ("manual", 3)):
         with record_collectives() as rec:
             _shard(_build("parity", meta=dist.get_rank() != 0), annotation, sync_module_states=True,
                    param_init_fn=_to_empty)
         kinds = [(r.kind, r.nbytes, r.tag) for r in rec.records if r.kind != "broadcast"]
-        assert kinds == [("exchange", 48, "fully_shard::init")] * calls, (annotation, kinds)
+        assert kinds == [("exchange", 64, "fully_shard::init")] * calls, (annotation, kinds)
         assert rec.events[0][1] == "exchange" and {r.tag for r in rec.records if r.kind == "broadcast"} == \
             {"sync_module_states"}, (annotation, rec.events)
 
@@ -752,7 +753,7 @@ def _hybrid_refuses(directory: str) -> None:
     healthy = _build("parity", meta=False)
     with record_collectives() as rec:
         fully_shard(healthy, mesh=mesh, strategy=ShardingStrategy.HYBRID_SHARD)
-    assert [(r.kind, r.nbytes) for r in rec.records] == [("exchange", 48)] * 2, rec.records
+    assert [(r.kind, r.nbytes) for r in rec.records] == [("exchange", 64)] * 2, rec.records
 
 
 def _replicate_refuses(directory: str) -> None:

@@ -78,8 +78,11 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, use_branch: bool =
 
 
 def _uses_branch(step: int, rank: int, world_size: int) -> bool:
-    """Used everywhere, on rank 0 only, nowhere, on the last rank only, everywhere."""
-    return [True, rank == 0, False, rank == world_size - 1, True][step % 5]
+    """Used on rank 0 only, everywhere, nowhere, on the last rank only, everywhere. The first
+    synced backward (rank 0's gradient-ready order, from which every rank rebuilds its buckets
+    once) differs between the ranks: buckets rebuilt from each rank's own order would pair
+    different parameters' gradients in the all-reduce."""
+    return [rank == 0, True, False, rank == world_size - 1, True][step % 5]
 
 
 def _local_loss(model: nn.Module, step: int, world_size: int, branch: bool) -> torch.Tensor:

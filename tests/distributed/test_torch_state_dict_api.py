@@ -296,7 +296,8 @@ def _rank0_only_full_state_dicts(layout: str) -> None:
         else:
             torch_set_model(fresh, msd, options=held)  # torch returns: nothing to load here
             time.sleep(3.0)
-            collectives.exchange([0], None, tag="a rank that skipped the model")  # what rank 0 waits for
+            # what rank 0 waits for: the agreement torch's flow never reaches on a rank given {}
+            collectives.exchange([0], None, tag="set_model_state_dict: which ranks load the model")
     finally:
         collectives.STUCK_WARNING_AFTER_S = collectives_warning_after
     _assert_same_state(_snapshot(fresh, fresh_optim), before, f"{layout}: after the model-only load")

@@ -125,12 +125,45 @@ def _offload_and_grads() -> None:
         assert (g is None and p.grad is None) or torch.equal(g, p.grad)
 
 
+class _PartlyUsed(nn.Module):
+    """A trainable Linear the forward never calls, in the same flat parameter as one it calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(4, 3)
+        self.unused = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def _grads_of_unused_parameters() -> None:
+    """with_grads: a parameter no rank computed a gradient for shows ``.grad`` None (as after a
+    local backward, and as FSDP1's summon_full_params), not zeros; its group's others show theirs."""
+    torch.manual_seed(0)
+    reference = _PartlyUsed()
+    model = _PartlyUsed()
+    model.load_state_dict(reference.state_dict())
+    fully_shard(model)
+    x = torch.randn(2 * dist.get_world_size(), 4)
+    mine = x.chunk(dist.get_world_size())[dist.get_rank()]
+    model(mine).square().mean().backward()
+    reference(x).square().mean().backward()
+    with unshard_params(model, with_grads=True):
+        for (name, p), (_, q) in zip_same(list(model.named_parameters()), list(reference.named_parameters())):
+            if q.grad is None:
+                assert p.grad is None, f"{name}: .grad {p.grad} where no rank computed one"
+            else:
+                assert p.grad is not None and torch.allclose(p.grad, q.grad, atol=1e-6), name
+
+
 def _all() -> None:
     run_subtests(_values, {"recurse": [True, False], "via": ["unshard_params", "summon_full_params"]})
     _forward_inside_raises()
     run_subtests(_writeback, {"writeback": [True, False], "offload_to_cpu": [False, True]})
     _rank0_only()
     _offload_and_grads()
+    _grads_of_unused_parameters()
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])

@@ -1,0 +1,108 @@
+"""The library's small synchronous exchanges (the cross-rank agreements before collectives that
+must match, and ``all_gather_json``), and what happens when the ranks are not in the same one
+([Note: Exchanges name themselves] in ``_runtime/collectives.py``).
+
+A user who calls a collective API on one rank only -- ``if rank == 0: sd = model.state_dict()``
+before the first forward -- met the other ranks' next exchange (the first forward's layout
+check): the two gathers paired up, rank 0 read rank 1's layout digest as its optimizer step count
+and raised that the optimizer had stepped 3.7e18 times on rank 1, and rank 1 died of "Connection
+closed by peer". Each exchange now carries what it is about, in a frame of a fixed size, and every
+rank raises naming what it was doing and which ranks were elsewhere; the group stays usable.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from composable_shard import fully_shard
+from composable_shard._runtime import collectives
+from composable_shard._runtime.collectives import record_collectives
+from tests._harness import run_distributed
+
+
+def _values(rank: int, count: int) -> List[int]:
+    """This rank's ``count`` values: different per rank and position, with signs and 64-bit sizes."""
+    return [(-1) ** i * (rank * 1000 + i) * 2 ** (i * 4) for i in range(count)]
+
+
+def _exchanges_return_every_ranks_values() -> None:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    groups = [(None, list(range(world_size)))]
+    if world_size == 4:  # a subgroup in an order of its own: rows in the group's rank order
+        members = [3, 1]
+        groups.append((dist.new_group(members), sorted(members)))
+    for group, members in groups:
+        if rank not in members:
+            continue
+        for count in (0, 1, 6, 7, 13):  # 7 and 13: more than a frame holds, the rest in a second gather
+            with record_collectives() as rec:
+                rows = collectives.exchange(_values(rank, count), group, tag=f"count {count}")
+            assert rows == [_values(r, count) for r in members], (count, rows)
+            extra = [("exchange", 8 * (count - 6))] if count > 6 else []
+            assert [(r.kind, r.nbytes) for r in rec.records] == [("exchange", 64)] + extra, (count, rec.records)
+        objects = collectives.all_gather_json({"rank": rank, "text": "x" * (rank * 37)}, group, tag="json")
+        assert objects == [{"rank": r, "text": "x" * (r * 37)} for r in members], objects
+    dist.barrier()
+
+
+def _other(rank: int, what: str) -> str:
+    return f"rank {rank} was exchanging {what!r} with its process group"
+
+
+def _ranks_in_different_exchanges_raise_on_every_rank() -> None:
+    """Rank 0 in another exchange than the rest (the same count of values, then another count,
+    then one with more values than a frame holds against one with fewer): every rank raises,
+    naming its own exchange and the ranks that were elsewhere, with the hint of its call; the
+    group then works (nothing was left half sent)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    others = list(range(1, world_size))
+    for mine, theirs in (((2, "A"), (2, "B")), ((2, "A"), (3, "A")), ((9, "A"), (1, "A"))):
+        count, tag = mine if rank == 0 else theirs
+        with pytest.raises(RuntimeError) as raised:
+            collectives.exchange(_values(rank, count), None, tag=tag, hint="THE HINT")
+        message = str(raised.value)
+        assert _other(rank, tag) in message and "THE HINT" in message, message
+        assert f"rank(s) {others if rank == 0 else [0]} were in another collective" in message, message
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    assert total.item() == world_size
+
+
+def _state_dict_on_rank_0_only_before_the_first_forward() -> None:
+    """The user's case: every rank raises at once (no wait for the group's timeout, no "Connection
+    closed by peer"), rank 0 naming the state dict and saying it is collective."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    fully_shard(model[0])
+    fully_shard(model)
+    with pytest.raises(RuntimeError) as raised:
+        if rank == 0:
+            model.state_dict()
+        else:
+            model(torch.randn(2, 8))
+    message = str(raised.value)
+    if rank == 0:
+        assert _other(0, "state_dict(): optimizer steps since the last synced backward") in message, message
+        assert "is collective: every rank of the process group must call it" in message, message
+        assert f"rank(s) {list(range(1, dist.get_world_size()))} were in another collective" in message, message
+    else:
+        assert _other(rank, "lazy_init_check") in message and "rank(s) [0] were in another collective" in message, \
+            message
+    dist.barrier()
+
+
+def _all() -> None:
+    _exchanges_return_every_ranks_values()
+    _ranks_in_different_exchanges_raise_on_every_rank()
+    _state_dict_on_rank_0_only_before_the_first_forward()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_exchanges_and_ranks_in_different_ones(world_size: int) -> None:
+    run_distributed(_all, world_size, timeout=120)
