@@ -47,11 +47,12 @@ backward gives no managed parameter a gradient while others do would leave them 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
 import weakref
-from typing import Any, Dict, Iterable, List, Optional, Protocol, Sequence, Set, Tuple, Union, cast
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Protocol, Sequence, Set, Tuple, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -183,6 +184,20 @@ class ReplicateModule(ForeignWrapperGuard, _NoCopyMixin, _apply_guard.GuardedApp
         bool: ``TypeError``, the flag unchanged ([Note: One behaviour for both APIs])."""
         check_set_requires_gradient_sync(self, requires_gradient_sync)
         _state_of(self).sync_gradients = requires_gradient_sync
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DDP's ``no_sync``: the backward passes run inside communicate nothing and gradients
+        accumulate locally; the first backward after it averages the accumulated sum. The flag
+        of :meth:`set_requires_gradient_sync` is read at backward (DDP reads it at forward), so
+        run the backward inside too; the setting it had comes back on exit."""
+        state = _state_of(self)
+        before = state.sync_gradients
+        state.sync_gradients = False
+        try:
+            yield
+        finally:
+            state.sync_gradients = before
 
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """Reduce each bucket with ``hook(state, bucket) -> Future[Tensor]`` (torch DDP's

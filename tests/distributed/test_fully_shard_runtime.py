@@ -828,18 +828,37 @@ def _methods() -> None:
     assert all(h.unsharded_storage_freed() for h in _get_fsdp_handles(model))
 
 
-def _keep_after_backward_then_step(strategy: ShardingStrategy) -> None:
+class _DataSGD(torch.optim.Optimizer):
+    """SGD written as older optimizers are, on ``p.data``: its updates leave the parameters'
+    version counters unchanged, so only the optimizer's step itself says the shards moved."""
+
+    def __init__(self, params: Any, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data.add_(p.grad, alpha=-group["lr"])
+
+
+def _keep_after_backward_then_step(strategy: ShardingStrategy, optimizer: str) -> None:
     """set_reshard_after_backward(False): every handle keeps its unsharded parameters after
     backward, so the next forward gathers nothing while no optimizer step happened (a second
     micro-batch), and gathers again after one, computing on the updated shards: the gradients
     of every backward and the SGD steps equal local training's. Without the check on the
-    parameters, an ignored flag or a kept buffer not refreshed after the step would pass."""
+    parameters, an ignored flag or a kept buffer not refreshed after the step would pass. The
+    optimizer holds the whole model (every handle's parameters and others'): torch's SGD, and
+    one that updates ``p.data`` (no version counter moves: each handle must count the steps of
+    an optimizer that holds any of its parameters, not only one that holds nothing else)."""
     world_size = dist.get_world_size()
     reference = make_model()
     model = make_model()
     _annotate(model, strategy=strategy)
     model.set_reshard_after_backward(False)
-    optim = torch.optim.SGD(model.parameters(), lr=0.5)
+    make = torch.optim.SGD if optimizer == "sgd" else _DataSGD
+    optim = make(model.parameters(), lr=0.5)
     ref_optim = torch.optim.SGD(reference.parameters(), lr=0.5)
     flat_params = 5  # root: trainable + frozen; blocks.0, blocks.1, scale: one each
     for step in range(3):
@@ -893,7 +912,8 @@ def _methods_grid() -> None:
     dist.barrier()
     _methods()
     run_subtests(_keep_after_backward_then_step, {"strategy": [ShardingStrategy.FULL_SHARD,
-                                                               ShardingStrategy.SHARD_GRAD_OP]})
+                                                               ShardingStrategy.SHARD_GRAD_OP],
+                                                  "optimizer": ["sgd", "data"]})
 
 
 @pytest.mark.parametrize("world_size", [2])

@@ -289,16 +289,26 @@ def test_comm_hooks_and_mixed_precision() -> None:
     run_distributed(_rank_comm_hooks_and_mixed_precision, 2)
 
 
-def _no_sync_subtest(set_to_none: bool) -> None:
-    """Two optimizer steps, each of 3 unsynced micro-batches then 1 synced one."""
+def _no_sync_subtest(set_to_none: bool, how: str) -> None:
+    """Two optimizer steps, each of 3 unsynced micro-batches then 1 synced one; unsynced through
+    ``set_requires_gradient_sync(False)`` or DDP's ``with model.no_sync():``, which puts back the
+    setting it found (a flag set off before it stays off after it)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     ours, _, local = _three_models(False, bucket_cap_mb=SMALL_CAP_MB)
     optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, local)]
     for cycle in range(2):
-        _replicated(ours).set_requires_gradient_sync(False)
         with _collectives.record_collectives() as rec:
-            for micro in range(3):
-                _loss(ours, *_batch(10 * cycle + micro, rank)).backward()
+            if how == "no_sync":
+                with _replicated(ours).no_sync():
+                    for micro in range(3):
+                        _loss(ours, *_batch(10 * cycle + micro, rank)).backward()
+            else:
+                _replicated(ours).set_requires_gradient_sync(False)
+                for micro in range(3):
+                    _loss(ours, *_batch(10 * cycle + micro, rank)).backward()
+                with _replicated(ours).no_sync():  # entered and left with the flag off: still off
+                    pass
+                _loss(ours, *_batch(10 * cycle + 2, rank)).mul(0.0).backward()  # accumulates zeros, unsynced
         assert rec.count() == 0, f"unsynced micro-batches issued collectives: {rec.records}"
         _replicated(ours).set_requires_gradient_sync(True)
         with _collectives.record_collectives() as rec:
@@ -465,7 +475,7 @@ def _rebuild_and_bytes_check() -> None:
 
 
 def _rank_no_sync_overlap_rebuild() -> None:
-    run_subtests(_no_sync_subtest, {"set_to_none": [True, False]})
+    run_subtests(_no_sync_subtest, {"set_to_none": [True, False], "how": ["flag", "no_sync"]})
     run_subtests(_unsynced_use_subtest, {"first_use": ["rank0", "all"]})
     _buffers_broadcast_check()
     _buffers_follow_rank0_as_ddp()
