@@ -1,15 +1,19 @@
 """Suite-wide pytest hooks: the longest tests start first.
 
-``python -m pytest -n 2 tests`` runs on pytest-xdist's load scheduling with ``--maxschedchunk=1``
-(``addopts`` in pyproject.toml): each worker holds two tests and takes the next test in collection
-order whenever it finishes one. Without that option the first batch gave the first worker a quarter
-of the whole collection at once (the tests of consecutive order), so the long tests moved to the
-front all ran on one worker, and a long test collected late ran alone at the end (2026-11-29: 1,334 s
-of test time on two workers took 811 s). So the tests measured longest (``--durations=0``, 2026-11-29,
-6 s or more in their call) are moved to the front, longest first, and the workers take them in
-turn. Not a test whose time is a module-scoped fixture's (moved away from its module's other tests,
-the fixture would be made once more). A name not collected is ignored; a test that grows past 6 s
-belongs in the list.
+``python -m pytest -n 2 tests`` runs on pytest-xdist's load scheduling. Its first batch hands each
+worker a block of consecutive tests, an eighth of the collection each. So the tests measured longest
+(``--durations=0``, 2026-11-29: those of 6 s or more in their call, longest first) are moved to the
+front: the first worker runs them one after another, while the other worker runs the short tests
+and then takes whatever is left. A long test collected late used to run alone at the end.
+
+Most long tests spawn 2-4 ranks, which keep both cores busy by themselves, so two of them running at
+once gain nothing. ``--maxschedchunk=1`` makes the workers take the long tests in turn, so they run
+two at a time; measured, that was slower (fresh-clone CI: 864 s against 791 s the session before,
+with about 20 s of tests added).
+
+Not in the list: a test whose time is a module-scoped fixture's (moved away from its module's other
+tests, the fixture would be made twice). A name that is not collected is ignored; a test that grows
+past 6 s belongs in the list.
 """
 
 from __future__ import annotations
