@@ -94,7 +94,8 @@ from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook, 
 from ..contract import _get_registry
 from .._base.host_mirror import HostMirror
 
-__all__ = ["track", "owner_of", "raise_on_model_change", "OptimizerSteps", "StepCounter", "STEP_AGREEMENT_INTS", "watch_replaced"]
+__all__ = ["track", "owner_of", "raise_on_model_change", "OptimizerSteps", "StepCounter", "STEP_AGREEMENT_INTS", "watch_replaced",
+           "check_before_optimizer_steps"]
 
 
 class _Owner(Protocol):
@@ -167,7 +168,7 @@ def _use_hooks(user: Any) -> None:
             _installed.extend([register_module_parameter_registration_hook(_on_parameter),
                                register_module_module_registration_hook(_on_module),
                                register_optimizer_step_post_hook(_on_optimizer_step),
-                               register_optimizer_step_pre_hook(_refuse_whole_tensor_optimizer)])
+                               register_optimizer_step_pre_hook(_before_optimizer_step)])
     _users.add(user)
     weakref.finalize(user, _release_hooks).atexit = False  # at exit nothing is left to spare
 
@@ -253,6 +254,25 @@ def _untracked_params(submodule: nn.Module) -> List[str]:
     return found
 
 
+# checks run before every optimizer step in the process (while the hooks are installed); each
+# must return at once for an optimizer it has nothing to say about
+_before_step_checks: List[Callable[[Optimizer], None]] = []
+
+
+def check_before_optimizer_steps(check: Callable[[Optimizer], None]) -> None:
+    """Run ``check(optimizer)`` before every optimizer step while any fully sharded module
+    lives (after the refusal of [Note: Optimizers that need whole tensors]); it may raise to
+    stop the step. Registered once per process, by the module that defines it."""
+    if check not in _before_step_checks:
+        _before_step_checks.append(check)
+
+
+def _before_optimizer_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+    _refuse_whole_tensor_optimizer(optimizer)
+    for check in _before_step_checks:
+        check(optimizer)
+
+
 def _on_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     with _hook_running():
         for watch in list(_step_watches):
@@ -302,7 +322,7 @@ _WHOLE_TENSOR_CLASSES = tuple(_WHOLE_TENSOR_OPTIMIZERS)
 _whole_checked: "weakref.WeakKeyDictionary[Optimizer, Tuple[int, int]]" = weakref.WeakKeyDictionary()
 
 
-def _refuse_whole_tensor_optimizer(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+def _refuse_whole_tensor_optimizer(optimizer: Optimizer) -> None:
     if not isinstance(optimizer, _WHOLE_TENSOR_CLASSES):
         return
     groups = optimizer.param_groups

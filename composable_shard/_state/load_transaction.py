@@ -331,17 +331,31 @@ def model_group(module: Any, exact: bool = False) -> Tuple[bool, Optional[dist.P
     ``(False, None)`` if it has none with more than one rank (a plain module: a local load)."""
     if not is_distributed() or not isinstance(module, nn.Module):
         return False, None
-    world = tuple(range(dist.get_world_size()))
-    groups: List[Optional[dist.ProcessGroup]] = []
-    for state in _get_fsdp_states(module):
-        if state.world_size > 1:
-            groups.append(state.process_group)
-        if state.replicate_group is not None:
-            groups.append(state.replicate_group)
+    groups = states_groups(_get_fsdp_states(module))
     for m in module.modules():
         rstate = m.__dict__.get(_STATE_KEY, {}).get("replicate")  # by name: replicate.py imports this file
         if rstate is not None and getattr(rstate, "world_size", 1) > 1:
             groups.append(rstate.process_group)
+    return common_group(groups, exact)
+
+
+def states_groups(states: Any) -> List[Optional[dist.ProcessGroup]]:
+    """The process groups the fully sharded ``states``' collectives run over (shard and replica
+    groups of more than one rank)."""
+    groups: List[Optional[dist.ProcessGroup]] = []
+    for state in states:
+        if state.world_size > 1:
+            groups.append(state.process_group)
+        if state.replicate_group is not None:
+            groups.append(state.replicate_group)
+    return groups
+
+
+def common_group(groups: List[Optional[dist.ProcessGroup]], exact: bool = False) -> Tuple[bool, Optional[dist.ProcessGroup]]:
+    """``(collective, group)`` over ``groups`` as :func:`model_group` gives it."""
+    if not groups:
+        return False, None
+    world = tuple(range(dist.get_world_size()))
     rank_sets = {world if g is None else tuple(dist.get_process_group_ranks(g)): g for g in reversed(groups)}  # first wins
     if len(rank_sets) != 1:
         return bool(rank_sets), None

@@ -45,8 +45,11 @@ shaped like the parameter's 1-D slice on this rank (AdamW's ``exp_avg``, SGD's
     (``torch.save``) a ``ShardedSlice`` is its plain 1-D local elements, as before.
   * ``load_state_dict(sd)``: each such state may be a ``ShardedSlice`` (its elements for this
     rank are taken), a full tensor of the parameter's shape, a ``DTensor`` (either is sliced),
-    or this rank's own slice (kept, as torch keeps what it is given); anything else raises,
-    naming the parameter. The model side: under torch's functions, ``module.state_dict()`` of a
+    the whole parameter flattened (a one-rank or NO_SHARD optimizer's: sliced), or this rank's
+    own slice (kept, as torch keeps what it is given; another rank's is refused, see [Note:
+    Per-rank optimizer state dicts say whose they are]); anything else raises, naming the
+    parameter. An optimizer loaded before its first step (no hooks yet) is converted the same
+    way before that step. The model side: under torch's functions, ``module.state_dict()`` of a
     fully sharded module gives ``ShardedSlice`` views (sharded request) or full tensors (full
     request; on rank 0 only when they offload), see ``effective_type`` in ``_state/model_state_dict.py``.
 
@@ -59,8 +62,10 @@ shaped like the parameter's 1-D slice on this rank (AdamW's ``exp_avg``, SGD's
 from __future__ import annotations
 
 import functools
+import math
 import weakref
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+import zlib
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -73,7 +78,7 @@ from .._runtime.module_state import _FSDPState
 from .sharded_slice import ShardedSlice
 from .._base.pieces import to_global
 from .model_state_dict import Managed, agree_torch_load, check_get_flags, local_slice, managed_params, on_cpu, torch_request
-from .load_transaction import agree_steps_now, is_distributed, rank_of, transactional
+from .load_transaction import agree_steps_now, common_group, is_distributed, rank_of, states_groups, transactional
 from .._base.torch_compat import unwrap_compiled
 from .._base.tree import convert
 from .unshard_params import check_module, gather_flat, local_flat, param_views
@@ -409,11 +414,15 @@ class OptimizerStateDictWatch(_watch.OptimizerSteps):
         self.state_ref: "weakref.ReferenceType[_FSDPState]" = weakref.ref(state)
         handle = state.handle
         super().__init__(p for g in (handle.groups if handle is not None else []) for p in g.orig_params)
+        _STATE_WATCHES.add(self)
 
     def stepped(self, optimizer: Optimizer) -> None:
         state = self.state_ref()
         if state is not None:
             _link(optimizer, state)
+
+
+_STATE_WATCHES: "weakref.WeakSet[OptimizerStateDictWatch]" = weakref.WeakSet()  # alive with their states
 
 
 def register_optimizer_state_dict_hooks(state: _FSDPState) -> None:
@@ -457,6 +466,11 @@ def _state_dict_post_hook(link_ref: Any, optimizer: Optimizer, state_dict: Dict[
         by_name = {str(key): state[key] for key, _ in pairs if str(key) in members}
         keep = not request.cpu_offload or rank_of() == 0  # torch keeps an offloaded full state dict on rank 0 only
         _gather_states(by_name, members, [p for key, p in pairs if str(key) in members], list(by_name), keep=keep)
+    if request is None and members:  # this rank's slices, pickled as plain tensors: say whose
+        saved_by = {"rank": rank_of(), "world_size": _world_size(),
+                    "slices": _layout([(p, state.get(key, {})) for key, p in pairs], managed)}
+        return {**state_dict, "state": state,
+                "param_groups": [{**group, SAVED_BY: dict(saved_by)} for group in state_dict["param_groups"]]}
     return {**state_dict, "state": state}
 
 
@@ -466,11 +480,16 @@ def _load_state_dict_pre_hook(link_ref: Any, optimizer: Optimizer, state_dict: D
     managed = link.managed() if link is not None else {}
     if managed:
         agree_torch_load(at_model=False)  # see [Note: torch's loads on every rank] in model_state_dict.py
-    pairs = _saved_keys(state_dict, optimizer) if managed and "state" in state_dict else None
+    saved_by, unstamped = _without_saved_by(state_dict)
+    pairs = _saved_keys(unstamped, optimizer) if managed and "state" in unstamped else None
     if not pairs:
-        return None
-    torch_request(f"{type(optimizer).__name__}.load_state_dict()", optimizer)  # refuses what cannot be loaded
-    state = dict(state_dict["state"])
+        return None if unstamped is state_dict else unstamped
+    api = f"{type(optimizer).__name__}.load_state_dict()"
+    torch_request(api, optimizer)  # refuses what cannot be loaded
+    state = dict(unstamped["state"])
+    assert link is not None
+    _agree_saved_by(api, saved_by, [(p, state.get(key, {})) for key, p in pairs], managed, link,
+                    "Nothing was loaded on any rank.")
     for key, p in pairs:
         where = managed.get(id(p))
         if where is None or key not in state:
@@ -478,7 +497,7 @@ def _load_state_dict_pre_hook(link_ref: Any, optimizer: Optimizer, state_dict: D
         current = optimizer.state.get(p, {})
         state[key] = {name: _this_ranks(where, p, name, value, current.get(name))
                       for name, value in state[key].items()}
-    return {**state_dict, "state": state}
+    return {**unstamped, "state": state}
 
 
 def _this_ranks(where: Managed, param: torch.Tensor, name: str, value: Any, current: Any) -> Any:
@@ -499,5 +518,161 @@ def _this_ranks(where: Managed, param: torch.Tensor, name: str, value: Any, curr
         return local_slice(where, label, value).clone()
     if value.shape == param.shape:
         return value  # this rank's slice (a per-rank optimizer.state_dict()), kept as torch keeps it
+    if value.dim() == 1 and value.numel() == math.prod(where.shape):  # the whole parameter, flat (one rank's or NO_SHARD's)
+        return local_slice(where, label, value.reshape(where.shape)).clone()
     raise ValueError(f"optimizer.load_state_dict: {label} has shape {tuple(value.shape)}; expected the parameter's "
                      f"{tuple(where.shape)} (full), a ShardedSlice of it, or this rank's slice {tuple(param.shape)}.")
+
+
+# ---------------------------------------------------------------------------- whose slices
+# [Note: Per-rank optimizer state dicts say whose they are]
+#   optimizer.state_dict() holds this rank's slices of each fully sharded parameter's states, and
+#   torch.save keeps them as plain 1-D tensors. DDP's habit, "rank 0 saves optimizer.state_dict(),
+#   every rank loads it", then gave every rank rank 0's slices: where the slices have equal shapes
+#   the other ranks trained on with rank 0's moments, silently (a user's trial: 1e-2 off local
+#   training after the next step); where they differ, a size error inside the step. So:
+#   * optimizer.state_dict() (not torch's state-dict functions, which describe slices
+#     themselves) marks every param group with SAVED_BY: the saving rank and world size (for
+#     messages) and a checksum of which elements of each parameter its slices are (_layout).
+#     Plain integers: torch.load(weights_only=True) reads them.
+#   * Loading a marked state dict (the load pre-hook) takes the mark out and refuses it if a
+#     fully sharded parameter's state is a plain slice (not the whole parameter, flat or not; not
+#     a ShardedSlice or DTensor) and this rank's slices are other elements than the saver's: a
+#     file saved by another rank (HSDP's ranks of one shard index hold the same elements: loaded),
+#     at another world size or by a model sharded otherwise. A whole parameter's state (NO_SHARD,
+#     a one-rank group, a plain model's optimizer) is sliced for this rank: it loads anywhere.
+#   * An optimizer's hooks are installed when it is first seen stepping our parameters, so a
+#     fresh optimizer's load_state_dict (the usual resume) runs without them: torch's loader keeps
+#     whatever it is given, the mark too (in the param groups). A check before each optimizer's
+#     first step (then one size comparison per step) finds state given before it, links the
+#     optimizer, checks the mark and converts the state as the load hook would have; refused, the
+#     step raises before anything is stepped and the mark stays, so a retry refuses again.
+#   * The verdict is exchanged over the parameters' group (one exchange per load of a marked
+#     state dict), so every rank raises, naming the ranks given other elements: a rank that
+#     loaded its own file would otherwise go on, and wait for the others forever.
+#   A state dict without the mark (hand-made, or from before it) loads as before: a slice-shaped
+#   value is taken as this rank's own.
+SAVED_BY = "composable_shard_saved_by"
+
+_SAVED_BY_HINT = _collectives.collective_call_hint(
+    "`optimizer.load_state_dict()` of a state dict made by `optimizer.state_dict()` (or the first step after it)",
+    "Call it on every rank, each with the state dict its own rank saved.")
+
+
+def _world_size() -> int:
+    return torch.distributed.get_world_size() if is_distributed() else 1
+
+
+class _SavedBy(NamedTuple):
+    rank: int
+    world_size: int
+    slices: int  # _layout() of the saving rank
+
+
+def _layout(entries: List[Tuple[torch.Tensor, Mapping[str, Any]]], managed: Dict[int, Managed]) -> int:
+    """A checksum of which elements this rank holds of each fully sharded parameter with a
+    per-element state in ``entries`` (``(parameter, its states)`` in the optimizer's order): equal
+    on two ranks iff their slices of those parameters are the same elements."""
+    layout = []
+    for position, (p, states) in enumerate(entries):
+        where = managed.get(id(p))
+        if where is not None and any(isinstance(v, torch.Tensor) and v.dim() > 0 for v in states.values()):
+            layout.append(f"{position}:{where.param_range[0]}:{p.numel()}")
+    return zlib.crc32(",".join(layout).encode())
+
+
+def _without_saved_by(state_dict: Dict[str, Any]) -> Tuple[Optional[_SavedBy], Dict[str, Any]]:
+    """The mark of [Note: Per-rank optimizer state dicts say whose they are], and ``state_dict``
+    without it (itself if unmarked)."""
+    groups = state_dict.get("param_groups")
+    if not isinstance(groups, list) or not any(isinstance(g, Mapping) and SAVED_BY in g for g in groups):
+        return None, state_dict
+    marks = [g[SAVED_BY] for g in groups if isinstance(g, Mapping) and SAVED_BY in g]
+    return _as_saved_by(marks[0]), {**state_dict, "param_groups": [
+        {k: v for k, v in g.items() if k != SAVED_BY} if isinstance(g, Mapping) else g for g in groups]}
+
+
+def _as_saved_by(mark: Any) -> _SavedBy:
+    try:
+        return _SavedBy(int(mark["rank"]), int(mark["world_size"]), int(mark["slices"]))
+    except (TypeError, KeyError, ValueError):
+        return _SavedBy(-1, -1, -1)  # malformed: matches no rank's slices
+
+
+def _agree_saved_by(api: str, saved_by: Optional[_SavedBy], entries: List[Tuple[torch.Tensor, Mapping[str, Any]]],
+                    managed: Dict[int, Managed], link: "_Link", consequence: str) -> None:
+    """Raise on every rank of the linked parameters' group if some rank is given slices of other
+    elements than its own (see the Note above); ``entries``: ``(parameter, its states to load)``
+    for every parameter of the optimizer, in its order."""
+    if saved_by is None:
+        return
+    first = ""
+    for p, states in entries:
+        where = managed.get(id(p))
+        if where is None:
+            continue
+        whole = math.prod(where.shape)
+        for name, value in states.items():
+            # a plain slice (a whole parameter, flat or not, is the same whoever saved it)
+            if (isinstance(value, torch.Tensor) and not isinstance(value, (ShardedSlice, DTensor)) and value.dim() > 0
+                    and value.numel() != whole):
+                first = first or f"{where.name!r} ({name!r}: shape {tuple(value.shape)}, this rank's slice {tuple(p.shape)})"
+    verdict = int(bool(first) and saved_by.slices != _layout(entries, managed))
+    collective, group = common_group(states_groups(list(link.states)))
+    mine = [verdict, saved_by.rank, saved_by.world_size]
+    rows = (_collectives.exchange(mine, group, tag=f"{api}: whose optimizer slices each rank loads", hint=_SAVED_BY_HINT)
+            if collective else [mine])
+    if not any(row[0] for row in rows):
+        return
+    ranks = ([r if group is None else torch.distributed.get_global_rank(group, r) for r in range(len(rows))]
+             if collective else [rank_of()])
+    wrong = [f"rank {r} was given the slices of rank {row[1]} of {row[2]}" for r, row in zip(ranks, rows) if row[0]]
+    here = f" On this rank (rank {rank_of()} of {_world_size()}): {first}." if verdict else ""
+    raise RuntimeError(
+        f"{api}: an optimizer.state_dict() holds only its rank's own slices of each fully sharded parameter's state "
+        f"(exp_avg, momentum_buffer), and {'; '.join(wrong)}, which are other elements than its own: it would step "
+        f"with them, silently where the shapes agree.{here} To save once for every rank, call get_optimizer_state_dict(model, optim) "
+        "on every rank (full tensors; rank0_only=True keeps them on rank 0 only, for torch.save) and load with "
+        "set_optimizer_state_dict(model, optim, osd) on every rank; or use save_checkpoint / torch.distributed.checkpoint; "
+        "or have each rank save its own optimizer.state_dict() and load it on the same rank of the same world size and "
+        f"sharding. {consequence}")
+
+
+# optimizer -> the size of its param groups at the first step checked (see the Note above)
+_FIRST_STEP_SEEN: "weakref.WeakKeyDictionary[Optimizer, Tuple[int, int]]" = weakref.WeakKeyDictionary()
+
+
+def _complete_loads_before_first_step(optimizer: Optimizer) -> None:
+    """Before every optimizer step, at once after the first for each optimizer (and after each
+    growth of its groups): state an optimizer was given before it had hooks (``load_state_dict``
+    before its first step, see the Note above) is checked and converted now, as the load hook
+    would have: each fully sharded parameter's state becomes this rank's slice."""
+    groups = optimizer.param_groups
+    size = (len(groups), sum(len(g["params"]) for g in groups))
+    if _FIRST_STEP_SEEN.get(optimizer) == size:
+        return
+    marked = [g for g in groups if SAVED_BY in g]
+    if optimizer.state or marked:
+        params = [p for g in groups for p in g["params"]]
+        ids = {id(p) for p in params}
+        for watch in list(_STATE_WATCHES):
+            state = watch.state_ref()
+            if state is not None and not watch.param_ids.isdisjoint(ids):
+                _link(optimizer, state)
+        link = _LINKS.get(optimizer)
+        managed = link.managed() if link is not None else {}
+        if link is not None and managed:
+            api = f"{type(optimizer).__name__}.step()"
+            _agree_saved_by(api, _as_saved_by(marked[0][SAVED_BY]) if marked else None,
+                            [(p, optimizer.state.get(p, {})) for p in params], managed, link,
+                            "Nothing was stepped (the state loaded before this first step stays; load another into it).")
+            for p in params:
+                where, entries = managed.get(id(p)), optimizer.state.get(p)
+                if where is not None and entries:
+                    optimizer.state[p] = {name: _this_ranks(where, p, name, value, value) for name, value in entries.items()}
+    for g in marked:
+        del g[SAVED_BY]
+    _FIRST_STEP_SEEN[optimizer] = size
+
+
+_watch.check_before_optimizer_steps(_complete_loads_before_first_step)
