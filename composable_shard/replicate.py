@@ -274,8 +274,8 @@ def replicate(
     broadcast_from_rank0([local_piece(t) for _, t in states], [_group_or_world(process_group)], None,
                          tag="replicate::init_broadcast")
     make_subclass(module, "Replicate", ReplicateModule)
-    _init_state(_state_of(module), module, api, process_group, states, int(bucket_cap_mb * _MB), mixed_precision)
     _state_of(module).skipped = skipped
+    _init_state(_state_of(module), module, api, process_group, states, int(bucket_cap_mb * _MB), mixed_precision)
     module.register_forward_pre_hook(WeakHook(_broadcast_buffers, _state_of(module)))
     module.register_forward_hook(WeakHook(_after_forward, _state_of(module)))
     return module
@@ -370,7 +370,8 @@ def _init_state(state: _ReplicateState, module: nn.Module, api: str, group: Opti
     state.reduce_dtype = mixed_precision.effective_reduce_dtype if mixed_precision is not None else None
     _manage(state, candidates, {})
     note_replicated(module, [p for _, p in candidates])  # [Note: Inside another API's module] in _setup/data_parallel.py
-    state.step_counter = _ReplicateSteps(p for _, p in candidates)
+    state.step_counter = _ReplicateSteps((p for _, p in candidates), dp_world_size=state.world_size,
+                                         ignored=(p for m in state.skipped for p in m.parameters()))
     module.register_load_state_dict_pre_hook(_agree_before_model_load)
     if state.frozen:
         module.register_forward_pre_hook(WeakHook(_adopt_unfrozen, state))

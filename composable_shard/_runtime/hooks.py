@@ -170,7 +170,9 @@ def lazy_init(state: _FSDPState) -> None:
     for s in states:
         s.streams = state.streams
     state.ctx.debug_checks = _agreement.debug_mode()
-    state.ctx.step_counter = _watch.StepCounter(p for h in state._all_handles for g in h.groups for p in g.orig_params)
+    state.ctx.step_counter = _watch.StepCounter(
+        (p for h in state._all_handles for g in h.groups for p in g.orig_params),
+        dp_world_size=state.dp_world_size, ignored=(p for s in states for p in s.ignored_params))
     _agreement.check_layout_across_ranks(state)
 
 

@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, Iterator, List, NamedTuple, Optional, Protocol, Sequence, Set, Tuple
@@ -269,8 +270,56 @@ def check_before_optimizer_steps(check: Callable[[Optimizer], None]) -> None:
 
 def _before_optimizer_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
     _refuse_whole_tensor_optimizer(optimizer)
+    _warn_unaveraged_gradients(optimizer)
     for check in _before_step_checks:
         check(optimizer)
+
+
+# [Note: Gradients no data-parallel API averages]  fully_shard on the blocks but not on the model
+# (or replicate on some submodules only) leaves the other parameters (an embedding, the output
+# head) plain: their gradients are each rank's own, no API averages them, and every rank's
+# optimizer steps its own copy apart from the others' (a user's trial: the ranks' output heads
+# 1e-2 apart after three steps, with nothing said; FSDP2 is as silent). At an optimizer's first
+# step (and again after its groups grow), if it steps parameters of a data-parallel module of
+# more than one rank beside trainable parameters with a gradient that no such module manages
+# (not ignored by it, not DTensors), a warning names them and says what to do. Not an error: a
+# parameter meant to differ per rank, or averaged by the user's own code, may exist. Local: no
+# collective (a first step taken on some ranks only must not meet a check the others skip). One
+# size comparison per step after the first.
+_unaveraged_checked: "weakref.WeakKeyDictionary[Optimizer, Tuple[int, int]]" = weakref.WeakKeyDictionary()
+
+
+def _warn_unaveraged_gradients(optimizer: Optimizer) -> None:
+    groups = optimizer.param_groups
+    size = (len(groups), sum(len(g["params"]) for g in groups))
+    if _unaveraged_checked.get(optimizer) == size:
+        return
+    _unaveraged_checked[optimizer] = size
+    stepped = [p for g in groups for p in g["params"]]
+    ids = {id(p) for p in stepped}
+    watches = list(_step_watches)
+    counters = [w for w in watches if isinstance(w, StepCounter) and w.dp_world_size > 1 and not w.param_ids.isdisjoint(ids)]
+    if not counters:
+        return
+    managed = set().union(*(w.param_ids for w in watches), *(c.ignored_ids for c in counters))
+    loose = [p for p in stepped if id(p) not in managed and p.requires_grad and p.grad is not None and not _is_dtensor(p)]
+    if not loose:
+        return
+    names = {id(p): n for g in groups for p, n in zip(g["params"], g.get("param_names") or [])}  # torch.optim given named_parameters()
+    shown = ", ".join(repr(names[id(p)]) if id(p) in names else f"shape {tuple(p.shape)}" for p in loose[:4])
+    warnings.warn(
+        f"{type(optimizer).__name__}.step() steps {len(loose)} parameter(s) that neither fully_shard nor replicate "
+        f"manages ({shown}{', ...' if len(loose) > 4 else ''}) beside fully sharded or replicated ones: nothing "
+        "averages their gradients across ranks, so each rank trains its own copy and the ranks drift apart. Apply "
+        "fully_shard (or replicate) to the root module too (fully_shard(model) after the blocks), or list parameters "
+        "meant to differ per rank in its ignored_params / ignored_modules (if your own code averages their gradients, "
+        "this warning can be filtered).", UserWarning, stacklevel=4)
+
+
+def _is_dtensor(p: Any) -> bool:
+    from torch.distributed.tensor import DTensor  # deferred: slow to import, needed at a first step only
+
+    return isinstance(p, DTensor)
 
 
 def _on_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -433,11 +482,15 @@ class OptimizerSteps:
 
 class StepCounter(OptimizerSteps):
     """The optimizer steps taken on one module's parameters, agreed across ranks once per synced
-    backward ([Note: Step agreement])."""
+    backward ([Note: Step agreement]). ``dp_world_size``: the ranks averaging their gradients;
+    ``ignored``: parameters its API was told to leave alone (see [Note: Gradients no
+    data-parallel API averages])."""
 
-    def __init__(self, params: Iterable[Any]) -> None:
+    def __init__(self, params: Iterable[Any], dp_world_size: int = 1, ignored: Iterable[Any] = ()) -> None:
         self.pending: int = 0  # steps since the last take(); counted as they happen, so an
         # optimizer freed at different times on different ranks changes nothing
+        self.dp_world_size = dp_world_size
+        self.ignored_ids: Set[int] = {id(p) for p in ignored}
         super().__init__(params)
 
     def stepped(self, optimizer: Optimizer) -> None:

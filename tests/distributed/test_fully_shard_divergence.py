@@ -463,6 +463,77 @@ def _skip_then_read_or_saved(api: str, way: str) -> None:
     _expect_error(lambda: _step(model), "must call optimizer.step() together")
 
 
+# ---------------------------------------------------------------------------- gradients nothing averages
+class _Net(nn.Module):
+    """An embedding-like input layer and an output head around two blocks: what users leave on
+    the root when they shard the blocks only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(5, 6)
+        self.blocks = nn.ModuleList([_Wide(8), _Wide(8)])
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
+def _unaveraged(setup: str) -> None:
+    """fully_shard (or replicate) on the blocks only: the root's parameters get each rank's own
+    gradient and the ranks' copies drift apart (checked: the output heads differ after the
+    steps). The first step warns once, naming them ([Note: Gradients no data-parallel API
+    averages] in _runtime/watch.py), at the user's line, and never again; nothing is said when
+    the root is managed too (``root``), when its parameters are ignored on purpose (``ignored``:
+    they drift, as asked) or frozen (``frozen_root``); at 4 ranks also on a 2 x 2 hybrid mesh."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = _Net()
+    loose = ["inp.weight", "inp.bias", "out.weight", "out.bias"]
+    if setup == "replicated_blocks":
+        for block in model.blocks:
+            replicate(block)
+    else:
+        kwargs: Dict[str, Any] = {}
+        if setup == "hybrid_blocks":
+            from torch.distributed.device_mesh import init_device_mesh
+
+            kwargs = {"strategy": ShardingStrategy.HYBRID_SHARD, "mesh": init_device_mesh("cpu", (2, world_size // 2))}
+        for block in model.blocks:
+            fully_shard(block, **kwargs)
+        if setup == "root":
+            fully_shard(model)
+        elif setup == "ignored":
+            fully_shard(model, ignored_params={p for m in (model.inp, model.out) for p in m.parameters()})
+        elif setup == "frozen_root":
+            for name in loose:
+                model.get_parameter(name).requires_grad_(False)
+    optim = torch.optim.SGD(model.named_parameters(), lr=0.5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            x = torch.randn(4, 5, generator=torch.Generator().manual_seed(step * 10 + rank))
+            model(x).pow(2).mean().backward()
+            optim.step()
+            optim.zero_grad()
+    said = [w for w in caught if "neither fully_shard nor replicate manages" in str(w.message)]
+    head = get_model_state_dict(model)["out.weight"]  # the full head (sharded when the root is)
+    heads = [torch.zeros_like(head) for _ in range(world_size)]
+    dist.all_gather(heads, head)
+    apart = any(not torch.equal(heads[0], h) for h in heads)
+    if setup in ("blocks", "replicated_blocks", "hybrid_blocks"):
+        assert apart, "the premise: nothing averages the head's gradients"
+        assert len(said) == 1, [str(w.message) for w in caught]
+        message = str(said[0].message)
+        assert f"steps {len(loose)} parameter(s)" in message and all(repr(n) in message for n in loose), message
+        assert "fully_shard(model) after the blocks" in message and said[0].filename == __file__, (message, said[0].filename)
+    else:
+        assert not said, [str(w.message) for w in said]
+        assert apart == (setup == "ignored"), setup
+
+
 # ---------------------------------------------------------------------------- entry
 _AGREED: Dict[str, Callable[[], None]] = {
     "different handle order in the first iteration": lambda: run_subtests(
@@ -480,6 +551,8 @@ _AGREED: Dict[str, Callable[[], None]] = {
         "api": ["fully_shard"], "way": ["get_model_state_dict", "state_dict", "unshard_params", "get_optimizer_state_dict",
                                         "torch get_state_dict", "save_checkpoint", "save_checkpoint_async"]}),
         run_subtests(_skip_then_read_or_saved, {"api": ["replicate"], "way": ["save_checkpoint"]})),
+    "gradients nothing averages": lambda: run_subtests(_unaveraged, {
+        "setup": ["blocks", "replicated_blocks", "root", "ignored", "frozen_root"]}),
 }
 _AGREED_AT_4: Dict[str, Callable[[], None]] = {  # more than two ranks agreeing; a real hybrid mesh
     "different handle order in the first iteration": _AGREED["different handle order in the first iteration"],
@@ -487,6 +560,7 @@ _AGREED_AT_4: Dict[str, Callable[[], None]] = {  # more than two ranks agreeing;
         "api": ["hybrid"], "cause": ["rank_condition"]}),
     "an output in the loss on some ranks only": lambda: run_subtests(
         _output_used_on_some_ranks, {"aux_first": [True, False], "sync": [True], "hybrid": [False, True]}),
+    "gradients nothing averages": lambda: run_subtests(_unaveraged, {"setup": ["blocks", "hybrid_blocks", "root"]}),
 }
 
 
@@ -529,7 +603,11 @@ def test_disagreement_raises_on_every_rank(world_size: int) -> None:
 
     optimizer stepped on some ranks after the last backward (2 ranks): the steps no backward
     carried yet are exchanged by every call that reads or saves the model across ranks, which
-    raises on every rank before anything is read or written."""
+    raises on every rank before anything is read or written.
+
+    gradients nothing averages (2 and 4 ranks): the root left plain under fully sharded or
+    replicated blocks trained apart on each rank without a word; the first step warns (see
+    ``_unaveraged``)."""
     cases = _AGREED_AT_4 if world_size == 4 else _AGREED
     run_distributed(run_subtests, world_size, _agreed_case, {"case": list(cases)}, timeout=150)
 
