@@ -14,7 +14,7 @@ product of both sizes.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -145,6 +145,22 @@ class FSDPModule(ForeignWrapperGuard, _NoCopyMixin, _apply_guard.GuardedApply, F
         check_set_requires_gradient_sync(self, requires_gradient_sync, recurse)
         for s in self._states(recurse):
             s.sync_gradients = requires_gradient_sync
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """FSDP1's (and DDP's) ``no_sync``: backward passes run inside communicate nothing and
+        accumulate unsharded gradients in this module's tree; the first synced backward after it
+        reduces their sum. The flag of :meth:`set_requires_gradient_sync` is read at backward,
+        so run the backward inside too; each module's own setting comes back on exit."""
+        states = self._states(True)
+        before = [s.sync_gradients for s in states]
+        for s in states:
+            s.sync_gradients = False
+        try:
+            yield
+        finally:
+            for s, flag in zip(states, before):
+                s.sync_gradients = flag
 
     def reduce_accumulated_gradients(self) -> None:
         """Reduce now, between steps, what backwards with ``set_requires_gradient_sync(False)``

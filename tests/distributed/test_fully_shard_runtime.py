@@ -682,19 +682,31 @@ def test_exception_in_forward_or_backward_leaves_model_usable() -> None:
 
 
 # ---------------------------------------------------------------------------- FSDPModule methods
-def _no_sync_accumulation() -> None:
+def _no_sync_accumulation(how: str) -> None:
+    """Unsynced micro-batches through ``set_requires_gradient_sync(False)`` or FSDP1's ``with
+    model.no_sync():``, which puts back each module's own setting (a child set off before it
+    stays off after it; the others sync again)."""
     world_size = dist.get_world_size()
     reference = make_model()
     expected = [(n, g) for n, g in _accumulated_reference(reference, world_size)]
     model = make_model()
     _annotate(model)
-    model.set_requires_gradient_sync(False)
     with record_collectives() as rec:
-        for step in range(3):
-            local_backward(model, step)
+        if how == "no_sync":
+            model.blocks[1].set_requires_gradient_sync(False, recurse=False)
+            with model.no_sync():
+                for step in range(3):
+                    local_backward(model, step)
+        else:
+            model.set_requires_gradient_sync(False)
+            for step in range(3):
+                local_backward(model, step)
     # Parameters are still all-gathered (FULL_SHARD); no gradient is communicated.
     reductions = [r for r in rec.records if r.kind in ("reduce_scatter", "all_reduce")]
     assert not reductions, f"gradients communicated during unsynced micro-batches: {reductions}"
+    if how == "no_sync":  # the flags it found: blocks.1 off, the others on
+        assert [m._fsdp_state().sync_gradients for m in (model, model.blocks[0], model.blocks[1], model.scale)] == [
+            True, True, False, True]
     model.set_requires_gradient_sync(True)
     local_backward(model, 3)
     with unshard_params(model, with_grads=True):
@@ -906,8 +918,7 @@ def _synced_accumulation() -> None:
 
 
 def _methods_grid() -> None:
-    _no_sync_accumulation()
-    dist.barrier()
+    run_subtests(_no_sync_accumulation, {"how": ["flag", "no_sync"]})
     _synced_accumulation()
     dist.barrier()
     _methods()
