@@ -344,7 +344,7 @@ def _stepped_model(api: str) -> nn.Module:
     model = _Routed(same_shapes=False)
     if api == "replicate":
         return replicate(model)
-    kwargs: Any = {}
+    kwargs: Any = {"strategy": ShardingStrategy.NO_SHARD} if api == "no_shard" else {}  # one-rank shard groups
     if api == "hybrid":  # 2 x 2: the agreement is summed over the shard group, then across replicas
         from torch.distributed.device_mesh import init_device_mesh
         kwargs = {"mesh": init_device_mesh("cpu", (2, 2)), "strategy": ShardingStrategy.HYBRID_SHARD}
@@ -463,6 +463,26 @@ def _skip_then_read_or_saved(api: str, way: str) -> None:
     _expect_error(lambda: _step(model), "must call optimizer.step() together")
 
 
+def _skip_one_of_two_optimizers(way: str) -> None:
+    """Two fully sharded blocks, each its own root and optimizer, stepped once each on rank 0 and
+    the second skipped on rank 1: every rank's largest step count is 1, and the read still
+    raises on every rank (the ranks' counts differ per module)."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(_Wide(7), _Wide(20))
+    for block in model:
+        fully_shard(block)
+    optims = [torch.optim.SGD(block.parameters(), lr=0.1) for block in model]
+    _step(model)
+    for i, optim in enumerate(optims):
+        if rank == 0 or i == 0:
+            optim.step()
+        optim.zero_grad()
+    take: Dict[str, Callable[[], Any]] = {"get_model_state_dict": lambda: get_model_state_dict(model),
+                                          "unshard_params": lambda: unshard_params(model).__enter__()}
+    _expect_error(take[way], "since the last synchronized backward", "Nothing was saved or read")
+
+
 # ---------------------------------------------------------------------------- gradients nothing averages
 class _Net(nn.Module):
     """An embedding-like input layer and an output head around two blocks: what users leave on
@@ -474,6 +494,7 @@ class _Net(nn.Module):
         self.inp = nn.Linear(5, 6)
         self.blocks = nn.ModuleList([_Wide(8), _Wide(8)])
         self.out = nn.Linear(6, 3)
+        self.unused = nn.Parameter(torch.zeros(2))  # trainable, never in the forward: no gradient, never apart
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
@@ -488,7 +509,8 @@ def _unaveraged(setup: str) -> None:
     steps). The first step warns once, naming them ([Note: Gradients no data-parallel API
     averages] in _runtime/watch.py), at the user's line, and never again; nothing is said when
     the root is managed too (``root``), when its parameters are ignored on purpose (``ignored``:
-    they drift, as asked) or frozen (``frozen_root``); at 4 ranks also on a 2 x 2 hybrid mesh."""
+    they drift, as asked) or frozen (``frozen_root``), nor of a trainable parameter that gets no
+    gradient (``_Net.unused``); at 4 ranks also on a 2 x 2 hybrid mesh."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = _Net()
     loose = ["inp.weight", "inp.bias", "out.weight", "out.bias"]
@@ -550,7 +572,8 @@ _AGREED: Dict[str, Callable[[], None]] = {
     "optimizer stepped on some ranks after the last backward": lambda: (run_subtests(_skip_then_read_or_saved, {
         "api": ["fully_shard"], "way": ["get_model_state_dict", "state_dict", "unshard_params", "get_optimizer_state_dict",
                                         "torch get_state_dict", "save_checkpoint", "save_checkpoint_async"]}),
-        run_subtests(_skip_then_read_or_saved, {"api": ["replicate"], "way": ["save_checkpoint"]})),
+        run_subtests(_skip_then_read_or_saved, {"api": ["replicate", "no_shard"], "way": ["save_checkpoint"]}),
+        run_subtests(_skip_one_of_two_optimizers, {"way": ["get_model_state_dict", "unshard_params"]})),
     "gradients nothing averages": lambda: run_subtests(_unaveraged, {
         "setup": ["blocks", "replicated_blocks", "root", "ignored", "frozen_root"]}),
 }
@@ -603,7 +626,8 @@ def test_disagreement_raises_on_every_rank(world_size: int) -> None:
 
     optimizer stepped on some ranks after the last backward (2 ranks): the steps no backward
     carried yet are exchanged by every call that reads or saves the model across ranks, which
-    raises on every rank before anything is read or written.
+    raises on every rank before anything is read or written (also under NO_SHARD, whose shard
+    groups have one rank, and with two roots' optimizers whose largest counts agree).
 
     gradients nothing averages (2 and 4 ranks): the root left plain under fully sharded or
     replicated blocks trained apart on each rank without a word; the first step warns (see
