@@ -440,6 +440,39 @@ def _frozen_parameters_in_fsdp2_flow() -> None:
 _MATERIALIZATIONS["(g) frozen parameters, FSDP2's flow"] = _frozen_parameters_in_fsdp2_flow
 
 
+def _fsdp1_calls_with_a_whole_subtree_init() -> None:
+    """One fully_shard call with a param_init_fn that ``to_empty``s its whole subtree and then
+    runs its module's own ``reset_parameters()``: as torch's FSDP1, it is called on every module
+    breadth-first (the list made before the first call), so each child's call, after its parent's
+    ``to_empty`` left it uninitialized memory, gives it its own init. The values equal a plain
+    model's going through the same calls (same seed) exactly; before being kept, a child's init
+    could be undone as "already materialized" by the parent's call."""
+    def build() -> nn.Module:
+        torch.manual_seed(5)
+        with torch.device("meta"):
+            return nn.Sequential(nn.Embedding(VOCAB, WIDTH), nn.Linear(WIDTH, WIDTH),
+                                 nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH)), nn.Linear(WIDTH, 3))
+
+    reference = build()
+    queue, order = [reference], []
+    while queue:  # breadth-first, every module (torch's FSDP1 list)
+        module = queue.pop(0)
+        order.append(module)
+        queue.extend(module.children())
+    for module in order:
+        _to_empty_model_init(module)
+    model = fully_shard(build(), param_init_fn=_to_empty_model_init)
+    with unshard_params(model):
+        got = {n: p.detach().clone() for n, p in model.named_parameters()}
+    expected = dict(reference.named_parameters())
+    assert sorted(got) == sorted(expected), sorted(got)
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+
+
+_MATERIALIZATIONS["(c) whole-subtree init, one call"] = _fsdp1_calls_with_a_whole_subtree_init
+
+
 def _materialization(case: str) -> None:
     _MATERIALIZATIONS[case]()
 

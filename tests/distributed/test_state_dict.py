@@ -858,6 +858,26 @@ def _one_ranks_optimizer_files(path: str) -> None:
     run_subtests(_one_ranks_optimizer_file, {"layout": layouts, "when": ["fresh", "stepped"]}, path=path)
 
 
+def _load_checkpoint_missing_state(path: str) -> None:
+    """``load_checkpoint`` into a model with a parameter the checkpoint lacks (a layer added
+    since) raises on every rank, naming it, and loads nothing: a partial load would leave it at
+    its fresh values and train on silently."""
+    model = _build("FULL_SHARD", seed=0)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, optim, range(1))
+    save_checkpoint(f"{path}/ckpt", model, optim)
+    grown = make_model(seed=3)
+    grown.extra = nn.Linear(4, 2)
+    for block in grown.blocks:
+        fully_shard(block)
+    fully_shard(grown)
+    before = get_model_state_dict(grown)
+    with pytest.raises(BaseException, match=r"extra\.weight") as raised:  # DCP's CheckpointException is a BaseException
+        load_checkpoint(f"{path}/ckpt", grown)  # the model only (an optimizer's groups would be refused first)
+    assert not isinstance(raised.value, (KeyboardInterrupt, SystemExit)), raised.value
+    _assert_state_dicts_equal(get_model_state_dict(grown), before, "after a refused load_checkpoint")
+
+
 # ---------------------------------------------------------------------------- entry
 _CHECKS: Dict[str, Callable[[str], None]] = {  # check -> fn(a directory of its own)
     "memory": _memory, "full_options": lambda path: _full_options(), "sharded_is_local": lambda path: _sharded_is_local(),
@@ -865,7 +885,8 @@ _CHECKS: Dict[str, Callable[[str], None]] = {  # check -> fn(a directory of its 
     "strict_loading": lambda path: _strict(), "loaded_state_is_a_copy": lambda path: _loaded_state_is_a_copy(),
     "state_of_an_optimizer_that_never_stepped": lambda path: _state_of_an_optimizer_that_never_stepped(),
     "extra_read_weights_only": _extra_weights_only,
-    "interoperate_with_torch_fsdp2": _torch_fsdp2_interop, "optimizer_state_dict_of_one_rank": _one_ranks_optimizer_files}
+    "interoperate_with_torch_fsdp2": _torch_fsdp2_interop, "optimizer_state_dict_of_one_rank": _one_ranks_optimizer_files,
+    "load_checkpoint_refuses_missing_state": _load_checkpoint_missing_state}
 _CHECKS_AT_4 = ["full_options", "sharded_is_local", "large_tensors_in_chunk_sized_boxes", "interoperate_with_torch_fsdp2",
                 "optimizer_state_dict_of_one_rank"]
 
