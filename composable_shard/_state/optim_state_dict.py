@@ -313,6 +313,13 @@ def set_optimizer_state_dict(module: nn.Module, optim: torch.optim.Optimizer, st
     if not isinstance(state_dict, Mapping) or set(state_dict) != {"state", "param_groups"}:
         raise ValueError(f"{api}: expected {{'state': ..., 'param_groups': [...]}} (from get_optimizer_state_dict), "
                          f"got {type(state_dict).__name__} with keys {sorted(state_dict) if isinstance(state_dict, Mapping) else '-'}")
+    by_index = [k for k in state_dict["state"] if not isinstance(k, str)] + [
+        k for g in state_dict["param_groups"] if isinstance(g, Mapping) for k in g.get("params", []) if not isinstance(k, str)]
+    if by_index:
+        raise ValueError(f"{api}: the state dict names its parameters by {type(by_index[0]).__name__} ({by_index[0]!r}), "
+                         "not by FQN: it is torch's optimizer.state_dict() layout (parameter positions). Load it with "
+                         "optim.load_state_dict(state_dict) (a single-process optimizer's whole-parameter state is sliced "
+                         "for this rank), or pass what get_optimizer_state_dict() returns. Nothing was loaded.")
     fqns, managed = _param_names(api, module, optim)
     params = dict(zip(fqns, (p for g in optim.param_groups for p in g["params"])))
     saved_groups = list(state_dict["param_groups"])
@@ -324,7 +331,7 @@ def set_optimizer_state_dict(module: nn.Module, optim: torch.optim.Optimizer, st
     for i, (saved, mine) in enumerate(zip(saved_groups, (group["params"] for group in _groups(optim, fqns)))):
         theirs = list(saved.get("params", []))
         if set(theirs) != set(mine):
-            raise ValueError(f"{api}: param_groups[{i}] holds {sorted(set(theirs) ^ set(mine))} in only one of the "
+            raise ValueError(f"{api}: param_groups[{i}] holds {sorted(set(theirs) ^ set(mine), key=str)} in only one of the "
                              "state dict and the optimizer; build the optimizer on the same parameters, in the same groups.")
         local_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": [index_of[f] for f in mine]})
     unknown = [f for f in state_dict["state"] if f not in params]
@@ -626,7 +633,8 @@ def _agree_saved_by(api: str, saved_by: Optional[_SavedBy], entries: List[Tuple[
         return
     ranks = ([r if group is None else torch.distributed.get_global_rank(group, r) for r in range(len(rows))]
              if collective else [rank_of()])
-    wrong = [f"rank {r} was given the slices of rank {row[1]} of {row[2]}" for r, row in zip(ranks, rows) if row[0]]
+    world = _world_size()
+    wrong = [f"rank {r} of {world} was given the slices saved by rank {row[1]} of {row[2]}" for r, row in zip(ranks, rows) if row[0]]
     here = f" On this rank (rank {rank_of()} of {_world_size()}): {first}." if verdict else ""
     raise RuntimeError(
         f"{api}: an optimizer.state_dict() holds only its rank's own slices of each fully sharded parameter's state "

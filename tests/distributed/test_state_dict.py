@@ -826,12 +826,20 @@ def _one_ranks_optimizer_file(layout: str, when: str, path: str) -> None:
                                    else 1e-6, rtol=0, msg=lambda m: f"{layout}/{when}, {source}: {m}")
         steps = {float(entries["step"]) for entries in loaded["state"].values()}
         assert steps == {2.0}, f"{source}: the loaded state dict's step counted the resumed steps: {steps}"
+    if layout == "FULL_SHARD":  # the library's FQN-keyed loader given torch's layout: told which loader takes it
+        model, optim = resumed()
+        state = _optimizer_state(optim)
+        with pytest.raises(ValueError, match=r"not by FQN: it is torch's optimizer.state_dict\(\) layout"):
+            set_optimizer_state_dict(model, optim, torch.load(file("plain")))
+        after = _optimizer_state(optim)
+        assert all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(after, state))
     if layout == "NO_SHARD":
         return
     wrong = [r for r in range(1, world_size) if layout != "HYBRID_SHARD" or r % 2]  # HSDP (2, 2): rank 2 holds rank 0's
-    refusals = [("sharded", "; ".join(f"rank {r} was given the slices of rank 0 of {world_size}" for r in wrong), rank in wrong)]
+    given = "rank {} of {} was given the slices saved by rank 0 of {}"
+    refusals = [("sharded", "; ".join(given.format(r, world_size, world_size) for r in wrong), rank in wrong)]
     if layout == "FULL_SHARD":
-        refusals.append(("alone", f"rank {rank} was given the slices of rank 0 of {world_size}", True))
+        refusals.append(("alone", given.format(rank, world_size, world_size), True))
     for where, expected, named_here in refusals:
         model, optim = resumed(where)
         params, state = get_model_state_dict(model), _optimizer_state(optim)
