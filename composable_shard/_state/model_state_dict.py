@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -650,6 +651,7 @@ def check_model_state_dict(module: nn.Module, state_dict: Mapping[str, Any], str
             errors.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + ".")
         if missing:
             errors.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ".")
+    slices = False  # a 1-D value smaller than its parameter: one rank's slice, pickled
     for key, want in expected.items():
         value = state_dict.get(key)
         if want.shape is None or not isinstance(value, torch.Tensor) or value is want.live:
@@ -657,8 +659,14 @@ def check_model_state_dict(module: nn.Module, state_dict: Mapping[str, Any], str
         if tuple(value.shape) != tuple(want.shape):
             errors.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from checkpoint, "
                           f"the shape in current model is {tuple(want.shape)}.")
+            slices |= value.dim() == 1 and len(want.shape) != 1 and value.numel() < math.prod(want.shape)
         elif check_dtype and value.dtype != want.dtype and (value.is_floating_point() or (want.dtype is not None and want.dtype.is_floating_point)):
             errors.append(f"dtype mismatch for {key}: the checkpoint's is {value.dtype}, the model's is {want.dtype}.")
+    if slices:
+        errors.append("A 1-D value smaller than its parameter is one rank's slice: a sharded state dict "
+                      "(get_model_state_dict(full=False), SHARDED_STATE_DICT) pickled by torch.save keeps only that "
+                      "rank's elements. Save sharded state dicts with torch.distributed.checkpoint (dcp.save) or "
+                      "save_checkpoint, or torch.save a full one (get_model_state_dict(model, rank0_only=True)).")
     if errors:
         raise RuntimeError(f"{api}: error(s) in loading state_dict for {type(module).__name__} (nothing was loaded):\n\t"
                            + "\n\t".join(errors))

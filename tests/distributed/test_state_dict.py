@@ -527,6 +527,13 @@ def _strict() -> None:
                 load(sd)
             assert "nothing was loaded" in str(info.value), info.value
             _assert_state_dicts_equal(get_model_state_dict(model), before[0], f"after a refused load ({what})")
+    pickled = io.BytesIO()  # each rank's sharded state dict through torch.save: its slices, told what to use instead
+    torch.save(get_model_state_dict(model, full=False), pickled)
+    pickled.seek(0)
+    with pytest.raises(RuntimeError, match="is one rank's slice: a sharded state dict") as info:
+        set_model_state_dict(model, torch.load(pickled))
+    assert "nothing was loaded" in str(info.value) and "dcp.save" in str(info.value), info.value
+    _assert_state_dicts_equal(get_model_state_dict(model), before[0], "after a refused load (pickled slices)")
     with pytest.raises(RuntimeError, match="dtype mismatch for blocks.0.ln.weight"):
         set_model_state_dict(model, {**good, "blocks.0.ln.weight": good["blocks.0.ln.weight"].double()})
     _assert_state_dicts_equal(get_model_state_dict(model), before[0], "after a refused load (dtype)")
