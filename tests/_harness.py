@@ -329,6 +329,8 @@ def _rank_main(spec: _RankSpec, conn: Connection, lifeline: Connection) -> None:
         _detach_and_die_with_test_process(spec.parent_pid, lifeline)
         os.environ.clear()
         os.environ.update(spec.environ)
+        # see [Note: The other worker yields] in conftest.py (the forkserver may run at it already)
+        os.nice(max(0, int(os.environ.get("COMPOSABLE_SHARD_TEST_NICENESS", "0")) - os.nice(0)))
         stack_file = open(spec.stack_path, "w")  # stays open: faulthandler writes to its fd
         faulthandler.enable(file=stack_file, all_threads=True)
         faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
