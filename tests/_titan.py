@@ -524,6 +524,13 @@ def run_backend(tmp: str, assets: Dict[str, str], backend: str) -> None:
             shutil.rmtree(os.path.join(tmp, name, "checkpoint"), ignore_errors=True)
 
 
+def run_backends(tmp: str, assets: Dict[str, str], backends: List[str]) -> None:
+    """:func:`run_backend` for each of ``backends`` in turn, in one spawn (each spawn pays
+    torchtitan's imports and first build again: about 5 s at W = 2)."""
+    for backend in backends:
+        run_backend(tmp, assets, backend)
+
+
 # The configurations beyond 1-D data parallelism (issue 55), each at W = 4 from the seed checkpoint,
 # nothing saved: torchtitan's own options for each, and the configuration whose FSDP2 run is the
 # reference (itself, but for zero-bubble: FSDP2's ZBVZeroBubble in this recipe fails under the

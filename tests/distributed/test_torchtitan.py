@@ -263,9 +263,8 @@ def test_torchtitan_llama3_equals_fsdp2_in_every_parallelism(tmp_path: Any) -> N
     assert os.path.isfile(os.path.join(_titan.seed_path(tmp), ".metadata")), os.listdir(tmp)
     names = list(_titan.PARALLELISMS)
     try:
-        run_distributed(_titan.run_backend, 2, tmp, assets, "fsdp2", timeout=300)  # the reference
-        # this library's fully_shard in torchtitan's apply_fsdp_to_decoder
-        run_distributed(_titan.run_backend, 2, tmp, assets, "composable_shard", timeout=300)
+        # the reference, then this library's fully_shard in torchtitan's apply_fsdp_to_decoder
+        run_distributed(_titan.run_backends, 2, tmp, assets, ["fsdp2", "composable_shard"], timeout=540)
         run_distributed(_titan.run_parallelisms, 4, tmp, assets, names, timeout=420)
     finally:
         shutil.rmtree(os.path.dirname(os.path.dirname(_titan.seed_path(tmp))))  # 72 MB
