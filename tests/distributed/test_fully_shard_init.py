@@ -83,6 +83,8 @@ def _ignored(kind: str) -> None:
         fully_shard(model, ignored_modules=(m for m in [model.frozen]))
     elif kind == "states":
         fully_shard(model, ignored_states=[model.frozen.weight, model.frozen.bias])
+    elif kind == "states, a module":  # FSDP1's ignored_states takes modules as well as parameters
+        fully_shard(model, ignored_states=[model.frozen])
     else:  # model.frozen.parameters(): a generator, which its check must not use up
         fully_shard(model, ignored_states=model.frozen.parameters())
     assert model.frozen.weight.shape == (6, 6) and torch.equal(model.frozen.weight, full_frozen)
@@ -120,7 +122,7 @@ def _all() -> None:
     run_subtests(_meta_init, {"how": ["reset_parameters", "param_init_fn"]})
     _sync_module_states()
     dist.barrier()
-    run_subtests(_ignored, {"kind": ["modules", "modules, a generator", "states", "states, a generator"]})
+    run_subtests(_ignored, {"kind": ["modules", "modules, a generator", "states", "states, a module", "states, a generator"]})
     _in_place()
 
 

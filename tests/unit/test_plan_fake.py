@@ -147,6 +147,42 @@ def test_a_model_caching_what_its_forward_builds_keeps_no_fake_tensor() -> None:
                                                              type(v).__name__ == "FakeTensor" for v in vars(model).values())
 
 
+class _CachesPerLength(nn.Module):
+    """Caches a causal mask per sequence length in a dict (as rotary and mask caches do) and keeps
+    every mask it applied in a list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.masks: Dict[int, torch.Tensor] = {}
+        self.applied: List[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        if n not in self.masks:
+            self.masks[n] = torch.ones(n, n).tril()
+        self.applied.append(self.masks[n])
+        for block in self.blocks:
+            x = torch.tanh(self.masks[n] @ block(x))
+        return x.sum()
+
+
+def test_caches_filled_before_planning_keep_their_entries_and_nothing_fake() -> None:
+    """A model whose dict and list attributes hold real tensors from an earlier forward at one
+    sequence length, planned on a batch of another: the fake pass adds a fake mask to each, and
+    afterwards both hold exactly what they held (the same tensor objects): nothing fake for
+    training to compute with, and no real entry dropped with the fake ones."""
+    torch.manual_seed(0)
+    model = _CachesPerLength()
+    model(torch.randn(2, 4, 8))
+    masks, applied = dict(model.masks), list(model.applied)
+    plan(model, torch.randn(2, 6, 8), memory_budget=10 ** 12, world_size=2, profile="fake")
+    assert list(model.masks) == [4] and model.masks[4] is masks[4], model.masks
+    assert len(model.applied) == 1 and model.applied[0] is applied[0], model.applied
+    model(torch.randn(2, 6, 8))  # trains on: the length planned for gets a real mask now
+    assert not any(type(t).__name__ == "FakeTensor" for t in [*model.masks.values(), *model.applied])
+
+
 def test_meta_model_plans_exactly_as_the_materialized_one() -> None:
     """The same GPT built on the meta device and materialized, with a meta and a real batch:
     the same peaks, choices and profiles at every budget (the meta model was refused before, and

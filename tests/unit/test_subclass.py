@@ -83,6 +83,44 @@ def test_class_cache_reused_per_original_class() -> None:
     assert c4.__name__ == "ReplicateLinear"
 
 
+def _block_class(scale: float) -> type:
+    """A class named ``Block`` whose forward scales by ``scale``: one per call, as two libraries'
+    (or a notebook's redefined) classes of one name are."""
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * scale
+
+        def factor(self) -> float:
+            return scale
+
+    return Block
+
+
+def test_classes_of_one_name_get_a_class_each() -> None:
+    """Two different classes both named ``Block`` (a model built from two libraries' blocks) keep
+    their own forward and methods under each API. A cache keyed by the class's name would hand
+    the second the first's dynamic class: it would run the other class's forward, silently."""
+    first_cls, second_cls = _block_class(2.0), _block_class(3.0)
+    x = torch.randn(2, 3, generator=torch.Generator().manual_seed(0))
+    for prefix, mixin in (("FSDP", MyMixin), ("Replicate", OtherMixin)):
+        first, second = first_cls(), second_cls()
+        torch.manual_seed(0)
+        first.lin.reset_parameters()
+        torch.manual_seed(1)
+        second.lin.reset_parameters()
+        expected = [first(x), second(x)]
+        made = [make_subclass(first, prefix, mixin), make_subclass(second, prefix, mixin)]
+        assert made[0] is not made[1] and made[0].__name__ == made[1].__name__ == f"{prefix}Block", made
+        assert made[0].__bases__ == (mixin, first_cls) and made[1].__bases__ == (mixin, second_cls), made
+        assert isinstance(second, second_cls) and not isinstance(second, first_cls), type(second).__mro__
+        assert (first.factor(), second.factor()) == (2.0, 3.0)  # type: ignore[operator]
+        assert torch.equal(first(x), expected[0]) and torch.equal(second(x), expected[1]), prefix
+
+
 def test_make_subclass_idempotent() -> None:
     """Without it, applying the swap twice would stack FSDPFSDPLinear levels."""
     m = nn.Linear(2, 2)
