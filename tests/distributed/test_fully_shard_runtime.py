@@ -198,6 +198,15 @@ def _strategy_memory(strategy: ShardingStrategy) -> None:
                 if trainable and replicas > 1:
                     expected_reductions[("all_reduce", fqn, 4 * _chunk(n, shard))] += 1
         assert reductions == expected_reductions, f"{where}: reductions {reductions}, expected {expected_reductions}"
+    # A forward no backward follows (evaluation under no_grad) frees what it gathered on its way, in
+    # every strategy and the root too: nothing will need the unsharded parameters before the next
+    # forward gathers them again.
+    with torch.no_grad(), record_collectives() as evaluation:
+        model(local_rows(batch(2, world_size)[0], rank))
+    after_evaluation = _unsharded_nbytes(model)
+    assert after_evaluation == (alias if shard == 1 else freed), \
+        f"{what}: unsharded bytes after a forward under no_grad {after_evaluation}, expected none kept"
+    assert evaluation.count("all_gather") == (sum(len(g) for g in _HAND_GROUPS.values()) if shard > 1 else 0), what
     if strategy in _HYBRID:  # a (replicate, shard) mesh over arange(W): my shard group is my row
         row = rank // shard
         state = fully_shard.state(model)
