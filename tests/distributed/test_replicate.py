@@ -277,9 +277,23 @@ def _mixed_precision_subtest() -> None:
         local.zero_grad()
 
 
+def _mixed_precision_branch_subtest() -> None:
+    """reduce_dtype=bf16 with a branch used on rank 0 only: on the other ranks the branch's
+    parameters get their first gradient from the reduced bucket, and it is float32 like every
+    other (the parameters' dtype), equal to local training's."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    ours, _, local = _three_models(True, mixed_precision=MixedPrecision(reduce_dtype=torch.bfloat16))
+    _loss(ours, *_batch(0, rank), _uses_branch(0, rank, world_size)).backward()
+    _local_loss(local, 0, world_size, True).backward()
+    dtypes = {n: None if p.grad is None else p.grad.dtype for n, p in ours.named_parameters()}
+    assert set(dtypes.values()) == {torch.float32}, dtypes
+    _assert_grads(ours, local, 2e-2, "bf16 reduce, a branch used on rank 0 only", relative=True)
+
+
 def _rank_comm_hooks_and_mixed_precision() -> None:
     run_subtests(_comm_hook_subtest, {"hook": ["allreduce", "fp16", "bf16"]})
     _mixed_precision_subtest()
+    _mixed_precision_branch_subtest()
 
 
 def test_comm_hooks_and_mixed_precision() -> None:
