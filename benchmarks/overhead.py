@@ -15,7 +15,12 @@
              256, vocab 4096, sequence 128, batch 4 per rank, cross-entropy). 5 fully sharded modules.
   contenders local (the model alone, no distribution), torch_fsdp2 (torch ``fully_shard`` on each
              block, then the root, on a 1-D DeviceMesh), fully_shard (ours the same way, library
-             defaults). Every model is built from the same seed; one optimizer for all
+             defaults), and on simulated ranks minimal (benchmarks/minimal_zero3.py: a ZeRO-3 with
+             one flat parameter per module, the layout of ours, and four hooks; no prefetch, checks,
+             mixed precision or state dicts: about the least a Python runtime on module and tensor
+             hooks pays, printed as "floor"; it trains ours' model, checked like the others and by
+             tests/unit/test_simulated_backend.py). Every model is built from the same seed; one
+             optimizer for all
              (``--optim``, default SGD(lr=1e-3): the optimizer's own arithmetic is kept small, so the
              step is the runtime; AdamW(lr=1e-3) on request).
   world      ``--world``: W alone is W real gloo ranks (one process each, one thread each; W=1 a real
@@ -40,7 +45,7 @@
              only torch.distributed's Python API, as NCCL's (whose work runs in C++ threads) nearly do.
   rounds     ``--warmup`` rounds untimed, then ``--rounds`` timed rounds (``--gpt-rounds`` for gpt).
              A round runs ``--steps-per-round`` steps of each contender back to back, in the order
-             local, torch_fsdp2, fully_shard on even rounds and reversed on odd ones;
+             local, torch_fsdp2, fully_shard (then minimal) on even rounds and reversed on odd ones;
              ``gc.collect()`` before each contender's steps, outside the timing. A round's figure
              per contender is the mean step time of its steps.
   figures    overhead per module per step = (contender's step - local's step) / fully sharded
@@ -102,6 +107,7 @@ import torch.nn.functional as F  # noqa: E402
 from benchmarks.model import GPT, SEQ, VOCAB, make_batch  # noqa: E402
 
 CONTENDERS = ["local", "torch_fsdp2", "fully_shard"]
+MINIMAL = "minimal"  # benchmarks/minimal_zero3.py: the floor, on simulated ranks only ([Note: Overhead protocol])
 WORKLOADS = ["small", "gpt"]
 SMALL_BLOCKS, SMALL_WIDTH, SMALL_BATCH = 64, 64, 4
 GPT_BLOCKS, GPT_BATCH = 4, 4
@@ -182,9 +188,14 @@ def build(name: str, workload: str, mesh: Any, optim: str) -> Contender:
             fully_shard(block)
         fully_shard(model)
         modules = len(blocks) + 1
+    elif name == MINIMAL:
+        from benchmarks.minimal_zero3 import apply_minimal
+        params: List[nn.Parameter] = apply_minimal(blocks + [model])
+        modules = len(params)
     elif name != "local":
-        raise ValueError(f"unknown contender {name!r}; choose from {CONTENDERS}")
-    params = model.parameters()
+        raise ValueError(f"unknown contender {name!r}; choose from {CONTENDERS + [MINIMAL]}")
+    if name != MINIMAL:
+        params = list(model.parameters())
     opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=1e-3) if optim == "sgd" else torch.optim.AdamW(params, lr=1e-3)
     return Contender(name, model, opt, modules)
 
@@ -215,7 +226,7 @@ def _tiled_local_loss(workload: str, name: str, world_size: int, batch: Tuple[to
     with torch.no_grad():
         for owner in owners:
             own = [p for n, p in owner.named_parameters() if owner is not model or not n.startswith("blocks.")]
-            if name == "fully_shard":
+            if name in ("fully_shard", MINIMAL):  # one layout
                 flat = torch.cat([p.reshape(-1) for p in own])
                 chunk = math.ceil(flat.numel() / world_size)
                 tiled = flat[:chunk].repeat(world_size)[: flat.numel()]
@@ -235,7 +246,7 @@ def run_workload(workload: str, args: argparse.Namespace, rank: int, world_size:
     rounds = args.rounds if workload == "small" else args.gpt_rounds
     per_round = args.steps_per_round
     batches = make_batches(workload, rank, per_round)
-    cs = [build(n, workload, mesh, args.optim) for n in CONTENDERS]
+    cs = [build(n, workload, mesh, args.optim) for n in CONTENDERS + ([MINIMAL] if simulated else [])]
     real_peers = world_size > 1 and not simulated
     backend: Any = dist.group.WORLD if simulated else None  # the SimulatedProcessGroup: counts its own CPU time
     sanity: Dict[str, Any] = {}
@@ -404,13 +415,17 @@ def figures(w: Dict[str, Any], clock: str) -> Dict[str, Any]:
     for phase in [p for p in ("step", "less_backend") + PHASES if p in cs["local"]["rounds_ms"][clock]]:
         local = cs["local"]["rounds_ms"][clock][phase]
         over = {n: [(t - l) * 1e3 / mods for t, l in zip(cs[n]["rounds_ms"][clock][phase], local, strict=True)]
-                for n in ("torch_fsdp2", "fully_shard")}
+                for n in ("torch_fsdp2", "fully_shard", MINIMAL) if n in cs}
         ratios = [o / f if f > 0 else math.nan for o, f in zip(over["fully_shard"], over["torch_fsdp2"], strict=True)]
         finite = [r for r in ratios if math.isfinite(r)]
         fsdp2_med = statistics.median(over["torch_fsdp2"])
         ours_med = statistics.median(over["fully_shard"])
+        floor = over.get(MINIMAL)
         out[phase] = {
-            "ms": {n: statistics.median(cs[n]["rounds_ms"][clock][phase]) for n in CONTENDERS},
+            "ms": {n: statistics.median(cs[n]["rounds_ms"][clock][phase]) for n in cs},
+            # the floor against FSDP2, as ours is (median of per-round ratios), when it ran
+            "floor_ratio": statistics.median(m / f if f > 0 else math.nan for m, f in
+                                             zip(floor, over["torch_fsdp2"], strict=True)) if floor else None,
             "overhead_us": {n: _quartiles(v) for n, v in over.items()},
             "ratio_rounds": _quartiles(finite) if finite else (math.nan,) * 3,
             "ratio_of_medians": ours_med / fsdp2_med if fsdp2_med > 0 else math.nan,
@@ -465,7 +480,8 @@ def print_report(results: List[Dict[str, Any]], args: argparse.Namespace) -> Dic
     for workload in args.workloads:
         print(f"\n-- workload {workload}: {_describe(workload)}")
         hdr = (f"{'W':>3} {'ranks':<10}{'clock':<6}{'rounds':>7}{'local ms':>10}{'fsdp2 ms':>10}{'ours ms':>9}"
-               f"{'fsdp2 us/mod':>14}{'ours us/mod':>13}   {'ours/fsdp2 [quartiles]':<24}{'of medians':>11}")
+               f"{'fsdp2 us/mod':>14}{'ours us/mod':>13}   {'ours/fsdp2 [quartiles]':<24}{'of medians':>11}"
+               f"{'floor us/mod':>14}{'floor/fsdp2':>13}")
         print(hdr)
         print("-" * len(hdr))
         for r in results:
@@ -483,6 +499,8 @@ def print_report(results: List[Dict[str, Any]], args: argparse.Namespace) -> Dic
                       f"{s['ms']['torch_fsdp2']:>10.2f}{s['ms']['fully_shard']:>9.2f}"
                       f"{s['overhead_us']['torch_fsdp2'][1]:>14.1f}{s['overhead_us']['fully_shard'][1]:>13.1f}   "
                       f"{med:>6.3f} [{lo:.3f}, {hi:.3f}]{'':<6}{s['ratio_of_medians']:>11.3f}"
+                      + (f"{s['overhead_us'][MINIMAL][1]:>14.1f}{s['floor_ratio']:>13.3f}" if MINIMAL in s["overhead_us"]
+                         else f"{'-':>14}{'-':>13}")
                       + ("   noise > figure: more rounds" if noisy else ""))
                 if workload == TARGET_WORKLOAD and r["simulated"] and clock == "cpu":
                     verdict[_label(r)] = med
@@ -501,6 +519,9 @@ def print_report(results: List[Dict[str, Any]], args: argparse.Namespace) -> Dic
             if workload in r["workloads"]:
                 for name, ok, detail in loss_checks(r, workload):
                     print(f"  losses {_label(r)}: {'ok' if ok else 'DIFFER'}  {name}: {detail}")
+    print(f"  floor = {MINIMAL} (benchmarks/minimal_zero3.py, simulated ranks only): a ZeRO-3 with one flat parameter per "
+          "module and four hooks, nothing else\n  (no prefetch, checks, mixed precision or state dicts): the least "
+          "a Python runtime on module and tensor hooks pays")
     for key, med in verdict.items():
         print(f"\ntarget (issue 56): ours' overhead per module <= {TARGET} x FSDP2's (cpu) on `{TARGET_WORKLOAD}` at {key} "
               f": {med:.3f} -> {'met' if med <= TARGET else 'MISSED'}")

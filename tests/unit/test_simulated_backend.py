@@ -183,7 +183,8 @@ def _sgd_losses(model: nn.Module, optim: torch.optim.Optimizer, batches: List[Tu
 
 
 @pytest.mark.parametrize("api,world_size,rank,factor", [("fully_shard", 8, 0, None), ("fully_shard", 3, 1, None),
-                                                       ("fully_shard", 4, 1, 2.0), ("torch_fsdp2", 8, 0, None)])
+                                                       ("fully_shard", 4, 1, 2.0), ("torch_fsdp2", 8, 0, None),
+                                                       ("minimal", 8, 0, None), ("minimal", 3, 1, None)])
 def test_training_equals_local_training_on_the_tiled_shards(api: str, world_size: int, rank: int,
                                                            factor: Optional[float]) -> None:
     """Ours (flat shards; at W=8 rank 0, and at W=3 rank 1, where the handles pad and the chunk is
@@ -194,11 +195,15 @@ def test_training_equals_local_training_on_the_tiled_shards(api: str, world_size
 
     Ours averages in the collective on a backend that can (``ReduceOp.AVG``, as FSDP2 does on NCCL;
     this backend is one): each reduce-scatter asks for AVG and nothing divides afterwards. With
-    ``set_gradient_divide_factor(2.0)`` at W=4 it sums and divides by 2 (twice the mean gradient)."""
+    ``set_gradient_divide_factor(2.0)`` at W=4 it sums and divides by 2 (twice the mean gradient).
+
+    ``minimal`` (``benchmarks/minimal_zero3.py``, the overhead benchmark's floor) has ours' layout and
+    must train the same model: a floor that skipped work (a gather, the backward's re-gather, a
+    reduce-scatter) would be cheaper than any real runtime could be."""
     lr = 0.1
     gen = torch.Generator().manual_seed(1)
     batches = [(torch.randn(4, 6, generator=gen), torch.randn(4, 1, generator=gen)) for _ in range(5)]
-    tile = _tile_flat if api == "fully_shard" else _tile_rows
+    tile = _tile_rows if api == "torch_fsdp2" else _tile_flat
     expected = _tiled_reference_losses(tile, world_size, rank, batches, lr,
                                        grad_scale=1.0 if factor is None else world_size / factor)
     with _simulated_world(world_size, rank) as group:
@@ -211,14 +216,19 @@ def test_training_equals_local_training_on_the_tiled_shards(api: str, world_size
             if factor is not None:
                 for module in (model[0], model[1], model):
                     module.set_gradient_divide_factor(factor)  # type: ignore[operator]  # FSDPModule's method
-        else:
+        elif api == "torch_fsdp2":
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard as torch_fully_shard
             mesh = init_device_mesh("cpu", (world_size,))
             for block in (model[0], model[1]):
                 torch_fully_shard(block, mesh=mesh)
             torch_fully_shard(model, mesh=mesh)
-        optim = torch.optim.SGD(model.parameters(), lr=lr)
+        params = list(model.parameters())
+        if api == "minimal":
+            from benchmarks.minimal_zero3 import apply_minimal
+            params = apply_minimal([model[0], model[1], model], group)
+            assert len(params) == 3 and not list(model.parameters()), "every parameter moved into the three shards"
+        optim = torch.optim.SGD(params, lr=lr)
         losses = _sgd_losses(model, optim, batches)
         if api == "fully_shard":
             scatters = [op for kind, op in group.reduce_ops if kind == "reduce_scatter"]
