@@ -97,7 +97,51 @@ def _state_dict_on_rank_0_only_before_the_first_forward() -> None:
     dist.barrier()
 
 
+def _exchanges_in_flight_pair_by_kind_and_handle() -> None:
+    """[Note: Collectives on gloo]: the library's all-gathers and reduce-scatters run as
+    point-to-point messages on gloo, tagged by kind and by handle (``match``), and gloo pairs a
+    message with the receive of its tag. Two exchanges in flight at once, posted in opposite
+    orders on rank 0 and on the others, must each land where it belongs: were two of them to
+    share a tag, rank 0 would receive the peer's other message in its place (the messages are
+    all 4 floats, so gloo cannot tell them apart by size), and train on another handle's
+    parameters or a gradient's bytes, silently. Every pair of kinds (gather with reduce-scatter,
+    and each kind with itself), handles 0 to 3 apart. With more than two ranks a reduce-scatter
+    is an all-reduce, a collective that pairs by program order (as NCCL's do): two of them are
+    not posted in opposite orders there."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    n = 4
+
+    def post(kind: str, match: int) -> "tuple[torch.Tensor, torch.Tensor, collectives.Pending]":
+        if kind == "all_gather":  # this rank's shard: distinct per rank and per handle
+            shard = torch.arange(n, dtype=torch.float32) + 100 * rank + 10_000 * match
+            out = torch.full((n * world_size,), float("nan"))
+            expected = torch.cat([torch.arange(n, dtype=torch.float32) + 100 * r + 10_000 * match
+                                  for r in range(world_size)])
+            return out, expected, collectives.all_gather_into(out, shard, None, tag=f"gather {match}", match=match)
+        full = torch.arange(n * world_size, dtype=torch.float32) * (rank + 1) - 7_000 * match  # a gradient
+        expected = sum(torch.arange(n * world_size, dtype=torch.float32) * (r + 1) - 7_000 * match
+                       for r in range(world_size))[rank * n:(rank + 1) * n]
+        out = torch.full((n,), float("nan"))
+        return out, expected, collectives.reduce_scatter_into(out, full, None, tag=f"scatter {match}", match=match)
+
+    cases = [(first, second, distance) for first, second in (("all_gather", "reduce_scatter"),
+                                                           ("reduce_scatter", "all_gather"),
+                                                           ("all_gather", "all_gather"),
+                                                           ("reduce_scatter", "reduce_scatter"))
+             for distance in (0, 1, 2, 3) if (first != second or distance > 0)
+             and (world_size == 2 or (first, second) != ("reduce_scatter", "reduce_scatter"))]
+    for first, second, distance in cases:
+        a, b = (first, 1), (second, 1 + distance)
+        posted = [post(*a), post(*b)] if rank == 0 else [post(*b), post(*a)]
+        for _, _, pending in posted:
+            pending.wait()
+        for (out, expected, _), (kind, match) in zip(posted, [a, b] if rank == 0 else [b, a]):
+            assert torch.equal(out, expected), (rank, kind, match, (first, second, distance), out, expected)
+    dist.barrier()
+
+
 def _all() -> None:
+    _exchanges_in_flight_pair_by_kind_and_handle()
     _exchanges_return_every_ranks_values()
     _ranks_in_different_exchanges_raise_on_every_rank()
     _state_dict_on_rank_0_only_before_the_first_forward()
