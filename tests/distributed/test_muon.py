@@ -485,6 +485,10 @@ def _rank_errors() -> None:
                           ({"lr": -1.0}, "lr"), ({"momentum": -0.1}, "momentum"),
                           ({"ns_coefficients": (1.0, 2.0)}, "ns_coefficients")):
         _expect(lambda: Muon(model, MATRICES, **bad), ValueError, fragment)
+    # a tied matrix by either of its names: the head's is listed by named_parameters(remove_duplicate=False) only
+    for name in ("emb.weight", "head.weight"):
+        tied = Muon(model, [name])
+        assert [p is model.emb.weight for p in tied.param_groups[0]["params"]] == [True], name
     muon = Muon(model, MATRICES[:2])
     _expect(lambda: muon.add_param_group({"params": ["blocks.1.fc1.weight", "blocks.1.fc1.bias"]}), ValueError,
             "'blocks.1.fc1.bias'")
@@ -502,5 +506,6 @@ def _rank_errors() -> None:
 def test_errors_name_the_parameter_and_change_nothing() -> None:
     """A parameter that is not a matrix in its original shape (every sharded parameter is 1-D),
     an unknown FQN, a foreign parameter, bad hyper-parameters, a step on unsynced gradients:
-    each raises naming it, with the optimizer and the model unchanged."""
+    each raises naming it, with the optimizer and the model unchanged. A tied matrix is accepted by
+    either of its names."""
     run_distributed(_rank_errors, 2, timeout=60)

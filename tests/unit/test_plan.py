@@ -76,6 +76,31 @@ def test_budget_above_the_unsharded_peak_replicates_everything() -> None:
     assert p.components["parameters"] == 4 * sum(q.numel() for q in model.parameters())  # fp32 replicas
 
 
+def test_twelve_blocks_each_get_a_choice() -> None:
+    """Blocks whose names are prefixes of others' (``blocks.1`` of ``blocks.10`` and ``blocks.11``)
+    are twelve blocks, each with its own choice: a finder that took ``blocks.10`` for a part of
+    ``blocks.1`` would leave the last two in the root's handle, planned and sharded with it."""
+    torch.manual_seed(0)
+    model, batch = Toy(blocks=12), torch.randint(0, VOCAB, (BATCH, SEQ))
+    p = plan(model, batch, memory_budget=10 ** 12, world_size=2)
+    assert [c.fqn for c in p.choices] == [""] + [f"blocks.{k}" for k in range(12)], [c.fqn for c in p.choices]
+
+
+def test_adam_and_adamw_keep_two_states_per_element_and_sgd_none() -> None:
+    """``optimizer="adam"`` keeps what ``"adamw"`` keeps (two fp32 states per element of this
+    rank's parameters); ``"sgd"`` (no momentum) keeps nothing. A planner counting nothing for Adam
+    would predict a peak two parameter-sizes too small, and pass budgets the real step exceeds."""
+    model, batch = _toy()
+    plans = {name: plan(model, batch, memory_budget=10 ** 12, world_size=2, optimizer=name)
+             for name in ("adamw", "adam", "sgd")}
+    params = plans["adamw"].components["parameters"]
+    assert plans["adam"].components["optimizer"] == plans["adamw"].components["optimizer"] >= 2 * params, \
+        {k: v.components for k, v in plans.items()}
+    assert plans["sgd"].components["optimizer"] == 0, plans["sgd"].components
+    assert plans["adam"].predicted_peak == plans["adamw"].predicted_peak > plans["sgd"].predicted_peak, \
+        {k: v.predicted_peak for k, v in plans.items()}
+
+
 def test_smallest_budget_shards_every_block_fully_and_checkpoints() -> None:
     """At the smallest achievable peak every block is fully sharded, the first (whose backward
     holds every other block's kept activations) FULL_SHARD with checkpoint, at least half of them
