@@ -8,6 +8,7 @@ registered) and fail much later with an unrelated message, or hang.
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
@@ -193,6 +194,9 @@ def _fully_shard_argument_errors() -> None:
     cases: List[Tuple[Dict[str, Any], type, Tuple[str, ...]]] = [
         ({"process_group": "world"}, TypeError, ("fully_shard(Sequential)", "process_group", "str", "ProcessGroup")),
         ({"process_group": (dist.group.WORLD,)}, ValueError, ("process_group", "pair")),
+        # no replicate group: the replicas would never be averaged
+        ({"process_group": (dist.group.WORLD, None), "strategy": ShardingStrategy.HYBRID_SHARD}, ValueError,
+         ("process_group", "pair")),
         ({"mesh": "cpu"}, TypeError, ("mesh", "DeviceMesh", "str")),
         ({"policy": nn.Linear}, TypeError, ("policy", "ModuleWrapPolicy({Linear})")),
         ({"policy": {nn.Linear}}, TypeError, ("policy", "set", "ModuleWrapPolicy")),
@@ -259,6 +263,7 @@ def _other_api_argument_errors() -> None:
         ({"ignored_modules": [1]}, TypeError, ("ignored_modules", "int")),
         ({"bucket_cap_mb": "25"}, TypeError, ("bucket_cap_mb", "number", "str")),
         ({"bucket_cap_mb": 0}, ValueError, ("bucket_cap_mb", "positive")),
+        ({"bucket_cap_mb": True}, TypeError, ("bucket_cap_mb", "number", "bool")),  # not 1 MB
         ({"bucket_cap_mb": float("inf")}, ValueError, ("bucket_cap_mb", "positive", "inf")),
         ({"mixed_precision": {"reduce_dtype": torch.float16}}, TypeError, ("replicate(Sequential)", "MixedPrecision")),
     ]:
@@ -284,6 +289,7 @@ def _other_api_argument_errors() -> None:
         (("1.0",), TypeError, ("clip_grad_norm_", "max_norm", "number", "str")),
         ((1.0, "fro"), TypeError, ("clip_grad_norm_", "norm_type", "number", "str")),
         ((-1.0,), ValueError, ("max_norm", ">= 0")),
+        ((True,), TypeError, ("clip_grad_norm_", "max_norm", "number", "bool")),  # not 1.0
         ((1.0, float("nan")), ValueError, ("clip_grad_norm_", "norm_type", "NaN")),  # 0, -inf, -1: as torch's
         ((float("nan"),), ValueError, ("max_norm", "NaN")),
     ]:
@@ -291,6 +297,11 @@ def _other_api_argument_errors() -> None:
         _expect(lambda: model.clip_grad_norm_(*args), exc, *fragments)  # type: ignore[operator]
     assert all(torch.equal(g, p.grad) for g, p in zip_same(grads, list(model.parameters())))
     _assert_unchanged(before, model)
+    # max_norm=0 is torch's too: every gradient zeroed, the norm before clipping returned
+    expected = clip_grad_norm_(model, 1e9)  # the global norm, nothing clipped
+    norm = clip_grad_norm_(model, 0.0)
+    assert float(norm) > 0 and math.isclose(float(norm), float(expected), rel_tol=1e-5), (float(norm), float(expected))
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
 
 
 def _non_member_group() -> None:

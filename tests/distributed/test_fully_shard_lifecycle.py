@@ -394,6 +394,7 @@ class _ModelOutputLike(collections.OrderedDict):
 class _Opaque:
     def __init__(self, t: torch.Tensor) -> None:
         self.t = t
+        self.count = 1  # a field that is not a tensor beside it, as real output objects hold
 
 
 class _Wrapped(nn.Module):
@@ -623,10 +624,20 @@ def _cast_or_move_after_fully_shard(call: str) -> None:
     reference.register_buffer("counter", torch.zeros(3))
     optim = torch.optim.SGD(model.parameters(), lr=0.5)
     ref_optim = torch.optim.SGD(reference.parameters(), lr=0.5)
+
+    def half_after_a_failed_move() -> None:
+        try:  # a device that is not there: torch raises inside _apply, after the guard began
+            model.to(torch.device("cuda", 99))
+        except (RuntimeError, AssertionError) as e:
+            assert "new storage" not in str(e), e  # torch's own error, not the refusal
+        else:
+            raise AssertionError("moving to cuda:99 must fail")
+        model.half()  # still guarded after the failed call
+
     casts: Dict[str, Callable[[], Any]] = {
         "half": model.half, "double": model.double, "bfloat16": model.bfloat16,
         "to(float64)": lambda: model.to(torch.float64), "block.half": model.blocks[1].half,
-        "to_empty": lambda: model.to_empty(device="cpu")}
+        "to_empty": lambda: model.to_empty(device="cpu"), "half after a failed move": half_after_a_failed_move}
     for step in range(3):
         _local_step(model, step)
         _global_step(reference, step)
@@ -718,7 +729,7 @@ _GRIDS: Dict[str, Callable[[], None]] = {
         "vector_to_parameters"]}), run_subtests(_model_changed_after_fully_shard, {"change": [
             "parameter reassigned", "submodule added", "data assigned"]}, before_first_forward=True)),
     "casts": lambda: run_subtests(_cast_or_move_after_fully_shard, {"call": [
-        "half", "double", "bfloat16", "to(float64)", "block.half", "to_empty"]}),
+        "half", "double", "bfloat16", "to(float64)", "block.half", "to_empty", "half after a failed move"]}),
     "hooks": lambda: run_subtests(_hooks_on_parameters, {"kind": ["register_hook", "post_accumulate_grad"]}),
 }
 

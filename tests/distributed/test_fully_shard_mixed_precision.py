@@ -182,6 +182,38 @@ def test_cast_root_forward_inputs_applies_to_every_fully_shard_unit(world_size: 
                     timeout=90)
 
 
+class _Batch(collections.OrderedDict):
+    """A Hugging Face ``BatchEncoding``/``ModelOutput``-like input: an OrderedDict subclass."""
+
+
+class _TakesContainers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, batch: _Batch, extra: Dict[str, List[torch.Tensor]]) -> torch.Tensor:
+        assert batch["x"].dtype == extra["ys"][0].dtype == torch.bfloat16, (batch["x"].dtype, extra["ys"][0].dtype)
+        return self.lin(batch["x"] + extra["ys"][0]).float()
+
+
+def _inputs_cast_into_copies() -> None:
+    """The cast of forward inputs makes new containers: the caller's own ``OrderedDict`` subclass, dict
+    and list still hold its float32 tensors after the forward (a cast written into them would change
+    what the caller computes with next, e.g. a loss on the same batch object, silently)."""
+    model = _TakesContainers()
+    fully_shard(model, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, cast_forward_inputs=True))
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+    batch, ys = _Batch(x=x), [y]
+    extra = {"ys": ys}
+    model(batch, extra).sum().backward()
+    assert type(batch) is _Batch and batch["x"] is x and extra["ys"] is ys and ys[0] is y, (batch, extra)
+    assert x.dtype == y.dtype == torch.float32
+
+
+def test_cast_inputs_leave_the_callers_containers_alone() -> None:
+    run_distributed(_inputs_cast_into_copies, 2, timeout=60)
+
+
 # ---------------------------------------------------------------------------- unsynced accumulation
 MICRO_BATCHES = 8
 

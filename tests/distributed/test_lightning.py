@@ -532,6 +532,18 @@ def _trainer_runs(path: str, reference: Dict[str, List[float]]) -> None:
     _check("resumed at W=2", _mean_over_ranks(resumed.losses), reference["losses"][half:])
     assert resumed.trainer.lr_scheduler_configs[0].scheduler.last_epoch == 2  # one per epoch, restored at 1
     _trainer_keeps_every_state(path, _counted_sharded_strategy())
+    # "true" half precision casts the parameters, which are views of the shards: refused at setup, on every
+    # rank, before a step, the shards left float32 (MixedPrecision or "bf16-mixed" is the way)
+    for precision in ("bf16-true", "16-true"):
+        module = LitParity("blocks")
+        trainer = L.pytorch.Trainer(strategy=ShardedStrategy(), accelerator="cpu", devices=world_size, max_epochs=1,
+                                    precision=precision, logger=False, enable_checkpointing=False,
+                                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                                    use_distributed_sampler=False)
+        with pytest.raises(ValueError, match="casts the model's parameters"):
+            trainer.fit(module, _loader(world_size))
+        assert module.losses == [], precision
+        assert {p.dtype for p in module.parameters()} == {torch.float32}, precision
 
 
 def _resume_alone(path: str, reference: Dict[str, List[float]]) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple
 
@@ -33,7 +34,7 @@ from composable_shard import FSDPModule, ModuleWrapPolicy, ShardingStrategy, ful
 from composable_shard._runtime.collectives import record_collectives
 from tests._harness import outcomes_through_files, run_distributed, run_subtests
 from tests._models import (VOCAB, WIDTH, Block, ParityModel, assert_losses_close, assert_params_close, batch,
-                           distributed_training, local_rows, loss_fn, make_model, reference_training)
+                           distributed_training, local_rows, loss_fn, make_model, reference_training, zip_same)
 
 Named = List[Tuple[str, torch.Tensor]]
 
@@ -377,6 +378,45 @@ def _rng_of_both_flows() -> None:
 
 
 _MATERIALIZATIONS["(f) the RNG of both flows"] = _rng_of_both_flows
+
+
+def _two_models_one_after_the_other() -> None:
+    """(f2) Two models through FSDP2's flow in turn (a model and its EMA copy, an actor and a critic),
+    each initialized after ``to_empty`` by the same ``reset_parameters()`` calls fully_shard made: the
+    RNG then stands exactly where fully_shard's draws left it, so the second model's fully_shard starts
+    there. Each model gets the unsharded flow's weights, with no warning, and the next draw is the
+    unsharded script's (a record of the first model's draws kept past its ``to_empty`` would take the
+    second's draws for a continuation of the first's: a warning and other weights)."""
+    def init(model: _Stack) -> None:
+        for m in _reset_order(model, "manual"):
+            m.reset_parameters()
+
+    references = []
+    torch.manual_seed(11)
+    for _ in range(2):
+        with torch.device("meta"):
+            reference = _Stack()
+        reference.to_empty(device="cpu")
+        init(reference)
+        references.append(reference)
+    reference_draw = torch.rand(3)
+    torch.manual_seed(11)
+    models = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "cannot be put back" warning
+        for _ in range(2):
+            with torch.device("meta"):
+                model = _Stack()
+            _shard_stack(model, "manual")
+            model.to_empty(device="cpu")
+            init(model)
+            models.append(model)
+    assert torch.equal(torch.rand(3), reference_draw)
+    for k, (model, reference) in enumerate(zip_same(models, references)):
+        _assert_equal(_full_params(model), list(reference.named_parameters()), f"model {k}")
+
+
+_MATERIALIZATIONS["(f2) two models one after the other"] = _two_models_one_after_the_other
 
 
 class _GainedStack(nn.Module):

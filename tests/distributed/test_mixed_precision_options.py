@@ -128,6 +128,12 @@ def _batchnorm_full_precision(how: str) -> None:
     else:  # the same numbers as the policy's separate handle: same casts, fp32 reduction
         reference = _shard(_model(), "policy", mp)
         assert losses == _train(reference, STEPS)
+        # bitwise: BatchNorm's gradients reduced in bf16 would move its fp32 parameters by other amounts,
+        # which bf16 losses can hide
+        actual, expected = _full_state(model), _full_state(reference)
+        assert actual.keys() == expected.keys()
+        for k in actual:
+            assert torch.equal(actual[k], expected[k]), k
 
 
 # ---------------------------------------------------------------------------- buffer_dtype
