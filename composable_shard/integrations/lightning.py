@@ -321,6 +321,12 @@ class ShardedFabricStrategy(_fabric.strategies.DDPStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Registers no name (``DDPStrategy``'s names stay DDP's)."""
 
+    def setup_environment(self) -> None:
+        """Refuse "true" half precision here, at ``fabric.launch()``: ``fabric.setup`` casts the
+        module (the precision's ``convert_module``) before :meth:`setup_module` sees it."""
+        _refuse_true_half(self.precision, _fabric_precision.HalfPrecision, "ShardedFabricStrategy")
+        super().setup_environment()
+
     def setup_module(self, module: nn.Module) -> nn.Module:
         """The module as it is (the library made it data-parallel in place); checked."""
         _refuse_true_half(self.precision, _fabric_precision.HalfPrecision, "ShardedFabricStrategy")
