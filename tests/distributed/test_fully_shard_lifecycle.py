@@ -196,8 +196,9 @@ def test_updates_are_visible_after_a_forward_without_backward() -> None:
 # ---------------------------------------------------------------------------- freeze / unfreeze
 def _freeze_unfreeze(strategy: ShardingStrategy) -> None:
     """Step 0 all trainable; steps 1-2 blocks.0 frozen and fc2.bias of blocks.1 frozen; step 3
-    the originally frozen Linear unfrozen; step 4 everything back. AdamW with weight decay, so
-    a frozen parameter that still got a gradient would move."""
+    the weight of the originally frozen Linear unfrozen (a part of a group built frozen), step 4
+    its bias too and everything back. AdamW with weight decay, so a frozen parameter that still
+    got a gradient would move."""
     reference = make_model()
     model = _shard(make_model(), **_strategy_kwargs(strategy))
     pairs = [(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)),
@@ -207,7 +208,8 @@ def _freeze_unfreeze(strategy: ShardingStrategy) -> None:
     def set_trainable(m: nn.Module, step: int) -> None:
         m.blocks[0].requires_grad_(step not in (1, 2))
         m.blocks[1].fc2.bias.requires_grad_(step not in (1, 2))
-        m.frozen.requires_grad_(step >= 3)
+        m.frozen.weight.requires_grad_(step >= 3)
+        m.frozen.bias.requires_grad_(step >= 4)
 
     for step in range(5):
         for m, _ in pairs:

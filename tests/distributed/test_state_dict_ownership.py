@@ -102,7 +102,9 @@ def _step(model: nn.Module, optim: torch.optim.Optimizer, step: int, config: str
 
 
 def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
+    # a tensor learning rate (as schedulers driving a compiled step keep it): a hyper-parameter the state
+    # dicts must copy too, not hand out (foreach=False: torch refuses a tensor lr with foreach and no capturable)
+    return torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.05), weight_decay=0.01, foreach=False)
 
 
 def _trained(config: str, steps: int) -> Tuple[Net, torch.optim.Optimizer, List[float]]:
@@ -188,6 +190,7 @@ def _no_shared_storage(config: str) -> None:
     model, optim, _ = _trained(config, 2)
     live = _live(model, optim)
     assert any("optim state" in n and n.endswith(".step") for n in live), sorted(live)
+    assert any(n.startswith("param_groups[0].lr") for n in live), sorted(live)
     positive = _overlaps({"a": model.head.weight.detach(), "b": optim.state[model.head.weight]["step"]}, live)
     assert len(positive) >= 2, positive  # the check sees a live view and a live step
     for what, returned in _all_state_dicts(model, optim).items():
@@ -313,3 +316,40 @@ def _rank0_only(config: str) -> None:
 
 def test_rank0_only_gives_other_ranks_nothing() -> None:
     run_distributed(run_subtests, WORLD_SIZE, _rank0_only, {"config": CONFIGS}, timeout=120)
+
+
+# ---------------------------------------------------------------------------- names and orders
+def _names_and_orders() -> None:
+    """Loads that match by name, not by position or by object:
+
+    * a module registered under two names (``model.alias = model.body``, as a weight-tied block or an
+      EMA alias is): ``state_dict()`` holds both names' keys, and a strict load of what it returned is
+      accepted (a check that enumerated each module once would refuse the alias's keys as unexpected);
+    * an optimizer whose group lists the parameters in another order than the one that saved (a
+      resumed script building it from ``reversed`` or a dict): each parameter gets its own moments,
+      step and all, not its neighbour's."""
+    model = _wrap(_net(0), "submodule_and_root")
+    model.alias = model.body  # the same module under a second name
+    optim = _optimizer(model)
+    for step in range(2):
+        _step(model, optim, step, "submodule_and_root")
+    full = model.state_dict()
+    assert {k for k in full if k.startswith("alias.")} == {k.replace("body.", "alias.", 1) for k in full
+                                                          if k.startswith("body.")}, sorted(full)
+    set_model_state_dict(model, full)  # strict
+    assert torch.equal(model.state_dict()["alias.0.weight"], full["body.0.weight"])
+
+    saved = get_optimizer_state_dict(model, optim)
+    params = list(model.parameters())
+    reordered = torch.optim.AdamW(list(reversed(params)), lr=torch.tensor(0.05), weight_decay=0.01, foreach=False)
+    set_optimizer_state_dict(model, reordered, saved)
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p in params:
+        mine, theirs = reordered.state[p], optim.state[p]
+        assert sorted(mine) == sorted(theirs), (names[id(p)], sorted(mine), sorted(theirs))
+        for key in theirs:
+            assert torch.equal(torch.as_tensor(mine[key]), torch.as_tensor(theirs[key])), (names[id(p)], key)
+
+
+def test_loads_match_by_name_not_by_position() -> None:
+    run_distributed(_names_and_orders, WORLD_SIZE, timeout=120)
