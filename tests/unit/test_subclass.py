@@ -219,6 +219,23 @@ def test_constructing_dynamic_class_builds_original() -> None:
     assert built.lin.in_features == 2
 
 
+def test_a_users_subclass_of_the_dynamic_class_constructs_itself() -> None:
+    """A class the user derives from the dynamic one (``class Mine(type(model))``, as a framework
+    patching a sharded model's class does) constructs an instance of itself, running its own
+    ``__init__`` (only the dynamic class itself builds the original)."""
+    m = nn.Linear(2, 2)
+    cls = make_subclass(m, "FSDP", MyMixin)
+
+    class Mine(cls):  # type: ignore[misc, valid-type]  # a class made at run time
+        def __init__(self, *args: object) -> None:
+            super().__init__(*args)
+            self.mine = True
+
+    built = Mine(3, 4)
+    assert type(built) is Mine and isinstance(built, cls) and isinstance(built, nn.Linear)
+    assert built.mine and built.weight.shape == (4, 3)
+
+
 def test_second_api_stacks_on_the_first() -> None:
     """Without it, a module managed by two APIs would lose one API's behaviour (its class
     replaced instead of extended)."""
