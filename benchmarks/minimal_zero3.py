@@ -33,6 +33,10 @@ import torch.nn as nn
 
 __all__ = ["MinimalShard", "apply_minimal"]
 
+# torch 2.12 renamed these two (the old names warn)
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class MinimalShard:
     """One module's flat shard and its four hooks ([Note: Minimal step]). ``shard`` is the
@@ -65,7 +69,7 @@ class MinimalShard:
 
     def _gather(self) -> None:
         self.full.untyped_storage().resize_(self.nbytes)
-        dist.all_gather_into_tensor(self.writer, self.shard.detach(), group=self.group)
+        _ALL_GATHER(self.writer, self.shard.detach(), group=self.group)
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         self._gather()
@@ -82,7 +86,7 @@ class MinimalShard:
 
     def _post_backward(self, full: torch.Tensor) -> None:
         grad = torch.empty_like(self.shard)
-        dist.reduce_scatter_tensor(grad, full.grad, op=dist.ReduceOp.AVG, group=self.group)  # type: ignore[arg-type]
+        _REDUCE_SCATTER(grad, full.grad, op=dist.ReduceOp.AVG, group=self.group)  # type: ignore[arg-type]
         self.shard.grad = grad if self.shard.grad is None else self.shard.grad.add_(grad)
         full.grad = None
         self.full.untyped_storage().resize_(0)
