@@ -31,11 +31,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = ["MinimalShard", "apply_minimal"]
+from composable_shard._base.torch_compat import ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE  # torch 2.12's names
 
-# torch 2.12 renamed these two (the old names warn)
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+__all__ = ["MinimalShard", "apply_minimal"]
 
 
 class MinimalShard:
@@ -69,7 +67,7 @@ class MinimalShard:
 
     def _gather(self) -> None:
         self.full.untyped_storage().resize_(self.nbytes)
-        _ALL_GATHER(self.writer, self.shard.detach(), group=self.group)
+        ALL_GATHER_SINGLE(self.writer, self.shard.detach(), group=self.group)
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         self._gather()
@@ -86,7 +84,7 @@ class MinimalShard:
 
     def _post_backward(self, full: torch.Tensor) -> None:
         grad = torch.empty_like(self.shard)
-        _REDUCE_SCATTER(grad, full.grad, op=dist.ReduceOp.AVG, group=self.group)  # type: ignore[arg-type]
+        REDUCE_SCATTER_SINGLE(grad, full.grad, op=dist.ReduceOp.AVG, group=self.group)  # type: ignore[arg-type]
         self.shard.grad = grad if self.shard.grad is None else self.shard.grad.add_(grad)
         full.grad = None
         self.full.untyped_storage().resize_(0)

@@ -328,8 +328,8 @@ class ShardedFabricStrategy(_fabric.strategies.DDPStrategy):
         super().setup_environment()
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        """The module as it is (the library made it data-parallel in place); checked."""
-        _refuse_true_half(self.precision, _fabric_precision.HalfPrecision, "ShardedFabricStrategy")
+        """The module as it is (the library made it data-parallel in place); checked ("true" half
+        precision was refused at launch, :meth:`setup_environment`)."""
         _check_managed(module, "ShardedFabricStrategy")
         return module
 
