@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Protocol, Sequence, Set, Tuple
+from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Protocol, Sequence, Set, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -487,8 +487,10 @@ def _full_row(fqn: str, api: str, strategy: str, params: List[nn.Parameter], red
     trained = [p for p in params if p.requires_grad]
     here = {id(p): local_piece(p).numel() for p in params}
     param_bytes = sum(here[id(p)] * _itemsize(p.dtype) for p in params)
-    grads_are_buckets = api == "replicate" and all(reduce_dtype in (None, p.dtype) for p in trained)
-    grad_bytes = bucket_bytes + (0 if grads_are_buckets else sum(here[id(p)] * _itemsize(p.dtype) for p in trained))
+    # replicate's buckets hold one parameter dtype each (``replicate._build_buckets``): a parameter whose dtype is the
+    # reduction's gets a bucket slot as its .grad, any other one a .grad of its own beside the bucket
+    own_grads = [p for p in trained if api != "replicate" or reduce_dtype not in (None, p.dtype)]
+    grad_bytes = bucket_bytes + sum(here[id(p)] * _itemsize(p.dtype) for p in own_grads)
     adamw = sum(2 * here[id(p)] * _itemsize(p.dtype) + STEP_BYTES for p in trained)
     dtypes = tuple(dict.fromkeys(str(p.dtype).replace("torch.", "") for p in params))
     numel, per_rank = sum(p.numel() for p in params), sum(here.values())
@@ -568,17 +570,19 @@ def planned_handle(model: nn.Module, module: nn.Module, fqn: str, world: int, st
 
 def planned_replicate_row(fqn: str, module: nn.Module, world: int, reduce_dtype: Optional[torch.dtype]) -> ModuleRow:
     """The row :func:`_replicate_row` reads from ``replicate(module)``'s state, computed before
-    the call: its managed parameters (those requiring grad, once), one bucket per 25 MiB in
-    reverse registration order (the first closing at 1 MiB, as ``replicate._build_buckets``;
+    the call: its managed parameters (those requiring grad, once), one bucket per 25 MiB and
+    parameter dtype in reverse registration order (the first closing at 1 MiB, as ``replicate._build_buckets``;
     the count may change when buckets are rebuilt after the first backward, the bytes do not)."""
     params = list(dict.fromkeys(p for p in module.parameters() if p.requires_grad))
     bucket_bytes = sum(p.numel() * (reduce_dtype or p.dtype).itemsize for p in params)
-    buckets, open_bytes = 0, 0
+    buckets, open_bytes = 0, cast(Dict[torch.dtype, int], {})  # one open bucket per parameter dtype
     for p in reversed(params):
-        open_bytes += p.numel() * (reduce_dtype or p.dtype).itemsize
-        if open_bytes >= (_REPLICATE_BUCKET_BYTES if buckets else _REPLICATE_FIRST_BUCKET_BYTES):
-            buckets, open_bytes = buckets + 1, 0
-    buckets += 1 if open_bytes else 0
+        nbytes = open_bytes.pop(p.dtype, 0) + p.numel() * (reduce_dtype or p.dtype).itemsize
+        if nbytes >= (_REPLICATE_BUCKET_BYTES if buckets else _REPLICATE_FIRST_BUCKET_BYTES):
+            buckets += 1
+        else:
+            open_bytes[p.dtype] = nbytes
+    buckets += len(open_bytes)
     flags = 1 if world > 1 else 0
     collectives = {"all_reduce": (buckets + flags, bucket_bytes + flags * STEP_BYTES * (len(params) + STEP_AGREEMENT_INTS))}
     return _full_row(fqn, "replicate", "replicate", params, reduce_dtype, bucket_bytes, collectives)

@@ -246,6 +246,51 @@ def _mp_policy(policy: str) -> None:
     _grads(ours, theirs, policy)
 
 
+class _WithNorm(nn.Module):
+    """A block holding a BatchNorm, then a head on the root; records the dtype of the norm's
+    weight in each of its forwards. The norm keeps no running statistics: float32 buffers beside
+    bf16 weights fail in torch's CPU batch norm, under FSDP2 as under ours."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(WIDTHS[0], WIDTHS[1]), nn.BatchNorm1d(WIDTHS[1], track_running_stats=False), nn.Tanh())
+        self.head = nn.Linear(WIDTHS[1], OUT)
+        self.norm_dtypes: List[torch.dtype] = []
+        self.block[1].register_forward_pre_hook(lambda m, _: self.norm_dtypes.append(m.weight.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(x))
+
+
+def _mp_policy_casts_norms() -> None:
+    """FSDP2's ``MixedPrecisionPolicy`` casts every parameter of a fully sharded module, a
+    BatchNorm's too (unlike FSDP1's ``MixedPrecision`` and ours, which keep norms in full
+    precision by default): the norm computes in bf16 as under FSDP2, and over two steps the
+    losses and gradients are bit for bit FSDP2's."""
+    fsdp = _fsdp2()
+    mp = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    models: List[_WithNorm] = []
+    for fn in (fully_shard, fsdp.fully_shard):
+        torch.manual_seed(0)
+        model = _WithNorm()
+        fn(model.block, mp_policy=mp)
+        fn(model, mp_policy=mp)
+        for m in model.modules():
+            if isinstance(m, fsdp.FSDPModule) and fn is not fully_shard:
+                m.set_force_sum_reduction_for_comms(True)
+        models.append(model)
+    ours, theirs = models
+    for step in range(2):
+        losses = [_loss(model, step) for model in models]
+        assert torch.equal(losses[0], losses[1]), (step, losses)
+        for model in models:
+            losses[model is theirs].backward()
+        _grads(ours, theirs, f"mp_policy with a BatchNorm, step {step}")
+        for model in models:
+            model.zero_grad()
+    assert ours.norm_dtypes == theirs.norm_dtypes == [torch.bfloat16] * 2, (ours.norm_dtypes, theirs.norm_dtypes)
+
+
 def _refused() -> None:
     """FSDP2 arguments with no counterpart raise ``NotImplementedError`` naming them, and leave
     the module as it was: ``output_dtype`` (accepted and not applied, the output's dtype would
@@ -446,6 +491,7 @@ def _root_reshard_after_forward(root_raf: Optional[bool]) -> None:
 CASES: Dict[str, Callable[..., None]] = {
     "root_reshard_after_forward": lambda: run_subtests(_root_reshard_after_forward, {"root_raf": [None, True, False]}),
     "mp_policy": lambda: run_subtests(_mp_policy, {"policy": list(POLICIES)}),
+    "mp_policy_casts_norms": _mp_policy_casts_norms,
     "refused": _refused,
     "offload_policy": lambda: run_subtests(_offload_policy, {"offload": [True, False]}),
     "ignored_params": _ignored_params,

@@ -274,14 +274,16 @@ def _unused_parameters(strategy: ShardingStrategy, sometimes_on: str) -> None:
     uses = {"all": [True] * world_size, "none": [False] * world_size, "rank0": [r == 0 for r in range(world_size)]}
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.5)
     ref_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.5)
-    for step in range(2):
+    # Steps 0 and 1 gated by ``sometimes_on``; step 2 uses ``sometimes`` on no rank: after zero_grad its
+    # .grad is None again (the flags of what a backward used start empty every backward).
+    for step, use in enumerate((uses[sometimes_on], uses[sometimes_on], uses["none"])):
         g = torch.Generator().manual_seed(step)
         x = torch.randn(world_size * 2, 6, generator=g)
-        model.inner.use = uses[sometimes_on][rank]
+        model.inner.use = use[rank]
         model(x[rank * 2:(rank + 1) * 2]).pow(2).mean().backward()
         total = torch.zeros(())
         for r in range(world_size):  # the global batch, each rank's rows with that rank's gating
-            reference.inner.use = uses[sometimes_on][r]
+            reference.inner.use = use[r]
             total = total + reference(x[r * 2:(r + 1) * 2]).pow(2).mean() / world_size
         total.backward()
         what = f"[{strategy.name}/sometimes used on {sometimes_on}, step {step}]"
@@ -294,7 +296,7 @@ def _unused_parameters(strategy: ShardingStrategy, sometimes_on: str) -> None:
         ref_optim.zero_grad()
     # Two synced backwards without zero_grad: gated as above in the first, used on no rank in the
     # second. A parameter that had a .grad keeps it (plus nothing), as autograd leaves it.
-    for step, use in ((2, uses[sometimes_on]), (3, [False] * world_size)):
+    for step, use in ((3, uses[sometimes_on]), (4, [False] * world_size)):
         x = torch.randn(world_size * 2, 6, generator=torch.Generator().manual_seed(step))
         model.inner.use = use[rank]
         model(x[rank * 2:(rank + 1) * 2]).pow(2).mean().backward()
@@ -376,6 +378,16 @@ def _partial_grad_reset() -> None:
 class _DataOut:
     logits: torch.Tensor
     aux: Optional[torch.Tensor] = None
+    hidden: Optional[torch.Tensor] = dataclasses.field(init=False, default=None)  # filled after construction
+
+
+def _block_out(out: torch.Tensor) -> _DataOut:
+    """A block's dataclass output whose next block reads only ``hidden``, a field outside
+    ``__init__`` (set afterwards, as outputs derived from other fields are): the backward
+    reaches the block through that field alone."""
+    result = _DataOut(out.mean(-1))
+    result.hidden = out
+    return result
 
 
 class _TupleOut(NamedTuple):
@@ -407,14 +419,14 @@ class _Wrapped(nn.Module):
         self.inner = make_model()
         self.kind = kind
         for block in self.inner.blocks:
-            block.register_forward_hook(lambda m, a, out: _DataOut(out) if kind == "dataclass" else None)
+            block.register_forward_hook(lambda m, a, out: _block_out(out) if kind == "dataclass" else None)
 
     def forward(self, tokens: torch.Tensor) -> Any:
         inner = self.inner
         x = inner.emb(tokens)
         for block in inner.blocks:
             out = block(x)
-            x = out.logits if isinstance(out, _DataOut) else out
+            x = out.hidden if isinstance(out, _DataOut) else out
         logits = inner.head(inner.scale(inner.frozen(x)))
         if self.kind == "dataclass":
             return _DataOut(logits, aux=None)

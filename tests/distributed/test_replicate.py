@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from composable_shard import comm_hooks
+from composable_shard import comm_hooks, describe
+from composable_shard._planning.describe import planned_replicate_row
 from composable_shard._runtime import collectives as _collectives
 from composable_shard.api import MixedPrecision
 from composable_shard.contract import _get_registry, _register_api
@@ -290,10 +291,49 @@ def _mixed_precision_branch_subtest() -> None:
     _assert_grads(ours, local, 2e-2, "bf16 reduce, a branch used on rank 0 only", relative=True)
 
 
+class _TwoDtypes(nn.Module):
+    """A float32 Linear and one of ``second`` dtype, in one bucket (the default cap)."""
+
+    def __init__(self, second: torch.dtype) -> None:
+        super().__init__()
+        self.a = nn.Linear(DIM_IN, DIM_HIDDEN)
+        self.b = nn.Linear(DIM_HIDDEN, DIM_OUT).to(second)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(F.relu(self.a(x)).to(self.b.weight.dtype)).float()
+
+
+def _described_gradient_bytes_subtest(second: torch.dtype, reduce_dtype: Optional[torch.dtype]) -> None:
+    """``describe``'s gradient bytes of a replicated module equal the storage the step holds, counted
+    here from the tensors themselves (each distinct storage of a bucket or a ``.grad`` once): a
+    bucket whose parameters all have its dtype hands its slots out as ``.grad`` (no more bytes), one
+    holding a parameter of another dtype (``reduce_dtype=bf16`` under float32 parameters, or a model
+    mixing float32 and bfloat16) makes separate ``.grad`` tensors for all of them."""
+    torch.manual_seed(0)
+    mp = MixedPrecision(reduce_dtype=reduce_dtype) if reduce_dtype is not None else None
+    model = replicate(_TwoDtypes(second), mixed_precision=mp)
+    what = f"second layer {second}, reduce_dtype {reduce_dtype}"
+    planned = planned_replicate_row("", _TwoDtypes(second), dist.get_world_size(), reduce_dtype)
+    assert next(r for r in describe(model).rows if r.api == "replicate") == planned, (what, planned)  # before a rebuild
+    for step in range(2):  # step 0 rebuilds the buckets
+        model(_batch(step, dist.get_rank())[0]).sum().backward()
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in [b.flat_grad for b in _state(model).buckets] + [p.grad for p in model.parameters()]}
+    described = describe(model)
+    row = next(r for r in described.rows if r.api == "replicate")
+    assert row.grad_bytes == sum(storages.values()), (what, row, storages)
+    views = all(p.grad.untyped_storage().data_ptr() == _state(model).buckets[0].flat_grad.untyped_storage().data_ptr()
+                for p in model.parameters())
+    assert views == (second == torch.float32 and reduce_dtype in (None, torch.float32)), (what, views)
+    model.zero_grad()
+
+
 def _rank_comm_hooks_and_mixed_precision() -> None:
     run_subtests(_comm_hook_subtest, {"hook": ["allreduce", "fp16", "bf16"]})
     _mixed_precision_subtest()
     _mixed_precision_branch_subtest()
+    run_subtests(_described_gradient_bytes_subtest, {"second": [torch.float32, torch.bfloat16],
+                                                     "reduce_dtype": [None, torch.bfloat16]})
 
 
 def test_comm_hooks_and_mixed_precision() -> None:
