@@ -420,8 +420,8 @@ def _sparse_gradients() -> None:
 
 
 def _different_models_on_ranks() -> None:
-    """Rank 1 builds a wider second layer: the first forward raises on every rank, naming the
-    parameter and both shapes, before any all-gather could mismatch (the layouts are compared
+    """Rank 1 builds a wider second layer, then one of another dtype: the first forward raises on
+    every rank, naming the parameter and both shapes (or this rank's dtype), before any all-gather could mismatch (the layouts are compared
     as JSON sent between ranks: nothing a peer sends is unpickled)."""
     torch.manual_seed(0)
     width = 5 if dist.get_rank() == 1 else 4
@@ -430,6 +430,12 @@ def _different_models_on_ranks() -> None:
     fully_shard(model)
     _expect(lambda: model(torch.randn(2, 3)), RuntimeError, "built different handles", "'weight'",
             f"[{width}, 4] here")
+    # The same shapes, another dtype on rank 1 (a cast on one rank only): the buffers would differ in bytes.
+    dtype = torch.float64 if dist.get_rank() == 1 else torch.float32
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 4).to(dtype))
+    fully_shard(model[1])
+    fully_shard(model)
+    _expect(lambda: model(torch.randn(2, 3)), RuntimeError, "built different handles", str(dtype))
 
 
 def _case(name: str) -> None:

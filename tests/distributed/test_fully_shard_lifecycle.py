@@ -587,6 +587,9 @@ def _model_changed_after_fully_shard(change: str, before_first_forward: bool = F
     elif change == "submodule added":
         model.blocks[0].adapter = nn.Linear(6, 6)
         expected = "fully_shard(blocks.0): submodule 'blocks.0.adapter' with parameters"
+    elif change == "container added":  # the parameters one level down (an adapter as nn.Sequential)
+        model.blocks[0].adapter = nn.Sequential(nn.Linear(6, 6))
+        expected = "fully_shard(blocks.0): submodule 'blocks.0.adapter' with parameters ['0.weight', '0.bias']"
     elif change == "submodule cast":  # a plain submodule: FSDPModule._apply does not see it
         model.blocks[0].fc1.half()
         expected = "['blocks.0.fc1.weight', 'blocks.0.fc1.bias'] of fully_shard(blocks.0) no longer share storage"
@@ -739,7 +742,7 @@ _GRIDS: Dict[str, Callable[[], None]] = {
     "unshard": lambda: run_subtests(_unshard_params_when_idle, {"situation": [
         "after eval forward", "after failed forward", "after failed backward"]}),
     "changes": lambda: (run_subtests(_model_changed_after_fully_shard, {"change": [
-        "parameter reassigned", "submodule added", "wrapped", "submodule cast", "data assigned",
+        "parameter reassigned", "submodule added", "container added", "wrapped", "submodule cast", "data assigned",
         "vector_to_parameters"]}), run_subtests(_model_changed_after_fully_shard, {"change": [
             "parameter reassigned", "submodule added", "data assigned"]}, before_first_forward=True)),
     "casts": lambda: run_subtests(_cast_or_move_after_fully_shard, {"call": [

@@ -292,7 +292,7 @@ def _mixed_precision_branch_subtest() -> None:
 
 
 class _TwoDtypes(nn.Module):
-    """A float32 Linear and one of ``second`` dtype, in one bucket (the default cap)."""
+    """A float32 Linear and one of ``second`` dtype (replicate buckets each dtype apart)."""
 
     def __init__(self, second: torch.dtype) -> None:
         super().__init__()
@@ -305,10 +305,11 @@ class _TwoDtypes(nn.Module):
 
 def _described_gradient_bytes_subtest(second: torch.dtype, reduce_dtype: Optional[torch.dtype]) -> None:
     """``describe``'s gradient bytes of a replicated module equal the storage the step holds, counted
-    here from the tensors themselves (each distinct storage of a bucket or a ``.grad`` once): a
-    bucket whose parameters all have its dtype hands its slots out as ``.grad`` (no more bytes), one
-    holding a parameter of another dtype (``reduce_dtype=bf16`` under float32 parameters, or a model
-    mixing float32 and bfloat16) makes separate ``.grad`` tensors for all of them."""
+    here from the tensors themselves (each distinct storage of a bucket or a ``.grad`` once), and the
+    plan's row (``plan()``'s, made before ``replicate``) equals describe's: a parameter whose dtype is
+    the reduction's gets its bucket slot as ``.grad`` (no more bytes), any other one (float32 under
+    ``reduce_dtype=bf16``) a ``.grad`` of its own; a model mixing float32 and bfloat16 has one bucket
+    per dtype, so under a bf16 reduction only its float32 parameters have gradients of their own."""
     torch.manual_seed(0)
     mp = MixedPrecision(reduce_dtype=reduce_dtype) if reduce_dtype is not None else None
     model = replicate(_TwoDtypes(second), mixed_precision=mp)
@@ -322,9 +323,9 @@ def _described_gradient_bytes_subtest(second: torch.dtype, reduce_dtype: Optiona
     described = describe(model)
     row = next(r for r in described.rows if r.api == "replicate")
     assert row.grad_bytes == sum(storages.values()), (what, row, storages)
-    views = all(p.grad.untyped_storage().data_ptr() == _state(model).buckets[0].flat_grad.untyped_storage().data_ptr()
-                for p in model.parameters())
-    assert views == (second == torch.float32 and reduce_dtype in (None, torch.float32)), (what, views)
+    buckets = {b.flat_grad.untyped_storage().data_ptr() for b in _state(model).buckets}
+    slots = {n: p.grad.untyped_storage().data_ptr() in buckets for n, p in model.named_parameters()}
+    assert slots == {n: reduce_dtype in (None, p.dtype) for n, p in model.named_parameters()}, (what, slots)
     model.zero_grad()
 
 

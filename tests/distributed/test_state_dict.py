@@ -147,6 +147,8 @@ def _full_options() -> None:
         sd = model.state_dict()
     managed = {n for n, _ in model.named_parameters()} | {"head.weight"}
     assert (set(sd) & managed) == (managed if dist.get_rank() == 0 else set()), sorted(sd)
+    # The context is over: a plain call is the full state dict on every rank again (its config gone too).
+    _assert_state_dicts_equal(model.state_dict(), plain.state_dict(), "state_dict() after a rank0_only context")
     with pytest.raises(TypeError, match="SHARDED_STATE_DICT takes a ShardedStateDictConfig"):
         with state_dict_type(model, StateDictType.SHARDED_STATE_DICT, FullStateDictConfig()):
             pass
@@ -184,6 +186,9 @@ def _sharded_is_local() -> None:
     assert held <= total // dist.get_world_size() + 4 * dist.get_world_size(), (held, total)
     with pytest.raises(RuntimeError, match="holds only this rank's elements"):
         sd["blocks.0.fc1.weight"] + 1
+    after = model.state_dict()  # the context is over: full tensors again
+    for name, p in make_model().named_parameters():
+        assert type(after[name]) is torch.Tensor and after[name].shape == p.shape, (name, type(after[name]))
 
 
 def _large_tensors_cut_like_torch_chunk() -> None:
@@ -605,6 +610,9 @@ def _state_of_an_optimizer_that_never_stepped() -> None:
         assert osd["state"] and steps == {0.0}, (full, steps)
         loaded_model, loaded = build()
         set_optimizer_state_dict(loaded_model, loaded, osd)
+        for what, m in (("asked", model), ("loaded", loaded_model)):  # no .grad left by making the state (a zero
+            grads = [n for n, p in m.named_parameters() if p.grad is not None]  # one: a parameter the next
+            assert grads == [], (full, what, grads)  # backward does not reach would be stepped)
         for what, (m, o) in (("asked", (model, optim)), ("loaded", (loaded_model, loaded))):
             losses = _train(m, o, range(2))
             assert losses == expected, (full, what, losses, expected)
