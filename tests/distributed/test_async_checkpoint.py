@@ -334,6 +334,7 @@ def _our_save(root: str, record: Dict[str, Any]) -> Built:
     _train(live, range(K, K + STEPS_DURING))
     meta["step"] += STEPS_DURING
     record["held_back"] = not pending.done() and not os.path.exists(path)
+    record["timed_out"] = _result_times_out(pending, live[0].gate)
     live[0].gate.release()
     record["own_group"] = _thread_keeps_off_the_default_group(pending)
     _train(live, range(K + STEPS_DURING, K + STEPS_DURING + STEPS_AFTER))
@@ -344,6 +345,30 @@ def _our_save(root: str, record: Dict[str, Any]) -> Built:
     record["extra"] = load_checkpoint(path, *resumed)
     _judge(record, live, snapshot, resumed)
     return live
+
+
+def _result_times_out(pending: AsyncSave, gate: "_Gate") -> bool:
+    """``result(timeout=...)`` while the write is held back raises TimeoutError. One that waited
+    for the whole write instead returns once a timer lets the write go (no hang): False."""
+    releaser = threading.Timer(3.0, gate.release)
+    releaser.start()
+    try:
+        pending.result(timeout=0.05)
+    except TimeoutError:
+        return True
+    finally:
+        releaser.cancel()
+    return False
+
+
+def _group_still_usable(group: dist.ProcessGroup) -> bool:
+    """A collective on ``group`` works (it was not destroyed under its owner)."""
+    try:
+        flag = torch.ones(1)
+        dist.all_reduce(flag, group=group)
+        return flag.item() == WORLD_SIZE
+    except (RuntimeError, ValueError):
+        return False
 
 
 def _thread_keeps_off_the_default_group(pending: AsyncSave) -> bool:
@@ -361,12 +386,14 @@ def _thread_keeps_off_the_default_group(pending: AsyncSave) -> bool:
 
 
 def _our_failed_save(root: str, record: Dict[str, Any], live: Built) -> None:
-    """save_checkpoint_async whose write raises on one rank only (the one that writes the gate)."""
+    """save_checkpoint_async whose write raises on one rank only (the one that writes the gate),
+    on a process group of the caller's (torchtitan's way), which stays the caller's afterwards."""
     model = live[0]
     model.gate = _Gate(model.gate.step, fail=True)
     model.gate.hold()
     path = f"{root}/step_{K + 4}"
-    pending = save_checkpoint_async(path, *live)
+    group = dist.new_group(backend="gloo")
+    pending = save_checkpoint_async(path, *live, process_group=group)
     model.gate.release()
     record["own_group"] = _thread_keeps_off_the_default_group(pending)
     try:
@@ -374,6 +401,9 @@ def _our_failed_save(root: str, record: Dict[str, Any], live: Built) -> None:
         record["raised"] = ""
     except RuntimeError as e:
         record["raised"] = str(e)
+    record["user_group_usable"] = _group_still_usable(group)
+    if record["user_group_usable"]:
+        dist.destroy_process_group(group)
     record["failed_here"] = bool(model.gate.failed)
     record["path_exists"] = os.path.exists(path)
     found = latest_checkpoint(root)
@@ -564,13 +594,15 @@ def test_async_save_writes_what_a_sync_save_writes_and_resumes_as_fsdp2(records:
 
 def test_save_checkpoint_async_reports_its_staging_copy_and_publishes(records: Records) -> None:
     """``staging_bytes`` is the copy's size worked out by hand (parameters' shards once, AdamW's
-    two moments and steps); the published folder is save_checkpoint's (data, metadata,
+    two moments and steps); ``result(timeout=...)`` raises TimeoutError while the write is held
+    back; the published folder is save_checkpoint's (data, metadata,
     extra, checksums), ``extra`` is the dict as it was at the call, and the run that went on
     equals single-process training on the combined batch."""
     _no_error(records, "ours")
     for rank, record in records["ours"].items():
         assert record["staging_bytes"] == STAGING_BYTES[rank], f"rank {rank}"
         assert record["own_group"] is True, f"rank {rank}"
+        assert record["timed_out"] is True, f"rank {rank}: result(timeout=0.05) did not raise while the write was held"
         assert record["published"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "checksums.json", "extra.pt"]
         assert record["extra"] == {"step": K}, f"rank {rank}: {record['extra']}"
         assert record["vs_reference"] == [], f"rank {rank}: {record['vs_reference']}"
@@ -578,8 +610,9 @@ def test_save_checkpoint_async_reports_its_staging_copy_and_publishes(records: R
 
 def test_failed_background_write_publishes_nothing_and_raises_everywhere(records: Records) -> None:
     """A write that fails on rank 1 only: every rank's ``result()`` raises the same error,
-    naming rank 1 and the cause; the folder does not exist, and ``latest_checkpoint`` still
-    finds the previous checkpoint."""
+    naming rank 1 and the cause; the folder does not exist, ``latest_checkpoint`` still
+    finds the previous checkpoint, and the caller's process group the save wrote on is left
+    to the caller."""
     _no_error(records, "ours_failed")
     failing = [rank for rank, record in records["ours_failed"].items() if record["failed_here"]]
     assert len(failing) == 1, f"the injected failure ran on ranks {failing}, not on one"
@@ -590,6 +623,7 @@ def test_failed_background_write_publishes_nothing_and_raises_everywhere(records
         in message and message.endswith("nothing was published"), message
     for rank, record in records["ours_failed"].items():
         assert record["own_group"] is True, f"rank {rank}"
+        assert record["user_group_usable"] is True, f"rank {rank}: result() destroyed the caller's process group"
         assert record["path_exists"] is False, f"rank {rank}: the failed save was published"
         assert record["latest"] == [K, f"step_{K}"], f"rank {rank}: {record['latest']}"
 

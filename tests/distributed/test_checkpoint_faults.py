@@ -248,16 +248,19 @@ def _escape(work: Path, pristine: str, how: str) -> Tuple[str, str, List[str], T
     checkpoint = str(work / f"escape_{how}" / "ckpt")
     shutil.copytree(pristine, checkpoint)
     outside = str(work / f"escape_{how}" / "outside.bin")
+    if how == "sibling":  # beside the checkpoint, in a folder whose name begins with the checkpoint's ("ckpt_old")
+        os.makedirs(checkpoint + "_old")
+        outside = os.path.join(checkpoint + "_old", "outside.bin")
     tripwire = Tripwire(outside)
     if how == "dotdot":
         written = "../outside.bin"
     elif how == "absolute":
         written = outside
-    else:
+    else:  # symlink, sibling: a link in the folder that resolves outside it
         written = "link.distcp"
         os.symlink(outside, os.path.join(checkpoint, written))
     moved = _redirect_entries(checkpoint, written)
-    _rewrite_checksums(checkpoint, unread=("link.distcp",) if how == "symlink" else ())
+    _rewrite_checksums(checkpoint, unread=("link.distcp",) if how in ("symlink", "sibling") else ())
     return checkpoint, written, moved, tripwire
 
 
@@ -276,6 +279,9 @@ def _damaged_copy(work: Path, pristine: str, name: str, damage: str) -> str:
 
 
 # ---------------------------------------------------------------------------- fixture
+ESCAPES = ["dotdot", "absolute", "symlink", "sibling"]  # how a copied checkpoint's entries point outside it (_escape)
+
+
 class Results(NamedTuple):
     records: Dict[str, Dict[int, Dict[str, Any]]]  # case -> rank -> what _one_case recorded
     escapes: Dict[str, Tuple[str, List[str], int]]  # how -> (path written, moved FQNs, FIFO opens)
@@ -289,7 +295,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Results:
     run_distributed(_save, WORLD_SIZE, pristine, timeout=TIMEOUT_S)
     cases: List[Case] = []
     escapes: Dict[str, Tuple[str, List[str], Tripwire]] = {}
-    for how in ("dotdot", "absolute", "symlink"):
+    for how in ESCAPES:
         checkpoint, written, moved, tripwire = _escape(work, pristine, how)
         escapes[how] = (written, moved, tripwire)
         cases.append(Case(f"escape_{how}", "load", (checkpoint,) * WORLD_SIZE))
@@ -328,10 +334,11 @@ def _same_error_everywhere(records: Dict[int, Dict[str, Any]], kind: str = "Runt
 
 
 # ---------------------------------------------------------------------------- tests
-@pytest.mark.parametrize("how", ["dotdot", "absolute", "symlink"])
+@pytest.mark.parametrize("how", ESCAPES)
 def test_storage_path_outside_the_folder_is_refused_unread(results: Results, how: str) -> None:
     """A ``.metadata`` whose entries point at ``../outside.bin``, at an absolute path, or at a
-    symbolic link in the folder that resolves outside (checksums rewritten): every rank raises
+    symbolic link in the folder that resolves outside (also into a sibling folder whose name
+    begins with the checkpoint folder's: ``ckpt_old`` beside ``ckpt``; checksums rewritten): every rank raises
     the same error naming an entry and the path, the outside file (a FIFO) is never opened, and
     model and optimizer are unchanged."""
     written, moved, opens = results.escapes[how]
@@ -342,7 +349,7 @@ def test_storage_path_outside_the_folder_is_refused_unread(results: Results, how
     assert any(repr(fqn) in message for fqn in moved), f"the error names none of the entries {moved}: {message}"
     # Refused for its own reason, not by a later check (the FIFO target is no regular file either).
     reason = {"dotdot": "has a '..' component", "absolute": "is an absolute path",
-              "symlink": "outside the checkpoint folder"}[how]
+              "symlink": "outside the checkpoint folder", "sibling": "outside the checkpoint folder"}[how]
     assert reason in message, f"[{how}] refused, but not because the path {reason}: {message}"
 
 

@@ -555,6 +555,12 @@ def _resume_alone(path: str, reference: Dict[str, List[float]]) -> None:
     resumed = LitParity("blocks")
     _trainer(ShardedStrategy(), 1, 2).fit(resumed, _loader(1), ckpt_path=f"{path}/epoch1.ckpt")
     _check("resumed at W=1", resumed.losses, reference["losses"][len(reference["losses"]) // 2:])
+    # Replacing a checkpoint (ModelCheckpoint's last.ckpt) with one rank: that rank does it too.
+    before = torch.load(os.path.join(path, "epoch1.ckpt", "extra.pt"), weights_only=False)["global_step"]
+    resumed.trainer.save_checkpoint(f"{path}/epoch1.ckpt")
+    after = torch.load(os.path.join(path, "epoch1.ckpt", "extra.pt"), weights_only=False)["global_step"]
+    assert before < after == resumed.trainer.global_step, (before, after, resumed.trainer.global_step)
+    assert [n for n in os.listdir(path) if n.startswith("epoch1.ckpt.")] == [], os.listdir(path)  # nothing beside it
 
 
 def test_trainer_matches_single_process_lightning_and_resumes(tmp_path: Any) -> None:

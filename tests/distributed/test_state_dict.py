@@ -492,13 +492,18 @@ class _Opaque:
 
 def _extra_weights_only(path: str) -> None:
     """``extra`` is unpickled with ``weights_only=True``: a class torch does not rebuild raises,
-    naming the file and the class, unless the caller allows it (``safe_globals``)."""
+    naming the file and the class, unless the caller allows it (``safe_globals``). An empty
+    ``extra`` loads as ``{}``, a checkpoint saved without one as ``None``."""
     model = _build("FULL_SHARD", seed=0)
     save_checkpoint(f"{path}/ckpt", model, extra={"opaque": _Opaque(3)})
     with pytest.raises(RuntimeError, match=r"extra\.pt: refused to unpickle it with weights_only=True \(.*_Opaque"):
         load_checkpoint(f"{path}/ckpt", model)
     with torch.serialization.safe_globals([_Opaque]):  # the user vouches for the class
         assert load_checkpoint(f"{path}/ckpt", model)["opaque"].value == 3  # type: ignore[index]
+    save_checkpoint(f"{path}/empty", model, extra={})  # an empty extra comes back empty; none comes back as None
+    assert load_checkpoint(f"{path}/empty", model) == {}
+    save_checkpoint(f"{path}/none", model)
+    assert load_checkpoint(f"{path}/none", model) is None
 
 
 

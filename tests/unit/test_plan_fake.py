@@ -148,39 +148,46 @@ def test_a_model_caching_what_its_forward_builds_keeps_no_fake_tensor() -> None:
 
 
 class _CachesPerLength(nn.Module):
-    """Caches a causal mask per sequence length in a dict (as rotary and mask caches do) and keeps
-    every mask it applied in a list."""
+    """Caches a causal mask per sequence length in a dict (as mask caches do), a pair of tables per
+    length in a dict of tuples (as rotary caches do: cos and sin), and keeps every mask it
+    applied in a list."""
 
     def __init__(self) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
         self.masks: Dict[int, torch.Tensor] = {}
+        self.tables: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
         self.applied: List[torch.Tensor] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[1]
         if n not in self.masks:
             self.masks[n] = torch.ones(n, n).tril()
+            angles = torch.arange(n, dtype=torch.float32)[:, None] * torch.ones(8)
+            self.tables[n] = (angles.cos(), angles.sin())
         self.applied.append(self.masks[n])
+        cos, sin = self.tables[n]
         for block in self.blocks:
-            x = torch.tanh(self.masks[n] @ block(x))
+            x = torch.tanh(self.masks[n] @ block(x * cos + sin))
         return x.sum()
 
 
 def test_caches_filled_before_planning_keep_their_entries_and_nothing_fake() -> None:
-    """A model whose dict and list attributes hold real tensors from an earlier forward at one
-    sequence length, planned on a batch of another: the fake pass adds a fake mask to each, and
+    """A model whose dict and list attributes (one a dict of tuples) hold real tensors from an earlier
+    forward at one sequence length, planned on a batch of another: the fake pass adds fake entries to each, and
     afterwards both hold exactly what they held (the same tensor objects): nothing fake for
     training to compute with, and no real entry dropped with the fake ones."""
     torch.manual_seed(0)
     model = _CachesPerLength()
     model(torch.randn(2, 4, 8))
-    masks, applied = dict(model.masks), list(model.applied)
+    masks, tables, applied = dict(model.masks), dict(model.tables), list(model.applied)
     plan(model, torch.randn(2, 6, 8), memory_budget=10 ** 12, world_size=2, profile="fake")
     assert list(model.masks) == [4] and model.masks[4] is masks[4], model.masks
+    assert list(model.tables) == [4] and model.tables[4] is tables[4], model.tables
     assert len(model.applied) == 1 and model.applied[0] is applied[0], model.applied
     model(torch.randn(2, 6, 8))  # trains on: the length planned for gets a real mask now
-    assert not any(type(t).__name__ == "FakeTensor" for t in [*model.masks.values(), *model.applied])
+    assert not any(type(t).__name__ == "FakeTensor"
+                   for t in [*model.masks.values(), *model.applied, *(t for pair in model.tables.values() for t in pair)])
 
 
 def test_meta_model_plans_exactly_as_the_materialized_one() -> None:
@@ -480,6 +487,9 @@ def test_head_gradient_and_arriving_gradients_are_a_real_backwards(dtype: torch.
     hidden = 2 * 32 * 64 * dtype.itemsize  # 2 rows x 32 tokens x width 64
     shared = 2 * 32 * 16 * dtype.itemsize + 32 * 8  # cos and sin (32 tokens x head size 16), int64 position ids
     assert [b.input_bytes for b in search.profile.blocks] == [hidden + shared, hidden, hidden], search.profile.blocks
+    # of what the first layer receives first, only the position ids reach later layers unsaved ([Note: Shared
+    # inputs]); a layer's own hidden state, saved by no kernel in bf16, is not shared with the layers after it
+    assert [b.shared_bytes for b in search.profile.blocks] == [32 * 8, 0, 0], search.profile.blocks
     assert [b.output_bytes for b in search.profile.blocks] == arriving == [hidden] * 3
     moments = {m.name: m.parts for m in _moments(search, [_Option("fully_shard", ShardingStrategy.FULL_SHARD, False)] * 3)}
     start = moments["start of backward"]
