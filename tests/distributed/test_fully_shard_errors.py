@@ -340,7 +340,8 @@ def _meta_errors() -> None:
     """Meta parameters nothing can initialize: without param_init_fn fully_shard shards the model
     uninitialized (FSDP2's flow) and its forward raises, naming to_empty, until ``to_empty``;
     with a param_init_fn that leaves some on meta it raises naming them, and the model gets no
-    fully_shard state, hook or class change; sync_module_states on such a model raises."""
+    fully_shard state, hook or class change; sync_module_states on such a model raises; ``to_empty``
+    onto another device than the shards' raises naming both."""
     with torch.device("meta"):
         deferred = _MetaModel()
     _expect(lambda: fully_shard(deferred, sync_module_states=True), ValueError, "sync_module_states", "meta",
@@ -348,6 +349,8 @@ def _meta_errors() -> None:
     fully_shard(deferred)
     assert not deferred.inner.w.is_meta  # sharded, uninitialized storage
     _expect(lambda: deferred(torch.ones(2, 4)), RuntimeError, "meta device", "not initialized", "to_empty")
+    _expect(lambda: deferred.to_empty(device="meta"), ValueError, "to_empty(device='meta')",  # not where its shards are
+            "shards on cpu", "pass that device")
     deferred.to_empty(device="cpu")
     with torch.no_grad():
         deferred.lin.reset_parameters()

@@ -649,7 +649,21 @@ def _cast_or_move_after_fully_shard(call: str) -> None:
             assert "new storage" not in str(e), e  # torch's own error, not the refusal
         else:
             raise AssertionError("moving to cuda:99 must fail")
-        model.half()  # still guarded after the failed call
+        cast: List[torch.Tensor] = []
+
+        def half_until_the_third(t: torch.Tensor) -> torch.Tensor:  # a cast that fails part-way through the model
+            cast.append(t)
+            if len(cast) == 3:
+                raise RuntimeError("injected: the third tensor cannot be cast")
+            return t.half()
+
+        try:  # the two tensors cast before the failure are put back (checked with the rest below)
+            model._apply(half_until_the_third)
+        except RuntimeError as e:
+            assert "injected" in str(e), e
+        else:
+            raise AssertionError("the cast must fail at its third tensor")
+        model.half()  # still guarded after the failed calls
 
     casts: Dict[str, Callable[[], Any]] = {
         "half": model.half, "double": model.double, "bfloat16": model.bfloat16,

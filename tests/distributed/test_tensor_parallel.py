@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard  # private: the placement the refusal is about
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 from composable_shard import (MixedPrecision, checkpoint, clip_grad_norm_, describe, fully_shard, get_model_state_dict,
@@ -144,8 +145,12 @@ def _refusals() -> None:
     rows = 3 if mesh["tp"].get_local_rank() == 0 else 1
     uneven.weight = nn.Parameter(DTensor.from_local(torch.ones(rows, 2), mesh["tp"], [Shard(0)], run_check=False,
                                                     shape=torch.Size([4, 2]), stride=(2, 1)))
+    strided = nn.Linear(2, 2)  # torch's strided sharding (FSDP2 over TP's dim-0 layout): not flattened
+    strided.weight = nn.Parameter(DTensor.from_local(torch.ones(2, 2), mesh["tp"], [_StridedShard(0, split_factor=2)],
+                                                     run_check=False, shape=torch.Size([4, 2]), stride=(2, 1)))
     cases = [("replicate", partial, "Partial", lambda m: replicate(m, process_group=dp_group)),
              ("fully_shard", partial, "Partial", lambda m: fully_shard(m, process_group=dp_group)),
+             ("fully_shard", strided, "only Shard(dim) and Replicate()", lambda m: fully_shard(m, process_group=dp_group)),
              ("fully_shard", uneven, f"local piece of shape ({rows}, 2)", lambda m: fully_shard(m, mesh=mesh["dp"]))]
     for api, module, fragment, call in cases:
         snapshot = _local_snapshot(module)

@@ -86,6 +86,32 @@ def test_twelve_blocks_each_get_a_choice() -> None:
     assert [c.fqn for c in p.choices] == [""] + [f"blocks.{k}" for k in range(12)], [c.fqn for c in p.choices]
 
 
+class _WithTaps(Toy):
+    """The Toy with a longer ModuleList of small probes beside its blocks (heads read off each
+    block's output): the blocks hold the most parameters, the probes are the most modules."""
+
+    def __init__(self) -> None:
+        super().__init__(blocks=3)
+        self.taps = nn.ModuleList([nn.Linear(WIDTH, 1) for _ in range(6)])
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)
+        taps = []
+        for k, block in enumerate(self.blocks):
+            x = block(x)
+            taps.append(self.taps[k](x))
+        return self.head(x) + torch.cat(taps, -1).sum(-1, keepdim=True)
+
+
+def test_default_blocks_come_from_the_list_holding_the_most_parameters() -> None:
+    """Without ``block_types`` the blocks are the instances of the ModuleList holding the most
+    parameters (the transformer's layers), not the list with the most entries."""
+    torch.manual_seed(0)
+    model, batch = _WithTaps(), torch.randint(0, VOCAB, (BATCH, SEQ))
+    p = plan(model, batch, memory_budget=10 ** 12, world_size=2, profile="fake")
+    assert [c.fqn for c in p.choices] == ["", "blocks.0", "blocks.1", "blocks.2"], [c.fqn for c in p.choices]
+
+
 def test_adam_and_adamw_keep_two_states_per_element_and_sgd_none() -> None:
     """``optimizer="adam"`` keeps what ``"adamw"`` keeps (two fp32 states per element of this
     rank's parameters); ``"sgd"`` (no momentum) keeps nothing. A planner counting nothing for Adam

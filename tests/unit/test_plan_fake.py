@@ -406,6 +406,19 @@ def test_cli_plans_a_model_on_the_meta_device(capsys: pytest.CaptureFixture[str]
             cli_main(args + bad)
 
 
+def test_cli_reads_sizes_in_any_case_and_batches_as_float32_unless_told() -> None:
+    """``--budget`` takes decimal and binary units in any case (``75GiB``, ``512mib``, ``80GB``,
+    ``1.5kb``) and bare bytes; a ``--batch`` tensor without ``:DTYPE`` is float32 (features), with
+    one the dtype it names."""
+    from composable_shard.__main__ import _batch, _size
+    sizes = [_size(t) for t in ("75GiB", "512mib", "80GB", "1.5kb", "80000000000")]
+    assert sizes == [75 * 2 ** 30, 512 * 2 ** 20, 80 * 10 ** 9, 1500, 80 * 10 ** 9], sizes
+    features = _batch(["2x3"])
+    assert (features.dtype, tuple(features.shape), features.device.type) == (torch.float32, (2, 3), "meta"), features
+    named = _batch(["input_ids=1x8:int64", "mask=1x8:bool"])
+    assert {k: v.dtype for k, v in named.items()} == {"input_ids": torch.int64, "mask": torch.bool}, named
+
+
 class _Wide(nn.Module):
     def __init__(self) -> None:
         super().__init__()
