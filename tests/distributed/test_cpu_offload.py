@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from composable_shard import CPUOffload, ShardingStrategy, fully_shard, get_model_state_dict, unshard_params
+from composable_shard import (CPUOffload, MixedPrecision, ShardingStrategy, fully_shard, get_model_state_dict,
+                              unshard_params)
 from tests._harness import run_distributed, run_subtests
 from tests._models import (Named, assert_params_close, batch, clone, local_rows, loss_fn, make_model,
                            make_optimizer, reference_training)
@@ -105,10 +106,31 @@ def _offload_subtest(strategy: ShardingStrategy, device: torch.device) -> None:
                         atol=0.0, what=f"[{strategy.name} offload] state dict")
 
 
+def _offload_low_precision(device: torch.device) -> None:
+    """Offloaded shards computing and reducing in bf16: each ``.grad`` lands in the parameters'
+    float32 (as without offload), close to local training's."""
+    world_size = dist.get_world_size()
+    reference = make_model()
+    model = clone(reference)
+    mp = MixedPrecision(param_dtype=torch.bfloat16)
+    for block in model.blocks:
+        fully_shard(block, cpu_offload=CPUOffload(offload_params=True), mixed_precision=mp)
+    fully_shard(model, cpu_offload=CPUOffload(offload_params=True), mixed_precision=mp)
+    inputs, targets = batch(0, world_size)
+    loss_fn(reference(inputs), targets).backward()
+    rows, row_targets = _rows(0, device)
+    loss_fn(model(rows), row_targets).backward()
+    dtypes = {n: p.grad.dtype for n, p in model.named_parameters() if p.grad is not None}
+    assert dtypes and set(dtypes.values()) == {torch.float32}, dtypes
+    assert_params_close(_full_grads(model), [(n, p.grad) for n, p in reference.named_parameters() if p.grad is not None],
+                        atol=5e-2, what="offload, bf16 compute and reduction")
+
+
 def _offload(device_type: str) -> None:
     device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
     run_subtests(_offload_subtest, {"strategy": [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP,
                                                  ShardingStrategy.NO_SHARD]}, device=device)
+    _offload_low_precision(device)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

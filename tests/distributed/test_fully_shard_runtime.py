@@ -781,6 +781,29 @@ def _unsynced_grads_visible(strategy: ShardingStrategy, user_action: str) -> Non
     assert_params_close(grads, expected, what=f"[{strategy.name}/{user_action}] synced after unsynced")
 
 
+def _earlier_grads_through_unsynced(action: str) -> None:
+    """A synced backward left its gradients (no zero_grad), then two unsynced backwards, then a
+    synced one. ``kept``: the earlier gradients are added at the end, as locally. ``zero_grad``:
+    a ``zero_grad()`` after the first unsynced backward drops them and that backward's part for
+    good. Each against every rank's rows, averaged."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    everyone, model = make_model(), make_model()
+    _annotate(model)
+    for step in range(4):  # synced, unsynced, unsynced, synced
+        model.set_requires_gradient_sync(step in (0, 3))
+        inputs, targets = batch(step, world_size)
+        loss_fn(model(local_rows(inputs, rank)), local_rows(targets, rank)).backward()
+        for r in range(world_size):
+            (loss_fn(everyone(local_rows(inputs, r)), local_rows(targets, r)) / world_size).backward()
+        if step == 1 and action == "zero_grad":
+            model.zero_grad()
+            everyone.zero_grad()
+    with unshard_params(model, with_grads=True):
+        grads = [(n, p.grad.clone()) for n, p in model.named_parameters() if p.grad is not None]
+    expected = [(n, p.grad) for n, p in everyone.named_parameters() if p.grad is not None]
+    assert_params_close(grads, expected, what=f"earlier gradients through unsynced backwards ({action})")
+
+
 def _hybrid_mesh(strategy: ShardingStrategy) -> dict:
     if strategy is not ShardingStrategy.HYBRID_SHARD:
         return {}
@@ -795,6 +818,8 @@ def _unsynced_grid() -> None:
     if dist.get_world_size() == 4:  # what 4 ranks add: a real (2 x 2) hybrid mesh; 2 ranks run the others
         strategies = [ShardingStrategy.HYBRID_SHARD]
     run_subtests(_unsynced_grads_visible, {"strategy": strategies, "user_action": ["none", "scale", "zero_grad"]})
+    if dist.get_world_size() == 2:
+        run_subtests(_earlier_grads_through_unsynced, {"action": ["kept", "zero_grad"]})
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -567,6 +567,13 @@ def _strict() -> None:
             assert torch.equal(torch.as_tensor(osd["state"][fqn][name]), torch.as_tensor(value)), (fqn, name)
     with pytest.raises(RuntimeError, match="get_model_state_dict"):
         copy.deepcopy(model)
+    # nn.Module's own load on a model whose root is plain (one block sharded): a value of the wrong shape
+    # for a sharded parameter is an error even with strict=False, as torch's size mismatch is
+    partly = make_model()
+    fully_shard(partly.blocks[0])
+    wrong = {**partly.state_dict(), "blocks.0.fc1.weight": torch.zeros(3, 3)}
+    with pytest.raises(RuntimeError, match=r"blocks\.0\.fc1\.weight"):
+        partly.load_state_dict(wrong, strict=False)
 
 
 def _loaded_state_is_a_copy() -> None:
@@ -605,9 +612,11 @@ def _state_of_an_optimizer_that_never_stepped() -> None:
     torchtitan's first save) holds its state with ``step`` 0, full and sharded, and leaves the
     optimizer as it was: AdamW then trains exactly as one never asked (a step count left at 1
     would skip a step of the bias correction), and a fresh AdamW loaded from it too."""
-    def build() -> Tuple[nn.Module, torch.optim.Optimizer]:
+    def build() -> Tuple[nn.Module, torch.optim.Optimizer]:  # two param groups, the second with its own lr
         model = _shard(make_model(), "manual")
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        params = list(model.parameters())
+        return model, torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:], "lr": 2e-2}], lr=1e-2,
+                                        weight_decay=0.1)
 
     untouched, untouched_optim = build()
     expected = _train(untouched, untouched_optim, range(2))
@@ -622,9 +631,22 @@ def _state_of_an_optimizer_that_never_stepped() -> None:
             grads = [n for n, p in m.named_parameters() if p.grad is not None]  # one: a parameter the next
             assert grads == [], (full, what, grads)  # backward does not reach would be stepped)
         for what, (m, o) in (("asked", (model, optim)), ("loaded", (loaded_model, loaded))):
+            assert [g["lr"] for g in o.param_groups] == [1e-2, 2e-2], (full, what, o.param_groups)
             losses = _train(m, o, range(2))
             assert losses == expected, (full, what, losses, expected)
             _assert_state_dicts_equal(get_model_state_dict(m), get_model_state_dict(untouched), f"full={full}, {what}")
+    # asked between a backward and the first step, some parameters without a gradient (unused, or set to None):
+    # the gradients are left exactly as they are (no state is made from them)
+    model, optim = build()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    inputs, targets = _global_batch(0)
+    loss_fn(model(inputs[rank::world_size]), targets[rank::world_size]).backward()
+    first = next(p for p in model.parameters() if p.grad is not None)
+    first.grad = None
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    get_optimizer_state_dict(model, optim)
+    after = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert list(after) == list(grads) and all(torch.equal(after[n], grads[n]) for n in grads), sorted(after)
 
 
 # ---------------------------------------------------------------------------- memory
