@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Protocol, Sequence, Set, Tuple, cast
+from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Protocol, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -575,7 +575,8 @@ def planned_replicate_row(fqn: str, module: nn.Module, world: int, reduce_dtype:
     the count may change when buckets are rebuilt after the first backward, the bytes do not)."""
     params = list(dict.fromkeys(p for p in module.parameters() if p.requires_grad))
     bucket_bytes = sum(p.numel() * (reduce_dtype or p.dtype).itemsize for p in params)
-    buckets, open_bytes = 0, cast(Dict[torch.dtype, int], {})  # one open bucket per parameter dtype
+    buckets = 0
+    open_bytes: Dict[torch.dtype, int] = {}  # one open bucket per parameter dtype
     for p in reversed(params):
         nbytes = open_bytes.pop(p.dtype, 0) + p.numel() * (reduce_dtype or p.dtype).itemsize
         if nbytes >= (_REPLICATE_BUCKET_BYTES if buckets else _REPLICATE_FIRST_BUCKET_BYTES):

@@ -25,9 +25,9 @@ STEPS = 3
 LR = 0.1  # plain SGD: a wrong gradient scale moves the parameters
 
 
-def _shard(model: torch.nn.Module, strategy: ShardingStrategy, device: torch.device) -> None:
+def _shard(model: torch.nn.Module, strategy: ShardingStrategy, device: torch.device, **extra: Any) -> None:
     offload = CPUOffload(offload_params=True)
-    kwargs: Dict[str, Any] = {"strategy": strategy, "cpu_offload": offload}
+    kwargs: Dict[str, Any] = {"strategy": strategy, "cpu_offload": offload, **extra}
     if device.type == "cuda":
         kwargs["device_id"] = device
     for block in model.blocks:
@@ -112,10 +112,7 @@ def _offload_low_precision(device: torch.device) -> None:
     world_size = dist.get_world_size()
     reference = make_model()
     model = clone(reference)
-    mp = MixedPrecision(param_dtype=torch.bfloat16)
-    for block in model.blocks:
-        fully_shard(block, cpu_offload=CPUOffload(offload_params=True), mixed_precision=mp)
-    fully_shard(model, cpu_offload=CPUOffload(offload_params=True), mixed_precision=mp)
+    _shard(model, ShardingStrategy.FULL_SHARD, device, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
     inputs, targets = batch(0, world_size)
     loss_fn(reference(inputs), targets).backward()
     rows, row_targets = _rows(0, device)
