@@ -11,7 +11,7 @@ versions checked (2.6, 2.11, 2.13, unless an entry says otherwise).
   from inside a backward that is still running. No public API says whether the autograd engine
   is executing on this thread; ``torch._C._current_graph_task_id()`` (-1 outside backward,
   present unchanged in 2.6 through 2.13, used by torch's own ``register_multi_grad_hook``) does.
-* ``tensor_version``: the in-place version counter (``Tensor._version``) is the only way to
+* ``tensor_version``, ``versions_sum``: the in-place version counter (``Tensor._version``) is the only way to
   notice that a parameter was edited in place; there is no public accessor (2.6 through 2.13).
 * ``is_compiled_module``: activation checkpointing must recompute a ``module.compile()``-d
   module through its compiled call, since the compiled graph saves other tensors than eager
@@ -165,14 +165,14 @@ from __future__ import annotations
 
 import sys
 from types import FrameType
-from typing import Any, Callable, Dict, Iterator, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 __all__ = ["queue_backward_callback", "set_module_tensor", "is_in_backward", "current_graph_task",
-           "float8_weight_parts", "float8_bytes", "tensor_version", "make_wrapper_tensor",
+           "float8_weight_parts", "float8_bytes", "tensor_version", "versions_sum", "make_wrapper_tensor",
            "is_compiled_module", "plain_torch_function", "as_plain", "FOREACH_NORM", "BATCH_NORM", "tensor_slots",
            "is_view_of", "DCPTensorHooks", "DCP_METADATA_GLOBALS", "GuardedApplyHook", "ALL_GATHER_SINGLE",
            "REDUCE_SCATTER_SINGLE", "FSDP2_MODULE_MARKER", "TORCH_FSDP_PACKAGE", "torch_state_dict_request", "TorchLoad", "torch_state_dict_load", "UNKNOWN_REQUEST", "RunningFunction", "running_functions", "TORCH_STATE_DICT_MODULE", "TO_COPY", "fake_tensor_mode", "is_fake", "without_fake_mode", "TorchDispatchMode", "storage_id", "profiler_enabled"]
@@ -212,6 +212,12 @@ def current_graph_task() -> int:
 def tensor_version(tensor: "torch.Tensor") -> int:
     """The in-place version counter of ``tensor`` (bumped by every in-place op on it)."""
     return int(tensor._version)
+
+
+def versions_sum(tensors: "Iterable[torch.Tensor]") -> int:
+    """The sum of the in-place version counters of ``tensors``: it changes when any of them is
+    edited in place (one pass, no call per tensor: it runs twice per module and step)."""
+    return sum([t._version for t in tensors])
 
 
 def float8_weight_parts(weight: Any) -> Tuple["torch.Tensor", "torch.dtype", Any]:
@@ -479,6 +485,6 @@ def storage_id(tensor: torch.Tensor) -> int:
     return int(tensor.untyped_storage()._cdata)
 
 
-def profiler_enabled() -> bool:
-    """True while a profiler records on this thread (private, see module docstring)."""
-    return bool(torch.autograd._profiler_enabled())
+# True while a profiler records on this thread (private, see module docstring); the C function
+# itself, not a Python function around it: it is asked several times per module and step.
+profiler_enabled: Callable[[], bool] = torch.autograd._profiler_enabled

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Union
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -27,10 +27,11 @@ def local_piece(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def tensors_in(obj: Any, owner: Optional[str]) -> List[torch.Tensor]:
-    """Every tensor inside ``obj``. ``owner`` names the module whose output this is, for the
-    error raised when ``obj`` holds tensors in a container this function cannot traverse; with
-    ``owner=None`` such containers (a key/value cache object among a layer's inputs) are skipped."""
+def tensors_in(obj: Any, owner: Union[str, Callable[[], str], None]) -> List[torch.Tensor]:
+    """Every tensor inside ``obj``. ``owner`` names the module whose output this is (or makes
+    that name, called only when needed), for the error raised when ``obj`` holds tensors in a
+    container this function cannot traverse; with ``owner=None`` such containers (a key/value
+    cache object among a layer's inputs) are skipped."""
     out: List[torch.Tensor] = []
     stack = [obj]
     while stack:
@@ -46,7 +47,7 @@ def tensors_in(obj: Any, owner: Optional[str]) -> List[torch.Tensor]:
         elif owner is not None and isinstance(getattr(item, "__dict__", None), dict) and any(
                 isinstance(v, torch.Tensor) for v in item.__dict__.values()):
             raise TypeError(
-                f"{owner} returned a {type(item).__qualname__} holding tensors, which fully_shard cannot "
+                f"{owner() if callable(owner) else owner} returned a {type(item).__qualname__} holding tensors, which fully_shard cannot "
                 "traverse to run its backward hooks. Return tensors in a tuple, list, dict, namedtuple or "
                 "dataclass instead."
             )

@@ -226,6 +226,10 @@ class _Local(threading.local):
 
 
 _local = _Local()
+# Recorders active in any thread of the process: while none is (training), reporting costs one
+# read of this list, not a thread-local lookup per event (several events per module and step).
+_ACTIVE: List[CollectiveRecorder] = []
+_ACTIVE_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -234,14 +238,21 @@ def record_collectives() -> Iterator[CollectiveRecorder]:
     calling thread) while the context is active."""
     recorder = CollectiveRecorder()
     _local.recorders.append(recorder)
+    with _ACTIVE_LOCK:
+        _ACTIVE.append(recorder)
     try:
         yield recorder
     finally:
         _local.recorders.remove(recorder)
+        with _ACTIVE_LOCK:
+            _ACTIVE.remove(recorder)
 
 
 def trace(name: str, tag: str = "") -> None:
-    """Report a runtime event (a hook firing) to active recorders; free when none are."""
+    """Report a runtime event (a hook firing) to this thread's active recorders; free when no
+    thread records."""
+    if not _ACTIVE:
+        return
     for r in _local.recorders:
         r._add_event(("trace", name, tag))
 
@@ -252,13 +263,23 @@ def trace(name: str, tag: str = "") -> None:
 _GROUP_FACTS: "weakref.WeakKeyDictionary[Any, Tuple[int, str]]" = weakref.WeakKeyDictionary()
 
 
+# The last group asked about, held weakly, and its facts: the runtime asks about the same
+# group for every collective of a step (a WeakKeyDictionary lookup makes a weak reference each time).
+_LAST_FACTS: List[Any] = [None, None]  # [weakref to the group, its facts]
+
+
 def _group_facts(group: Optional[dist.ProcessGroup]) -> Tuple[int, str]:
+    last_ref, last_facts = _LAST_FACTS
+    if group is not None and last_ref is not None and last_ref() is group:
+        return last_facts  # type: ignore[no-any-return]  # (size, backend), set below
     key = group if group is not None else dist.group.WORLD
     facts = _GROUP_FACTS.get(key) if key is not None else None
     if facts is None:
         facts = (dist.get_world_size(group), str(dist.get_backend(group)))
         if key is not None:
             _GROUP_FACTS[key] = facts
+    if group is not None:
+        _LAST_FACTS[:] = [weakref.ref(group), facts]
     return facts
 
 
@@ -271,7 +292,7 @@ def _report(kind: str, nbytes: int, group: Optional[dist.ProcessGroup], tag: str
             input: Optional[torch.Tensor] = None) -> int:
     """Report a collective to the active recorders; returns the group's size."""
     world_size = _group_facts(group)[0]
-    if _local.recorders:
+    if _ACTIVE and _local.recorders:
         rec = CollectiveRecord(kind, nbytes, world_size, tag, weakref.ref(input) if input is not None else None)
         for r in _local.recorders:
             r.records.append(rec)

@@ -113,7 +113,7 @@ from .._base.sharded_reads import stand_in_for
 from .streams import Streams
 from .._base import float8 as _float8
 from .._base.pieces import Piece, as_dtensor, piece_of, shard_groups, take_piece
-from .._base.torch_compat import current_graph_task, has_grad_hooks, is_view_of, set_module_tensor, tensor_version
+from .._base.torch_compat import current_graph_task, has_grad_hooks, is_view_of, set_module_tensor, versions_sum
 
 __all__ = ["FlatParameter", "FlatParamHandle", "HandleTrainingState", "TRANSITIONS", "ParamInfo", "SharedParamInfo", "FlatGroup", "set_grad_of_any_shape",
            "plan_groups", "norm_groups", "compute_dtype_of", "reduce_dtype_of", "take_pending_init_values"]
@@ -725,7 +725,7 @@ class FlatParamHandle:
 
     @staticmethod
     def _version_sum(group: FlatGroup) -> int:
-        return sum(tensor_version(p) for p in group.orig_params)
+        return versions_sum(group.orig_params)
 
     def use_unsharded_views(self, forward: bool = False, fresh: bool = False) -> None:
         """Install full-shape views of the unsharded buffers in the module slots. Pre: every
@@ -1013,7 +1013,12 @@ class FlatParamHandle:
             if keep:
                 view = sharded_grad[s.shard_start:s.shard_start + s.numel]  # type: ignore[index]  # checked
                 source = sources[i]
-                set_grad_of_any_shape(p, as_sharded_grad(view, (), collective_device, source) if source else view)
+                shown = as_sharded_grad(view, (), collective_device, source) if source else view
+                # compared on the plain view: each attribute read of a ShardedGrad runs its __torch_function__
+                if view.shape == p.shape and view.dtype == p.dtype and view.device == p.device:
+                    p.grad = shown
+                else:
+                    set_grad_of_any_shape(p, shown)
             else:
                 p.grad = None
         group.sharded_grad_ref = weakref.ref(sharded_grad) if sharded_grad is not None else None

@@ -136,7 +136,8 @@ def assert_internal(condition: bool, message: str) -> None:
 
 def _root_of(state: _FSDPState) -> _FSDPState:
     root = state.root
-    assert_internal(root is not None, f"{state.describe()} used before lazy init")
+    if root is None:  # the message is built only when it is raised (this runs several times per module and step)
+        assert_internal(False, f"{state.describe()} used before lazy init")
     return root  # type: ignore[return-value]  # checked above
 
 
@@ -486,7 +487,8 @@ def _post_forward(state: _FSDPState, module: nn.Module, args: Tuple[Any, ...], o
     tensors: List[torch.Tensor] = []
     if needs_backward:
         try:
-            tensors = [t for t in tensors_in(output, f"{state.describe()} ({type(module).__name__})") if t.requires_grad]
+            tensors = [t for t in tensors_in(output, lambda: f"{state.describe()} ({type(module).__name__})")
+                       if t.requires_grad]
         except TypeError:
             _abort_forward(state)
             raise

@@ -14,6 +14,8 @@ import torch
 
 __all__ = ["Streams"]
 
+_NO_STREAM = contextlib.nullcontext()  # reusable: what run_on returns off CUDA
+
 
 class Streams:
     """The all-gather and reduce-scatter streams of one tree of fully sharded modules."""
@@ -26,7 +28,7 @@ class Streams:
     def run_on(self, stream: Optional[Any]) -> "contextlib.AbstractContextManager[Any]":
         """Context issuing on ``stream`` after everything the compute stream queued so far."""
         if stream is None:
-            return contextlib.nullcontext()
+            return _NO_STREAM
         stream.wait_stream(torch.cuda.current_stream())
         return torch.cuda.stream(stream)
 

@@ -324,8 +324,16 @@ def _is_dtensor(p: Any) -> bool:
 
 def _on_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     with _hook_running():
+        size = groups_size(optimizer)  # once, not once per watch (one per fully sharded module)
         for watch in list(_step_watches):
-            watch.count(optimizer)
+            watch.count(optimizer, size)
+
+
+def groups_size(optimizer: Optimizer) -> Tuple[int, int]:
+    """``(parameter groups, parameters in them)`` of ``optimizer``: changes when a group or a
+    parameter is added or removed."""
+    groups = optimizer.param_groups
+    return (len(groups), sum([len(g["params"]) for g in groups]))
 
 
 # [Note: Optimizers that need whole tensors]  An optimizer whose update of an element depends on
@@ -464,10 +472,12 @@ class OptimizerSteps:
         _use_hooks(self)
         _step_watches.add(self)
 
-    def count(self, optimizer: Optimizer) -> None:
-        """Called for every optimizer step in the process: count it if it holds our parameters."""
+    def count(self, optimizer: Optimizer, size: Optional[Tuple[int, int]] = None) -> None:
+        """Called for every optimizer step in the process: count it if it holds our parameters.
+        ``size``: :func:`groups_size` of ``optimizer`` if the caller has it."""
         groups = optimizer.param_groups
-        size = (len(groups), sum(len(g["params"]) for g in groups))
+        if size is None:
+            size = groups_size(optimizer)
         cached = self.holds.get(optimizer)
         if cached is None or cached[0] != size:
             cached = (size, any(id(p) in self.param_ids for g in groups for p in g["params"]))
