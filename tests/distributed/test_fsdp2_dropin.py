@@ -77,6 +77,32 @@ class Decoder(nn.Module):
         self.rope.cache.copy_(torch.arange(SEQ, dtype=torch.float32) / SEQ)
 
 
+class _NormedOutput(nn.Linear):
+    """An output layer that applies the decoder's final norm itself, calling it (held in a list:
+    the decoder owns it, it is no submodule of this layer) inside its own forward."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__(WIDTH, VOCAB, bias=False)
+        self._norm = [norm]
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return super().forward(self._norm[0](h))
+
+
+class NormInOutput(Decoder):
+    """The Decoder whose output layer applies its norm: ``norm`` runs inside ``output``'s forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.output = _NormedOutput(self.norm)
+
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.rope(self.tok_embeddings(tokens))
+        for layer in self.layers:
+            h = layer(h)
+        return h
+
+
 def _build(seed: int = 0) -> Decoder:
     torch.manual_seed(seed)
     return Decoder()
@@ -276,6 +302,30 @@ def _bf16_mp_policy() -> None:
         assert torch.equal(a, e), (name, (a - e).abs().max().item(), e.abs().max().item())
 
 
+def _member_inside_member() -> None:
+    """torchtitan's ``[norm, output]`` group where the output layer calls the norm inside its own
+    forward: the group's post-forward runs once, after the outer member's forward (as FSDP2's group
+    hooks run it after the last member's), the inner member only casting its inputs; forward and
+    backward run and, for two steps, the gradients equal one process's on the combined batch.
+    Running the full post-forward at the inner member's end left the handle idle mid-forward, and
+    the outer one's post-forward raised an illegal transition."""
+    model, reference = _build_norm_in_output(), _build_norm_in_output()
+    fully_shard([model.norm, model.output])
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    for step in range(2):
+        _loss(model, _mine(_tokens(step))).backward()
+        assert_params_close(full_grads(model), _reference_grads(reference, step), atol=1e-5,
+                            what=f"norm called inside output, step {step}")
+        model.zero_grad()
+
+
+def _build_norm_in_output() -> NormInOutput:
+    torch.manual_seed(0)
+    return NormInOutput()
+
+
 # ---------------------------------------------------------------------------- the methods
 def _reshard_after_forward() -> None:
     """``reshard_after_forward=False`` and ``set_reshard_after_forward(False)`` keep a block's
@@ -416,7 +466,7 @@ def _cases(names: List[str]) -> None:
         "surface": _surface, "torchtitan_recipe": _torchtitan_recipe, "chunked_loss": _chunked_loss,
         "bf16": _bf16_mp_policy, "reshard_after_forward": _reshard_after_forward, "prefetch": _prefetch_chosen,
         "unshard_async": _unshard_async, "hsdp": _hsdp_all_reduce_refused, "meta": _meta_to_empty_init,
-        "pipelining": _pipelining_refused}
+        "pipelining": _pipelining_refused, "member_inside_member": _member_inside_member}
     run_subtests(lambda case: cases[case](), {"case": names})
 
 
@@ -424,7 +474,7 @@ def _cases(names: List[str]) -> None:
 def test_fsdp2_dropin(world_size: int) -> None:
     """torchtitan's FSDP2 calls on our fully_shard give FSDP2's and one process's numbers."""
     names = ["surface", "torchtitan_recipe", "chunked_loss", "bf16", "reshard_after_forward", "prefetch",
-             "unshard_async", "hsdp", "meta", "pipelining"]
+             "unshard_async", "hsdp", "meta", "pipelining", "member_inside_member"]
     if world_size == 4:
         names = ["torchtitan_recipe", "chunked_loss", "meta"]
     run_distributed(_cases, world_size, names, timeout=240)

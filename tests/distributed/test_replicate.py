@@ -378,27 +378,76 @@ def _no_sync_subtest(set_to_none: bool, how: str) -> None:
     _assert_params(ours, local, 1e-5, "after two accumulation cycles")
 
 
-def _unsynced_use_subtest(first_use: str) -> None:
+def _net_with_branch() -> Net:
+    torch.manual_seed(0)
+    return Net(with_branch=True)
+
+
+def _unsynced_use_subtest(first_use: str, unfreeze_mid: bool) -> None:
     """The branch gets gradients only in the first of 3 unsynced micro-batches (on rank 0 only,
     or on every rank) and in none after, the synced one included: its accumulated gradient is
     still averaged over the ranks at the synced backward, as DDP (find_unused_parameters) and
     local training give, not left as each rank's own sum (rank 0's gradient on rank 0, None on
-    the others)."""
+    the others). ``unfreeze_mid``: ``mid`` is frozen when replicate runs and unfrozen after the
+    first micro-batch, so the next forward adopts it between the unsynced backwards (the
+    buckets planned again): the branch's use in the first micro-batch must survive the re-plan
+    (compared with local training only: torch's DDP never averages a parameter unfrozen after
+    it was built)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    ours, ddp, local = _three_models(True, bucket_cap_mb=SMALL_CAP_MB)
+    ours: nn.Module
+    local: nn.Module
+    ddp: Optional[DDP]
+    if unfreeze_mid:
+        ours, local = _net_with_branch(), _net_with_branch()
+        for model in (ours, local):
+            model.mid.requires_grad_(False)
+        ddp = None
+        replicate(ours, bucket_cap_mb=SMALL_CAP_MB)
+    else:
+        ours, ddp, local = _three_models(True, bucket_cap_mb=SMALL_CAP_MB)
     uses = [[r == 0 if first_use == "rank0" else True for r in range(world_size)]] + [[False] * world_size] * 3
     _replicated(ours).set_requires_gradient_sync(False)
     for micro, use in enumerate(uses):
         if micro == len(uses) - 1:
             _replicated(ours).set_requires_gradient_sync(True)
+        if micro == 1 and unfreeze_mid:
+            for unfrozen in (ours, local):
+                unfrozen.mid.requires_grad_(True)
         x, y = _batch(20 + micro, rank)
         _loss(ours, x, y, use[rank]).backward()
-        with contextlib.nullcontext() if micro == len(uses) - 1 else ddp.no_sync():
-            _loss(ddp, x, y, use[rank]).backward()
+        if ddp is not None:
+            with contextlib.nullcontext() if micro == len(uses) - 1 else ddp.no_sync():
+                _loss(ddp, x, y, use[rank]).backward()
         (sum(_loss(local, *_batch(20 + micro, r), use[r]) for r in range(world_size)) / world_size).backward()  # type: ignore[operator]
-    assert ours.branch.weight.grad is not None, "the branch's accumulated gradient was dropped"
-    _assert_grads(ours, ddp.module, 1e-6, f"branch used in unsynced micro-batches only ({first_use}) vs DDP")
-    _assert_grads(ours, local, 1e-5, f"branch used in unsynced micro-batches only ({first_use}) vs local")
+    what = f"branch used in unsynced micro-batches only ({first_use}{', mid unfrozen after the first' if unfreeze_mid else ''})"
+    assert ours.branch.weight.grad is not None, f"{what}: the branch's accumulated gradient was dropped"
+    if ddp is not None:
+        _assert_grads(ours, ddp.module, 1e-6, f"{what} vs DDP")
+    else:
+        assert _state(ours).param_names == [n for n, _ in ours.named_parameters()], _state(ours).param_names
+    _assert_grads(ours, local, 1e-5, f"{what} vs local")
+
+
+def _synced_accumulation_check() -> None:
+    """Gradients accumulated over synced backwards (no ``no_sync``, no ``zero_grad`` between
+    them, which DDP allows): the branch is used in the first micro-batch only and unused on
+    every rank in the two after, so its ``.grad`` stays the first one's average while the other
+    parameters sum all three averages, as DDP (find_unused_parameters) and local training give.
+    The second micro-batch is the first after the bucket rebuild and leaves the branch's slots
+    unfilled; each backward must count its own ready slots: a bucket still counting the second
+    one's looked full early in the third and was all-reduced before the earlier layers'
+    gradients were in it (they were left each rank's own, scaled by 1/W) and with the branch's
+    slots as they were (its averaged gradient summed over the ranks: W times it)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    ours, ddp, local = _three_models(True)
+    for micro, use in enumerate([True, False, False]):
+        x, y = _batch(30 + micro, rank)
+        for model in (ours, ddp):
+            _loss(model, x, y, use).backward()
+        (sum(_loss(local, *_batch(30 + micro, r), use) for r in range(world_size)) / world_size).backward()  # type: ignore[operator, union-attr]
+        what = f"synced micro-batch {micro}, branch used only in the first"
+        _assert_grads(ours, ddp.module, 1e-6, f"{what} vs DDP")
+        _assert_grads(ours, local, 1e-5, f"{what} vs local")
 
 
 def _buffers_broadcast_check() -> None:
@@ -488,11 +537,13 @@ def _unsynced(model: nn.Module) -> Any:
 
 def _overlap_check() -> None:
     """Buckets are all-reduced while backward still runs: with one bucket per layer, the
-    later layers' all-reduces are issued before the first layer's backward starts."""
+    later layers' all-reduces are issued before the first layer's backward starts, in every
+    step (a bucket still counting the slots an earlier backward filled would never look full
+    again and wait for the end of backward from the third step on)."""
     torch.manual_seed(0)
     model = replicate(nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)]), bucket_cap_mb=(32 * 32 + 32) * 4 / 2**20)
     model[0].register_full_backward_pre_hook(lambda module, grad_output: _collectives.trace("layer0_backward"))
-    for step in range(2):  # before and after the bucket rebuild
+    for step in range(3):  # before and after the bucket rebuild, and once more (each backward counts its own ready slots)
         with _collectives.record_collectives() as rec:
             model(torch.randn(2, 32, requires_grad=True)).sum().backward()
         events = rec.events
@@ -531,7 +582,8 @@ def _rebuild_and_bytes_check() -> None:
 
 def _rank_no_sync_overlap_rebuild() -> None:
     run_subtests(_no_sync_subtest, {"set_to_none": [True, False], "how": ["flag", "no_sync"]})
-    run_subtests(_unsynced_use_subtest, {"first_use": ["rank0", "all"]})
+    run_subtests(_unsynced_use_subtest, {"first_use": ["rank0", "all"], "unfreeze_mid": [False, True]})
+    _synced_accumulation_check()
     _buffers_broadcast_check()
     _buffers_follow_rank0_as_ddp()
     _buffers_follow_rank0_as_ddp(ignore_second=True)
@@ -541,11 +593,13 @@ def _rank_no_sync_overlap_rebuild() -> None:
 
 def test_no_sync_overlap_and_bucket_rebuild() -> None:
     """set_requires_gradient_sync(False) communicates nothing and the synced backward averages
-    the accumulated sum (also of a parameter used only in unsynced micro-batches); buffers are
-    rank 0's after init; all-reduces start during backward; buckets are rebuilt once and move
-    the bytes computed by hand. Without it, a no_sync that still communicates, a parameter used
-    only unsynced left unreduced, buffers left as each rank made them, reductions serialised at
-    the end of backward, or a rebuild every step would pass."""
+    the accumulated sum (also of a parameter used only in unsynced micro-batches, before a
+    parameter unfrozen between them was adopted too); gradients accumulated over synced
+    backwards keep an unused parameter's; buffers are rank 0's after init; all-reduces start
+    during backward, every step; buckets are rebuilt once and move the bytes computed by hand.
+    Without it, a no_sync that still communicates, a parameter used only unsynced left
+    unreduced, buffers left as each rank made them, reductions serialised at the end of
+    backward, or a rebuild every step would pass."""
     run_distributed(_rank_no_sync_overlap_rebuild, 2)
 
 

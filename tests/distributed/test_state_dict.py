@@ -792,6 +792,26 @@ def _optimizer_state(optim: torch.optim.Optimizer) -> List[Dict[str, torch.Tenso
             for group in optim.param_groups for p in group["params"]]
 
 
+def _assert_sliced_state_untouched(optim: torch.optim.Optimizer, loaded: Dict[str, Any], saved: Dict[str, Any],
+                                   what: str) -> None:
+    """Every tensor of an ``optimizer.state_dict()`` ``loaded`` into ``optim`` earlier that the
+    load cut this rank's slice from (its shape is not the parameter's here) equals the same file
+    ``saved`` read again; at least one was. (One whose shape is the parameter's, as a whole
+    parameter this rank holds entirely, is taken as it is: torch's loader keeps the caller's
+    tensor, and so does the library's, so training updates it in the caller's dict.)"""
+    params = [p for group in optim.param_groups for p in group["params"]]
+    assert sorted(loaded["state"]) == sorted(saved["state"]), what
+    sliced = 0
+    for key, entries in saved["state"].items():
+        for name, value in entries.items():
+            if value.dim() == 0 or tuple(value.shape) == tuple(params[key].shape):
+                continue
+            sliced += 1
+            assert torch.equal(loaded["state"][key][name], value), \
+                f"{what}: state[{key!r}][{name!r}] of the dict passed to optimizer.load_state_dict changed"
+    assert sliced, f"{what}: no state was cut to this rank's slice"
+
+
 def _train_whole(model: nn.Module, optim: torch.optim.Optimizer, steps: range) -> List[float]:
     """:func:`_train` on the whole global batch, in this process alone."""
     losses = []
@@ -816,7 +836,11 @@ def _one_ranks_optimizer_file(layout: str, when: str, path: str) -> None:
     the parameters stay as they were; so does rank 0's file loaded into a one-rank model (W=2
     saved, W=1 loaded). Before, every rank trained on with rank 0's moments (silently, where
     the slices have equal shapes). State whose every value is a whole parameter loads on any
-    rank: NO_SHARD's, a one-rank model's (flat) and a plain model's (W=1 saved, W loaded)."""
+    rank: NO_SHARD's, a one-rank model's (flat) and a plain model's (W=1 saved, W loaded); the
+    steps after leave the one-rank and the plain model's state dicts as they were loaded where
+    the load cut this rank's slice (a copy, not a view of the caller's tensor that the optimizer
+    would update in place: the dict passed in changing as training goes on, two optimizers
+    loaded from one dict sharing moments)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     directory = os.path.join(path, f"{layout}-{when}")
     os.makedirs(directory, exist_ok=True)
@@ -871,6 +895,8 @@ def _one_ranks_optimizer_file(layout: str, when: str, path: str) -> None:
                                    else 1e-6, rtol=0, msg=lambda m: f"{layout}/{when}, {source}: {m}")
         steps = {float(entries["step"]) for entries in loaded["state"].values()}
         assert steps == {2.0}, f"{source}: the loaded state dict's step counted the resumed steps: {steps}"
+        if source in ("plain", "alone"):  # whole parameters: each rank's slice of them is the optimizer's own copy
+            _assert_sliced_state_untouched(optim, loaded, torch.load(file(source)), f"{layout}/{when}, {source} after 3 steps")
     if layout == "FULL_SHARD":  # the library's FQN-keyed loader given torch's layout: told which loader takes it
         model, optim = resumed()
         state = _optimizer_state(optim)
