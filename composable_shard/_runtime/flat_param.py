@@ -45,7 +45,8 @@ the flat buffer, and a non-reentrant one saves the same tensors as the original 
   both). What ``.grad`` held before is kept aside (``grads_before_views``). The next
   backward of the group first folds the views back (:meth:`FlatParamHandle.take_unsharded_grad`):
   a view the user left in place (possibly scaled in place) stays in the sum, ``None`` drops
-  that parameter's sum (``zero_grad()``), another tensor replaces it; then ``.grad`` is what
+  that parameter's sum (``zero_grad()``), another tensor replaces it (where parameters are whole;
+  refused on a real shard: [Note: A tensor of the user's in place of an unsynced sum]); then ``.grad`` is what
   it was before the views, so the synced path above adds it.
 
 [Note: CPU offload]  ``CPUOffload(offload_params=True)``: each shard (``flat_param``) lives on the
@@ -939,6 +940,8 @@ class FlatParamHandle:
         before the views."""
         if not any(v is not None for v in group.unsynced_views):
             return
+        if kept is not None:
+            self._refuse_replaced_sums(group)
         pieces = torch.split(kept, group.split_sizes) if kept is not None else None
         for i, (p, shape) in enumerate(zip(group.orig_params, group.flat_param._shapes)):
             shown = group.unsynced_views[i]
@@ -950,11 +953,40 @@ class FlatParamHandle:
                 if pieces is not None:
                     if current is None:
                         pieces[i].zero_()
-                    else:
-                        pieces[i].view(shape).copy_(current)
+                    else:  # a whole parameter's gradient (see _refuse_replaced_sums), flattened or not
+                        pieces[i].view(shape).copy_(current.reshape(shape))
             p.grad = before
         group.unsynced_views = [None] * len(group.orig_params)
         group.grads_before_views = [None] * len(group.orig_params)
+
+    def _refuse_replaced_sums(self, group: FlatGroup) -> None:
+        """[Note: A tensor of the user's in place of an unsynced sum]  Between unsynced backwards
+        ``.grad`` shows this rank's full-shape local sum, and a tensor the user puts in its place
+        replaces that sum (as it would locally). Autograd's setter only takes a tensor of the
+        parameter's own shape: on a group whose parameters are whole on every rank (NO_SHARD, a
+        shard group of one rank) that is the whole parameter flattened, and it is taken; on a real
+        shard it is this rank's slice, which cannot hold the sum, so the next backward raises
+        here, before the group's sum is touched, naming the parameters. The decision reads only
+        what every rank has alike (the same user code replaced the same views; the shard group's
+        size), never a shape: a parameter one rank happens to hold whole must not take another
+        path there than on the ranks holding part of it (they would raise and that rank would
+        wait for them in the reduction)."""
+        fp = group.flat_param
+        replaced = [fqn for p, shown, fqn, numel in zip(group.orig_params, group.unsynced_views, fp._fqns, fp._numels)
+                    if shown is not None and p.grad is not None and p.grad is not shown
+                    and (self.world_size > 1 or p.grad.numel() != numel)]
+        if not replaced:
+            return
+        names = [f"{self.fqn}.{f}" if self.fqn else f for f in replaced]
+        shown_names = f"{names[:3]}{' and others' if len(names) > 3 else ''}"
+        raise RuntimeError(
+            f"composable_shard: the .grad of {shown_names} (fully_shard({self.fqn or '<root>'})) was replaced by a "
+            "tensor of your own between backwards with gradient sync off. There .grad shows this rank's full-shape "
+            "local gradient sum, which replacing it would replace, but autograd only lets a tensor of the sharded "
+            "parameter's shape (this rank's slice) be assigned, and a slice cannot hold that sum. This backward is "
+            "stopped and the gradients accumulated since the last synced backward are dropped at the next forward. "
+            "To drop the sum set .grad to None (optimizer.zero_grad()); to change it, change .grad in place "
+            "(p.grad.mul_(0.5), p.grad.zero_(), p.grad.copy_(t)).")
 
     def accumulate_sharded_grad(self, group: FlatGroup, reduced: torch.Tensor) -> None:
         """Make ``reduced`` (this rank's averaged shard, any dtype) the group's gradient, plus

@@ -733,8 +733,10 @@ def _unsynced_grads_visible(strategy: ShardingStrategy, user_action: str) -> Non
     gradient sum (a view of the kept unreduced gradient, as torch FSDP with use_orig_params
     gives), equal to a local model's after the same micro-batches on this rank's rows; a
     frozen parameter keeps None. What the user does to those views counts, as it would locally:
-    scaled in place, or zero_grad() mid-accumulation. The synced backward then gives sharded
-    views again, equal to the local sum over all ranks' rows."""
+    scaled in place, zero_grad() mid-accumulation, or a tensor assigned in place of the sum
+    (taken where parameters are whole: NO_SHARD; refused on a real shard, see
+    ``_replaced_sum_refused``). The synced backward then gives sharded views again, equal to the
+    local sum over all ranks' rows."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     local, everyone = make_model(), make_model()
     model = make_model()
@@ -768,6 +770,14 @@ def _unsynced_grads_visible(strategy: ShardingStrategy, user_action: str) -> Non
         if step == 1 and user_action == "zero_grad":
             for m in (model, local, everyone):
                 m.zero_grad()
+        if step == 1 and user_action == "assign":  # a tensor of the user's in place of each sum
+            for m in (model, local, everyone):  # everyone: every rank's sum replaced alike, so their average is it
+                for q in m.parameters():
+                    if q.grad is not None:
+                        q.grad = torch.full_like(q, 0.25)
+            if strategy is not ShardingStrategy.NO_SHARD:  # a slice cannot hold the sum: refused, on every rank
+                _replaced_sum_refused(model, strategy)
+                return
     model.set_requires_gradient_sync(True)
     inputs, targets = batch(3, world_size)
     loss_fn(model(local_rows(inputs, rank)), local_rows(targets, rank)).backward()
@@ -779,6 +789,31 @@ def _unsynced_grads_visible(strategy: ShardingStrategy, user_action: str) -> Non
         grads = [(n, p.grad.clone()) for n, p in model.named_parameters() if p.grad is not None]
     expected = [(n, p.grad) for n, p in everyone.named_parameters() if p.grad is not None]
     assert_params_close(grads, expected, what=f"[{strategy.name}/{user_action}] synced after unsynced")
+
+
+def _replaced_sum_refused(model: nn.Module, strategy: ShardingStrategy) -> None:
+    """The backward after ``.grad`` was replaced by a tensor of the parameter's (sharded) shape
+    between unsynced backwards raises on every rank, naming a parameter and what to do, also on
+    a rank that holds a replaced 1-D parameter whole (where the tensor happens to have the full
+    shape: taking it there would leave that rank in the reduction the others never reach); the
+    next synced step then gives exactly the average of its own rows' gradients (the unsynced sums
+    dropped, nothing left in flight)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    inputs, targets = batch(2, world_size)
+    with pytest.raises(RuntimeError, match=r"was replaced by a tensor of your own between backwards with gradient "
+                                           r"sync off.*\.grad to None"):
+        loss_fn(model(local_rows(inputs, rank)), local_rows(targets, rank)).backward()
+    model.zero_grad(set_to_none=True)
+    model.set_requires_gradient_sync(True)
+    fresh = make_model()  # no optimizer stepped: the same parameters
+    inputs, targets = batch(3, world_size)
+    loss_fn(model(local_rows(inputs, rank)), local_rows(targets, rank)).backward()
+    for r in range(world_size):
+        (loss_fn(fresh(local_rows(inputs, r)), local_rows(targets, r)) / world_size).backward()
+    with unshard_params(model, with_grads=True):
+        grads = [(n, p.grad.clone()) for n, p in model.named_parameters() if p.grad is not None]
+    expected = [(n, p.grad) for n, p in fresh.named_parameters() if p.grad is not None]
+    assert_params_close(grads, expected, what=f"[{strategy.name}] the synced step after a refused replacement")
 
 
 def _earlier_grads_through_unsynced(action: str) -> None:
@@ -817,7 +852,8 @@ def _unsynced_grid() -> None:
     strategies = [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD]
     if dist.get_world_size() == 4:  # what 4 ranks add: a real (2 x 2) hybrid mesh; 2 ranks run the others
         strategies = [ShardingStrategy.HYBRID_SHARD]
-    run_subtests(_unsynced_grads_visible, {"strategy": strategies, "user_action": ["none", "scale", "zero_grad"]})
+    run_subtests(_unsynced_grads_visible, {"strategy": strategies,
+                                           "user_action": ["none", "scale", "zero_grad", "assign"]})
     if dist.get_world_size() == 2:
         run_subtests(_earlier_grads_through_unsynced, {"action": ["kept", "zero_grad"]})
 
