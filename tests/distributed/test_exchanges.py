@@ -140,7 +140,58 @@ def _exchanges_in_flight_pair_by_kind_and_handle() -> None:
     dist.barrier()
 
 
+def _gather_and_scatter_on_three_ranks() -> None:
+    """At 4 ranks, over a subgroup of three in an order of its own ([3, 0, 2]; rank 1 outside):
+    gloo's all-gather lands every member's shard in group-rank order, and the reduce-scatter,
+    which with more than one peer runs as an all-reduce of the input (see [Note: Collectives on
+    gloo]), leaves each member the sum over all three of its chunk. An odd group size is what
+    users run on 3 or 6 GPUs, and the only one where one peer and "more than one" differ by one;
+    pairing with one peer there left ranks without a member's share, and one of them waiting."""
+    rank = dist.get_rank()
+    members = [3, 0, 2]
+    group = dist.new_group(members)  # every rank creates it, as torch requires
+    if rank in members:
+        grank, size, n = dist.get_rank(group), len(members), 5
+        shard = torch.arange(n, dtype=torch.float32) * (grank + 2) + 1000 * grank
+        gathered = torch.full((n * size,), float("nan"))
+        collectives.all_gather_into(gathered, shard, group, tag="three gather", match=1).wait()
+        expected = torch.cat([torch.arange(n, dtype=torch.float32) * (r + 2) + 1000 * r for r in range(size)])
+        assert torch.equal(gathered, expected), (rank, gathered, expected)
+        full = torch.arange(n * size, dtype=torch.float32) * (grank + 1) - 50 * grank
+        out = torch.full((n,), float("nan"))
+        collectives.reduce_scatter_into(out, full, group, tag="three scatter", match=1).wait()
+        want = sum(torch.arange(n * size, dtype=torch.float32) * (r + 1) - 50 * r for r in range(size))
+        assert torch.equal(out, want[grank * n:(grank + 1) * n]), (rank, out, want)  # type: ignore[index]
+    dist.barrier()
+
+
+def _recorders_nest() -> None:
+    """A recorder opened inside another leaves the outer one recording when it closes: the outer
+    one sees the collectives and events before, inside and after the inner one, the inner one only
+    its own (tests count collectives and bytes with nested recorders: an outer recorder gone deaf
+    would let a test pass on whatever happened after)."""
+    value = torch.ones(3)
+    with record_collectives() as outer:
+        collectives.all_reduce(value, None, tag="before").wait()
+        with record_collectives() as inner:
+            collectives.all_reduce(value, None, tag="inside").wait()
+            collectives.trace("event inside")
+        collectives.all_reduce(value, None, tag="after").wait()
+        collectives.trace("event after")
+    assert [r.tag for r in inner.records] == ["inside"], inner.records
+    assert [r.tag for r in outer.records] == ["before", "inside", "after"], outer.records
+    assert [e for e in outer.events if e[0] == "trace"] == [("trace", "event inside", ""), ("trace", "event after", "")], \
+        outer.events
+    with record_collectives() as later:  # and after both closed, a new one records from nothing
+        collectives.all_reduce(value, None, tag="later").wait()
+    assert [r.tag for r in later.records] == ["later"], later.records
+    assert torch.equal(value, torch.full((3,), float(dist.get_world_size() ** 4))), value
+
+
 def _all() -> None:
+    _recorders_nest()
+    if dist.get_world_size() == 4:
+        _gather_and_scatter_on_three_ranks()
     _exchanges_in_flight_pair_by_kind_and_handle()
     _exchanges_return_every_ranks_values()
     _ranks_in_different_exchanges_raise_on_every_rank()

@@ -185,11 +185,43 @@ def _stale_case(case: Tuple[ShardingStrategy, str, bool]) -> None:
     _eval_forward_then_step(*case)
 
 
+def _uneven_in_place_edits() -> None:
+    """SHARD_GRAD_OP keeps blocks.0's unsharded buffer from a grad-mode forward to the next, and
+    in between its parameters are edited in place a different number of times each (the user's
+    own updates, ``torch.no_grad()``): the next forward computes on the edited values, whatever
+    the counts. The counts here are the ones a check over the set of distinct version counters
+    (rather than all of them) would miss: every parameter first brought to the same version M,
+    one edited once before the buffer is gathered (versions {M, M + 1}), then each brought to
+    2M + 1 (versions {2M + 1}: distinct values summing as before)."""
+    rank = dist.get_rank()
+    model = _shard(make_model(), strategy=ShardingStrategy.SHARD_GRAD_OP)
+    inputs = local_rows(batch(0, dist.get_world_size())[0], rank)
+    model(inputs).sum().backward()
+    params = list(model.blocks[0].parameters())
+    with torch.no_grad():
+        level = max(p._version for p in params)
+        for p in params:
+            while p._version < level:
+                p.add_(0.0)  # a version, no value
+        params[0].mul_(0.9)
+    model(inputs).sum()  # grad on, no backward: gathered now and kept
+    with torch.no_grad():
+        for i, p in enumerate(params):
+            for _ in range(level if i == 0 else level + 1):
+                p.add_(0.01 * (i + 1))
+        assert len({p._version for p in params}) == 1, [p._version for p in params]
+        after_edits = model(inputs)
+        from_scratch = model(inputs)  # the no-grad forward before freed every buffer: gathered anew
+    assert torch.equal(after_edits, from_scratch), \
+        f"a forward after uneven in-place edits computed on a stale buffer: {(after_edits - from_scratch).abs().max()}"
+
+
 def test_updates_are_visible_after_a_forward_without_backward() -> None:
     """Eval forward with grad on, then optimizer.step() (foreach, fused) or an in-place edit,
     under every strategy, fp32 and bf16 (``_stale_cases``): the next forward computes on the
     updated shards (SHARD_GRAD_OP used to keep the stale unsharded buffer; fused optimizers
-    bump no version counter)."""
+    bump no version counter); also after in-place edits a different number of times per
+    parameter (``_uneven_in_place_edits``)."""
     run_distributed(_all_world_sizes_entry, 2, "stale", timeout=240)
 
 
@@ -590,6 +622,10 @@ def _model_changed_after_fully_shard(change: str, before_first_forward: bool = F
     elif change == "container added":  # the parameters one level down (an adapter as nn.Sequential)
         model.blocks[0].adapter = nn.Sequential(nn.Linear(6, 6))
         expected = "fully_shard(blocks.0): submodule 'blocks.0.adapter' with parameters ['0.weight', '0.bias']"
+    elif change == "parameter on an added container":  # added empty, then given a parameter of its own
+        model.blocks[0].adapter = nn.Sequential()
+        model.blocks[0].adapter.register_parameter("gate", nn.Parameter(torch.ones(6)))
+        expected = "fully_shard(blocks.0): parameter 'blocks.0.adapter.gate' was registered"
     elif change == "submodule cast":  # a plain submodule: FSDPModule._apply does not see it
         model.blocks[0].fc1.half()
         expected = "['blocks.0.fc1.weight', 'blocks.0.fc1.bias'] of fully_shard(blocks.0) no longer share storage"
@@ -745,7 +781,7 @@ def _groups_released_when_destroyed() -> None:
 _GRIDS: Dict[str, Callable[[], None]] = {
     "failed_backward": lambda: (run_subtests(_failed_backward, {"strategy": _STRATEGIES}),
                                 run_subtests(_failed_backward, {"strategy": _STRATEGIES[:2]}, after_unsynced=True)),
-    "stale": lambda: run_subtests(_stale_case, {"case": _stale_cases()}),
+    "stale": lambda: (run_subtests(_stale_case, {"case": _stale_cases()}), _uneven_in_place_edits()),
     "freeze": lambda: run_subtests(_freeze_unfreeze, {"strategy": _STRATEGIES}),
     "unused": lambda: (_unit_used_only_unsynced(), _unit_used_only_unsynced(heads_sharded=False),
                        run_subtests(_unused_parameters, {"strategy": _STRATEGIES, "sometimes_on": ["all", "none", "rank0"]}),
@@ -756,7 +792,8 @@ _GRIDS: Dict[str, Callable[[], None]] = {
     "unshard": lambda: run_subtests(_unshard_params_when_idle, {"situation": [
         "after eval forward", "after failed forward", "after failed backward"]}),
     "changes": lambda: (run_subtests(_model_changed_after_fully_shard, {"change": [
-        "parameter reassigned", "submodule added", "container added", "wrapped", "submodule cast", "data assigned",
+        "parameter reassigned", "submodule added", "container added", "parameter on an added container", "wrapped",
+        "submodule cast", "data assigned",
         "vector_to_parameters"]}), run_subtests(_model_changed_after_fully_shard, {"change": [
             "parameter reassigned", "submodule added", "data assigned"]}, before_first_forward=True)),
     "casts": lambda: run_subtests(_cast_or_move_after_fully_shard, {"call": [
@@ -824,7 +861,8 @@ def _hooks_on_parameters(kind: str) -> None:
 def test_changes_after_fully_shard_are_refused() -> None:
     """At 2 ranks, in one process group (each failure names its case):
 
-    changes: a parameter reassigned, or a submodule with parameters added, after fully_shard
+    changes: a parameter reassigned, or a submodule with parameters added (or added empty and
+    given a parameter afterwards), after fully_shard
     (after a step, or before the first forward) would be silently left out of training, and so
     would a parameter whose ``.data`` was
     replaced (a plain submodule cast with ``.half()``, ``p.data = ...``, torch's
