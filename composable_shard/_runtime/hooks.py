@@ -773,7 +773,11 @@ def reduce_accumulated(root: _FSDPState) -> None:
                            "backward.")
     if root.ctx.final_callback_queued:
         recover_interrupted_backward(root)
-    _reduce_leftover_unsynced(root)
+    try:
+        _reduce_leftover_unsynced(root)
+    except BaseException:  # every rank raises at the same group (a refused .grad): drop what was issued before it
+        recover_interrupted_backward(root)
+        raise
     finish_reductions(root)
     steps_disagree = attach_reduced_grads(root)
     _reset_after_backward(root)

@@ -10,14 +10,14 @@ from __future__ import annotations
 import collections
 import math
 import warnings
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple, cast
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from composable_shard import BackwardPrefetch, ShardingStrategy, clip_grad_norm_, fully_shard, unshard_params
+from composable_shard import BackwardPrefetch, FSDPModule, ShardingStrategy, clip_grad_norm_, fully_shard, unshard_params
 from composable_shard._runtime.collectives import record_collectives
 from composable_shard._runtime.traversal import _get_fsdp_handles
 from tests._harness import run_distributed, run_subtests
@@ -771,13 +771,17 @@ def _unsynced_grads_visible(strategy: ShardingStrategy, user_action: str) -> Non
             for m in (model, local, everyone):
                 m.zero_grad()
         if step == 1 and user_action == "assign":  # a tensor of the user's in place of each sum
+            if strategy is not ShardingStrategy.NO_SHARD:  # a slice cannot hold the sum: refused, on every rank
+                for q in (model.blocks[1].parameters() if strategy is ShardingStrategy.FULL_SHARD  # later handles
+                          else model.parameters()):
+                    if q.grad is not None:
+                        q.grad = torch.full_like(q, 0.25)
+                _replaced_sum_refused(model, strategy)
+                return
             for m in (model, local, everyone):  # everyone: every rank's sum replaced alike, so their average is it
                 for q in m.parameters():
                     if q.grad is not None:
                         q.grad = torch.full_like(q, 0.25)
-            if strategy is not ShardingStrategy.NO_SHARD:  # a slice cannot hold the sum: refused, on every rank
-                _replaced_sum_refused(model, strategy)
-                return
     model.set_requires_gradient_sync(True)
     inputs, targets = batch(3, world_size)
     loss_fn(model(local_rows(inputs, rank)), local_rows(targets, rank)).backward()
@@ -795,14 +799,21 @@ def _replaced_sum_refused(model: nn.Module, strategy: ShardingStrategy) -> None:
     """The backward after ``.grad`` was replaced by a tensor of the parameter's (sharded) shape
     between unsynced backwards raises on every rank, naming a parameter and what to do, also on
     a rank that holds a replaced 1-D parameter whole (where the tensor happens to have the full
-    shape: taking it there would leave that rank in the reduction the others never reach); the
+    shape: taking it there would leave that rank in the reduction the others never reach); so
+    does ``reduce_accumulated_gradients()`` (FULL_SHARD, blocks.1's sums replaced: the handles before
+    it in order have their reductions issued by then; what a pipelining schedule calls). The
     next synced step then gives exactly the average of its own rows' gradients (the unsynced sums
-    dropped, nothing left in flight)."""
+    dropped, nothing left in flight: a reduction issued before the refused group and finished at
+    the next backward would add itself to that step's gradients)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     inputs, targets = batch(2, world_size)
-    with pytest.raises(RuntimeError, match=r"was replaced by a tensor of your own between backwards with gradient "
-                                           r"sync off.*\.grad to None"):
-        loss_fn(model(local_rows(inputs, rank)), local_rows(targets, rank)).backward()
+    refused = r"was replaced by a tensor of your own between backwards with gradient sync off.*\.grad to None"
+    if strategy is ShardingStrategy.FULL_SHARD:
+        with pytest.raises(RuntimeError, match=refused):
+            cast(FSDPModule, model).reduce_accumulated_gradients()
+    else:
+        with pytest.raises(RuntimeError, match=refused):
+            loss_fn(model(local_rows(inputs, rank)), local_rows(targets, rank)).backward()
     model.zero_grad(set_to_none=True)
     model.set_requires_gradient_sync(True)
     fresh = make_model()  # no optimizer stepped: the same parameters
