@@ -1,6 +1,9 @@
 """fully_shard, replicate and checkpoint mixed on one model train exactly like single-process
 training: (a) per-layer checkpoint + fully_shard and a root fully_shard, (b) a root replicate
-over fully_shard layers, (c) a root fully_shard with a replicate submodule, (d) all three.
+over fully_shard layers, (c) a root fully_shard with a replicate submodule, (d) all three, (e)
+checkpointed blocks under a root replicate (DDP with activation checkpointing), (f) checkpointed
+blocks under a root fully_shard alone (a checkpointed block is no fully sharded one: its
+parameters are the root's to gather and reduce).
 
 Without these, a parameter reduced by two APIs (double averaging), by none (ranks drift), or
 unsharded twice around a recomputation would go unnoticed: each API alone would still pass.
@@ -76,8 +79,23 @@ def _compose_d(model: nn.Module) -> None:
     fully_shard(model)
 
 
+def _compose_e(model: nn.Module) -> None:
+    """DDP with activation checkpointing: the blocks checkpointed, the whole model replicated."""
+    for block in model.blocks:
+        checkpoint(block)
+    replicate(model)
+
+
+def _compose_f(model: nn.Module) -> None:
+    """The blocks checkpointed, one fully_shard on the root: the blocks' parameters are the root's."""
+    for block in model.blocks:
+        checkpoint(block)
+    fully_shard(model)
+
+
 _RECIPES: Dict[str, Callable[[nn.Module], None]] = {
-    "a": _compose_a, "a_reversed": _compose_a_reversed, "b": _compose_b, "c": _compose_c, "d": _compose_d}
+    "a": _compose_a, "a_reversed": _compose_a_reversed, "b": _compose_b, "c": _compose_c, "d": _compose_d,
+    "e": _compose_e, "f": _compose_f}
 
 
 def _full_named(model: nn.Module) -> List[Tuple[str, torch.Tensor]]:

@@ -859,6 +859,24 @@ def _hybrid_mesh(strategy: ShardingStrategy) -> dict:
     return {"mesh": init_device_mesh("cpu", (world_size // 2, 2))}
 
 
+def _clip_refused_in_every_handle_with_a_frozen_group() -> None:
+    """``clip_grad_norm_`` between unsynced backwards is refused also when every handle holds a
+    frozen parameter (each block's ``fc2.bias``, the scale's gain, the root's frozen Linear): one
+    parameter of a handle showing its local sum is enough for a norm of each rank's own sums.
+    Refused only where every parameter showed one, such a model was clipped by a norm no single
+    process computes, silently."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = make_model()
+    for frozen in (model.blocks[0].fc2.bias, model.blocks[1].fc2.bias, model.scale.gain):
+        frozen.requires_grad_(False)
+    _annotate(model)
+    cast(FSDPModule, model).set_requires_gradient_sync(False)
+    inputs, targets = batch(0, world_size)
+    loss_fn(model(local_rows(inputs, rank)), local_rows(targets, rank)).backward()
+    with pytest.raises(RuntimeError, match="clip_grad_norm_ between backwards without gradient sync"):
+        clip_grad_norm_(model, 1.0)
+
+
 def _unsynced_grid() -> None:
     strategies = [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD]
     if dist.get_world_size() == 4:  # what 4 ranks add: a real (2 x 2) hybrid mesh; 2 ranks run the others
@@ -867,6 +885,7 @@ def _unsynced_grid() -> None:
                                            "user_action": ["none", "scale", "zero_grad", "assign"]})
     if dist.get_world_size() == 2:
         run_subtests(_earlier_grads_through_unsynced, {"action": ["kept", "zero_grad"]})
+        _clip_refused_in_every_handle_with_a_frozen_group()
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

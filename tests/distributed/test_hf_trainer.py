@@ -136,9 +136,15 @@ def _sharded_trainer(root: str, output: str, per_device: int, how: str = "policy
 
 def _trainer_at_two_ranks(root: str) -> None:
     """The uninterrupted log (w2.json, compared with the reference's by the W = 1 run that
-    follows); resume from checkpoint-2 at W = 2 (bit for bit); save_model."""
+    follows); resume from checkpoint-2 at W = 2 (bit for bit, the parameters after the last step
+    too); save_model; ``load_best_model_at_end`` refused for a sharded model when the trainer is made."""
     from composable_shard.integrations.transformers import export_process_group_env
     export_process_group_env()
+    from composable_shard.integrations.transformers import ShardedTrainer
+    with pytest.raises(NotImplementedError, match="load_best_model_at_end is not supported for a sharded model"):
+        ShardedTrainer(model=_shard(_build(), "policy"), train_dataset=_dataset(), eval_dataset=_dataset(),
+                       args=_args(os.path.join(root, "best"), ROWS, load_best_model_at_end=True, eval_strategy="steps",
+                                  eval_steps=2))
     trainer = _sharded_trainer(root, "w2", ROWS)
     trainer.train()
     uninterrupted = _logged(trainer)
@@ -161,6 +167,10 @@ def _trainer_at_two_ranks(root: str) -> None:
     final = os.path.join(root, "final")
     trainer.save_model(final)
     full = get_model_state_dict(trainer.model, cpu_offload=True)  # collective, full on every rank
+    # the last step's update too (the learning rate the restored schedule gave it: with the schedule
+    # restarted at the resume, steps 3 and 4 log the same losses, and only the parameters differ)
+    for name, value in get_model_state_dict(resumed.model, cpu_offload=True).items():
+        assert torch.equal(value, full[name]), f"resumed at step 2, after step 4: {name}"
     loaded = transformers.LlamaForCausalLM.from_pretrained(final).state_dict()
     assert sorted(loaded) == sorted(full), (sorted(loaded), sorted(full))
     for name, value in full.items():

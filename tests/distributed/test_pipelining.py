@@ -577,6 +577,34 @@ def _bf16_weight_passes() -> None:
                                     f"{diff:.3g} of its largest element"
 
 
+def _failed_weight_pass_leaves_nothing() -> None:
+    """A weight pass that raised ([Note: Weight passes] in ``_runtime/hooks.py``, what the stage
+    does when torch's weight step fails) leaves nothing of what it had added to the unsharded
+    buffers' ``.grad``: the synced step after it gives exactly one process's gradients on the
+    combined batch. Kept, the pass's partial gradient was added to the next backward's."""
+    from composable_shard._runtime.hooks import begin_weight_pass, end_weight_pass
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model, reference = nn.Sequential(Block(), Block()), nn.Sequential(Block(), Block())
+    reference.load_state_dict(model.state_dict())
+    fully_shard(model)
+    x = torch.randn(world_size * 2, 4, WIDTH)
+    model(x[:2]).sum().backward()  # lazy init; then a fresh step
+    model.zero_grad(set_to_none=True)
+    sharded = cast(FSDPModule, model)
+    sharded.set_requires_gradient_sync(False)
+    begin_weight_pass(sharded._fsdp_state())
+    for group in _get_fsdp_handles(model)[0].groups:  # what torch's weight step adds before it fails
+        group.padded_unsharded_flat.grad = torch.ones_like(group.padded_unsharded_flat)
+    end_weight_pass(sharded._fsdp_state(), completed=False)
+    sharded.set_requires_gradient_sync(True)
+    model(x[rank * 2:(rank + 1) * 2]).pow(2).mean().backward()
+    (sum(reference(x[r * 2:(r + 1) * 2]).pow(2).mean() for r in range(world_size)) / world_size).backward()  # type: ignore[union-attr]
+    for (name, got), (_, want) in zip_same(_full_grads(model), _full_grads(reference), what="gradients"):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0, msg=lambda m: f"after a failed weight pass, {name}: {m}")
+
+
 def _cases(schedules: List[str], zero_bubble: Dict[str, List[str]], refusals: bool) -> None:
     run_subtests(_parity, {"schedule_name": schedules, "how": ["fully_shard", "replicate", "configured"]})
     for schedule_name, hows in zero_bubble.items():
@@ -585,6 +613,7 @@ def _cases(schedules: List[str], zero_bubble: Dict[str, List[str]], refusals: bo
         _bf16_weight_passes()
     if refusals:
         _refusals()
+        _failed_weight_pass_leaves_nothing()
 
 
 # Zero-bubble schedules (a weight pass apart from each input pass) over fully sharded stage modules: FSDP2's

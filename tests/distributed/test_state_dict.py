@@ -131,6 +131,11 @@ def _full_parity(config: str) -> None:
     result = resumed.load_state_dict(exported.state_dict())
     assert not result.missing_keys and not result.unexpected_keys, result
     _assert_state_dicts_equal(resumed.state_dict(), sd, f"{config}: plain -> sharded")
+    half = {k: v.half() if v.is_floating_point() else v for k, v in exported.state_dict().items()}
+    cast_in, plain_cast_in = _shard(_plain(config, seed=5), config), _plain(config, seed=5)
+    for target in (cast_in, plain_cast_in):  # torch's load_state_dict casts a float16 checkpoint into float32
+        target.load_state_dict(half)
+    _assert_state_dicts_equal(cast_in.state_dict(), plain_cast_in.state_dict(), f"{config}: a float16 state dict")
     assert distributed_training(resumed, 1) == distributed_training(model, 1), f"{config}: the step after loading"
     _assert_state_dicts_equal(resumed.state_dict(), model.state_dict(), f"{config}: after the step")
 
