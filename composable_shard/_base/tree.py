@@ -46,8 +46,9 @@ def tensors_in(obj: Any, owner: Union[str, Callable[[], str], None]) -> List[tor
             stack.extend(getattr(item, f.name) for f in dataclasses.fields(item))
         elif owner is not None and isinstance(getattr(item, "__dict__", None), dict) and any(
                 isinstance(v, torch.Tensor) for v in item.__dict__.values()):
+            name = owner() if callable(owner) else owner
             raise TypeError(
-                f"{owner() if callable(owner) else owner} returned a {type(item).__qualname__} holding tensors, which fully_shard cannot "
+                f"{name} returned a {type(item).__qualname__} holding tensors, which fully_shard cannot "
                 "traverse to run its backward hooks. Return tensors in a tuple, list, dict, namedtuple or "
                 "dataclass instead."
             )

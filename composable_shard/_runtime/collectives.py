@@ -197,7 +197,7 @@ class CollectiveRecord:
     input_ref: Optional[Callable[[], Optional[torch.Tensor]]] = None
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: two recorders holding the same events are two recorders
 class CollectiveRecorder:
     """Collects :class:`CollectiveRecord` s and trace events while active (see
     :func:`record_collectives`). ``events`` interleaves ``("collective", kind, tag)`` with

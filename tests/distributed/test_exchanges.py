@@ -171,8 +171,15 @@ def _recorders_nest() -> None:
     its own (tests count collectives and bytes with nested recorders: an outer recorder gone deaf
     would let a test pass on whatever happened after)."""
     value = torch.ones(3)
+    with record_collectives() as outer, record_collectives() as empty:  # two recorders with equal (no) contents
+        pass
+    assert outer is not empty and not outer.records and not empty.records
     with record_collectives() as outer:
+        with record_collectives() as first_inner:  # leaves while the outer one has recorded nothing either
+            pass
         collectives.all_reduce(value, None, tag="before").wait()
+        assert [r.tag for r in first_inner.records] == [] and [r.tag for r in outer.records] == ["before"], \
+            (first_inner.records, outer.records)
         with record_collectives() as inner:
             collectives.all_reduce(value, None, tag="inside").wait()
             collectives.trace("event inside")
@@ -186,6 +193,8 @@ def _recorders_nest() -> None:
         collectives.all_reduce(value, None, tag="later").wait()
     assert [r.tag for r in later.records] == ["later"], later.records
     assert torch.equal(value, torch.full((3,), float(dist.get_world_size() ** 4))), value
+    # (an inner recorder leaving while the outer one held the same events as it, none, took the outer
+    # one out of the recording list by equality, and went on recording in its place)
 
 
 def _all() -> None:
