@@ -117,7 +117,7 @@ from .._base.pieces import Piece, as_dtensor, piece_of, shard_groups, take_piece
 from .._base.torch_compat import current_graph_task, has_grad_hooks, is_view_of, set_module_tensor, versions_sum
 
 __all__ = ["FlatParameter", "FlatParamHandle", "HandleTrainingState", "TRANSITIONS", "ParamInfo", "SharedParamInfo", "FlatGroup", "set_grad_of_any_shape",
-           "plan_groups", "norm_groups", "compute_dtype_of", "reduce_dtype_of", "take_pending_init_values"]
+           "plan_groups", "norm_groups", "compute_dtype_of", "reduce_dtype_of", "take_pending_init_values", "param_list"]
 
 
 class HandleTrainingState(enum.Enum):
@@ -367,11 +367,14 @@ def compute_dtype_of(dtype: torch.dtype, param_dtype: Optional[torch.dtype], ful
     return dtype
 
 
-def set_grad_of_any_shape(p: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
+def set_grad_of_any_shape(p: nn.Parameter, grad: torch.Tensor, like: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Make ``grad`` (any shape and dtype) ``p.grad`` and return the tensor ``p.grad`` now is.
     Autograd's setter wants ``p``'s shape, dtype and device, so a placeholder that has them
-    (no storage of its own) is set first and ``grad`` put in through ``.data``."""
-    if grad.shape == p.shape and grad.dtype == p.dtype and grad.device == p.device:
+    (no storage of its own) is set first and ``grad`` put in through ``.data``. ``like``: a plain
+    tensor with ``grad``'s metadata to compare instead (each attribute read of a ``ShardedGrad``
+    runs its ``__torch_function__``)."""
+    meta = grad if like is None else like
+    if meta.shape == p.shape and meta.dtype == p.dtype and meta.device == p.device:
         p.grad = grad
     else:
         placeholder = torch.empty((), dtype=p.dtype, device=p.device).expand(p.shape)
@@ -381,6 +384,12 @@ def set_grad_of_any_shape(p: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
         p.grad = placeholder
         p.grad.data = grad
     return p.grad  # type: ignore[return-value]  # set above
+
+
+def param_list(module_fqn: str, fqns: Sequence[str]) -> str:
+    """Up to three parameter FQNs (``fqns`` relative to the module at ``module_fqn``), for messages."""
+    names = [f"{module_fqn}.{f}" if module_fqn else f for f in fqns]
+    return f"{names[:3]}{' and others' if len(names) > 3 else ''}"
 
 
 def _stand_in(param: nn.Parameter, info: ParamInfo, shared: Sequence[Tuple[SharedParamInfo, nn.Parameter]],
@@ -977,10 +986,8 @@ class FlatParamHandle:
                     and (self.world_size > 1 or p.grad.numel() != numel)]
         if not replaced:
             return
-        names = [f"{self.fqn}.{f}" if self.fqn else f for f in replaced]
-        shown_names = f"{names[:3]}{' and others' if len(names) > 3 else ''}"
         raise RuntimeError(
-            f"composable_shard: the .grad of {shown_names} (fully_shard({self.fqn or '<root>'})) was replaced by a "
+            f"composable_shard: the .grad of {param_list(self.fqn, replaced)} (fully_shard({self.fqn or '<root>'})) was replaced by a "
             "tensor of your own between backwards with gradient sync off. There .grad shows this rank's full-shape "
             "local gradient sum, which replacing it would replace, but autograd only lets a tensor of the sharded "
             "parameter's shape (this rank's slice) be assigned, and a slice cannot hold that sum. This backward is "
@@ -1045,12 +1052,8 @@ class FlatParamHandle:
             if keep:
                 view = sharded_grad[s.shard_start:s.shard_start + s.numel]  # type: ignore[index]  # checked
                 source = sources[i]
-                shown = as_sharded_grad(view, (), collective_device, source) if source else view
-                # compared on the plain view: each attribute read of a ShardedGrad runs its __torch_function__
-                if view.shape == p.shape and view.dtype == p.dtype and view.device == p.device:
-                    p.grad = shown
-                else:
-                    set_grad_of_any_shape(p, shown)
+                set_grad_of_any_shape(p, as_sharded_grad(view, (), collective_device, source) if source else view,
+                                      like=view)
             else:
                 p.grad = None
         group.sharded_grad_ref = weakref.ref(sharded_grad) if sharded_grad is not None else None

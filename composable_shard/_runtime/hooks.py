@@ -78,7 +78,7 @@ from . import agreement as _agreement
 from . import watch as _watch
 from .agreement import agree_used_and_steps
 from .module_state import HandleTrainingState, RootContext, TrainingState, WeakHook, _FSDPState
-from .flat_param import FlatGroup, FlatParamHandle, take_pending_init_values
+from .flat_param import FlatGroup, FlatParamHandle, param_list, take_pending_init_values
 from .streams import Streams
 from .._base.callers import check_callers
 from .._base.torch_compat import current_graph_task, is_in_backward, profiler_enabled, queue_backward_callback
@@ -398,8 +398,7 @@ def raise_detached(state: _FSDPState, fqns: List[str]) -> None:
 
 def _param_list(state: _FSDPState, fqns: List[str]) -> str:
     """Up to three parameter FQNs (relative to the root), for messages."""
-    names = [f"{state.fqn}.{f}" if state.fqn else f for f in fqns]
-    return f"{names[:3]}{' and others' if len(names) > 3 else ''}"
+    return param_list(state.fqn, fqns)
 
 
 def _raise_hooked(state: _FSDPState, fqns: List[str]) -> None:
