@@ -165,7 +165,7 @@ from __future__ import annotations
 
 import sys
 from types import FrameType
-from typing import Any, Callable, Dict, Iterable, Iterator, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -196,6 +196,13 @@ def set_module_tensor(module: "torch.nn.Module", name: str, tensor: "torch.Tenso
     ``Module.__getattr__`` is unchanged in 2.6 through 2.13) is written directly.
     """
     module._parameters[name] = tensor  # type: ignore[assignment]  # plain tensor on purpose, see docstring
+
+
+def set_module_tensors(slots: "Sequence[Any]", tensors: "Iterable[torch.Tensor]") -> None:
+    """:func:`set_module_tensor` for each slot (anything with ``.module`` and ``.param_name``)
+    and tensor, in one call (the runtime swaps every parameter of a module four times a step)."""
+    for slot, tensor in zip(slots, tensors):
+        slot.module._parameters[slot.param_name] = tensor
 
 
 def is_in_backward() -> bool:

@@ -72,19 +72,12 @@ def collective_call_hint(api: str, instead: str) -> str:
 STUCK_WARNING_AFTER_S = 60.0
 
 
-@dataclass
-class _Wait:
-    """A blocking wait in progress. Strings only: a reference to the collective's tensors here
-    would keep them alive in the watchdog thread after the wait (the last one it looked at)."""
-
-    since: float
-    kind: str
-    tag: str
-    hint: str
-    warned: bool = False
-
-
-_WAITING: Dict[int, _Wait] = {}
+# A blocking wait in progress: ``(since, kind, tag, hint)``, a plain tuple (made three times per
+# module and step). Strings only: a reference to the collective's tensors here would keep them
+# alive in the watchdog thread after the wait (the last one it looked at).
+_Wait = Tuple[float, str, str, str]
+_WAITING: Dict[int, _Wait] = {}  # per thread (its ident): its wait in progress
+_WARNED: Dict[int, _Wait] = {}  # per thread: the last of its waits warned about (watchdog thread only)
 _WATCHDOG: List[threading.Thread] = []  # the running watchdog, if started in this process
 _WATCHDOG_LOCK = threading.Lock()
 
@@ -95,16 +88,17 @@ def _watch_forever() -> None:
         time.sleep(min(max(after / 4, 0.05), 1.0))  # a change of the setting is seen within 1 s
         now = time.monotonic()
         for ident, wait in list(_WAITING.items()):
-            if not wait.warned and now - wait.since >= after and _WAITING.get(ident) is wait:
-                wait.warned = True
+            if _WARNED.get(ident) is not wait and now - wait[0] >= after and _WAITING.get(ident) is wait:
+                _WARNED[ident] = wait
                 _report_stuck(wait, now)
 
 
 def _report_stuck(wait: _Wait, now: float) -> None:
+    since, kind, tag, hint = wait
     rank = dist.get_rank() if dist.is_initialized() else "?"
-    message = (f"composable_shard: rank {rank} has waited {now - wait.since:.0f} s for the {wait.kind} "
-               f"of {wait.tag or '<root>'!r}; it fails at the process group's timeout if a rank never joins. "
-               f"{wait.hint or TRAINING_HINT}")
+    message = (f"composable_shard: rank {rank} has waited {now - since:.0f} s for the {kind} "
+               f"of {tag or '<root>'!r}; it fails at the process group's timeout if a rank never joins. "
+               f"{hint or TRAINING_HINT}")
     try:
         warnings.warn(message, RuntimeWarning)
     except Exception:  # warnings made errors: the watchdog thread must live on, so print it
@@ -123,6 +117,7 @@ def _forget_watchdog() -> None:
     """In a forked child: the parent's thread did not come along; start anew when needed."""
     _WATCHDOG.clear()
     _WAITING.clear()
+    _WARNED.clear()
 
 
 os.register_at_fork(after_in_child=_forget_watchdog)
@@ -147,7 +142,7 @@ def _wait_watched(work: Any, pending: "Pending") -> None:
     if not _WATCHDOG:
         _start_watchdog()
     ident = threading.get_ident()
-    _WAITING[ident] = _Wait(time.monotonic(), pending.kind, pending.tag, pending.hint)
+    _WAITING[ident] = (time.monotonic(), pending.kind, pending.tag, pending.hint)
     try:
         work.wait()
     finally:
@@ -292,12 +287,17 @@ def _report(kind: str, nbytes: int, group: Optional[dist.ProcessGroup], tag: str
             input: Optional[torch.Tensor] = None) -> int:
     """Report a collective to the active recorders; returns the group's size."""
     world_size = _group_facts(group)[0]
-    if _ACTIVE and _local.recorders:
+    if _ACTIVE:
+        _record(kind, nbytes, world_size, tag, input)
+    return world_size
+
+
+def _record(kind: str, nbytes: int, world_size: int, tag: str, input: Optional[torch.Tensor]) -> None:
+    if _local.recorders:
         rec = CollectiveRecord(kind, nbytes, world_size, tag, weakref.ref(input) if input is not None else None)
         for r in _local.recorders:
             r.records.append(rec)
             r._add_event(("collective", kind, tag))
-    return world_size
 
 
 def _copy_alone(output: torch.Tensor, input: torch.Tensor, kind: str, tag: str, hint: str = "") -> Pending:
@@ -324,9 +324,12 @@ def all_gather_into(
     with another handle's (see [Note: Collectives on gloo]). ``hint``: the advice of the error
     raised if it does not complete (default :data:`TRAINING_HINT`), and of the warning once it
     has waited :data:`STUCK_WARNING_AFTER_S` (see [Note: Stuck waits])."""
-    if _report("all_gather", input.numel() * input.element_size(), group, tag, input) == 1:
+    world_size, backend = _group_facts(group)  # inline _report: one facts lookup for both questions
+    if _ACTIVE:
+        _record("all_gather", input.numel() * input.element_size(), world_size, tag, input)
+    if world_size == 1:
         return _copy_alone(output, input, "all_gather", tag, hint)
-    if _is_gloo(group) and input.device.type == "cpu":
+    if backend == "gloo" and input.device.type == "cpu":
         return Pending(_gloo_all_gather(output, input, group, _p2p_tag(_TAG_ALL_GATHER, match)), output, "all_gather",
                        tag=tag, hint=hint)
     work = ALL_GATHER_SINGLE(output, input, group=group, async_op=True)
@@ -343,9 +346,12 @@ def reduce_scatter_into(
     contents are undefined afterwards. ``match`` as for :func:`all_gather_into`.
 
     On gloo it runs point to point (see [Note: Collectives on gloo])."""
-    if _report("reduce_scatter", input.numel() * input.element_size(), group, tag, input) == 1:
+    world_size, backend = _group_facts(group)  # as in all_gather_into
+    if _ACTIVE:
+        _record("reduce_scatter", input.numel() * input.element_size(), world_size, tag, input)
+    if world_size == 1:
         return _copy_alone(output, input, "reduce_scatter", tag)
-    if _is_gloo(group) and input.device.type == "cpu":
+    if backend == "gloo" and input.device.type == "cpu":
         if average:
             raise AssertionError("composable_shard internal error: gloo's reduce-scatter cannot average")
         return _gloo_reduce_scatter(output, input, group, tag, _p2p_tag(_TAG_REDUCE_SCATTER, match))

@@ -114,7 +114,8 @@ from .._base.sharded_reads import stand_in_for
 from .streams import Streams
 from .._base import float8 as _float8
 from .._base.pieces import Piece, as_dtensor, piece_of, shard_groups, take_piece
-from .._base.torch_compat import current_graph_task, has_grad_hooks, is_view_of, set_module_tensor, versions_sum
+from .._base.torch_compat import (current_graph_task, has_grad_hooks, is_view_of, set_module_tensor, set_module_tensors,
+                                  versions_sum)
 
 __all__ = ["FlatParameter", "FlatParamHandle", "HandleTrainingState", "TRANSITIONS", "ParamInfo", "SharedParamInfo", "FlatGroup", "set_grad_of_any_shape",
            "plan_groups", "norm_groups", "compute_dtype_of", "reduce_dtype_of", "take_pending_init_values", "param_list"]
@@ -144,6 +145,9 @@ TRANSITIONS: Dict[HandleTrainingState, FrozenSet[HandleTrainingState]] = {
     _S.BACKWARD_POST: frozenset({_S.RECOMPUTE, _S.IDLE}),
     _S.SUMMON_FULL_PARAMS: frozenset({_S.IDLE}),
 }
+# TRANSITIONS by the identity of each state (members are singletons), as tuples: ``enter`` runs
+# five times per module and step, and an Enum hashes in Python (two calls per dict or set lookup).
+_ALLOWED: Dict[int, Tuple[HandleTrainingState, ...]] = {id(state): tuple(to) for state, to in TRANSITIONS.items()}
 
 _FLATTENED_ATTR = "_composable_shard_flattened"
 
@@ -282,6 +286,10 @@ class FlatGroup:
     float8: Optional[_float8.Float8Group] = None  # float8-gathered weights (see [Note: float8 all-gather] in _base/float8.py)
     grad_sources: Optional[Tuple[Any, torch.device, List[Any]]] = None  # see FlatParamHandle._grad_sources
     averages: Optional[Tuple[Any, bool]] = None  # (divisor, world, dtype) -> whether its reductions average natively
+    gather_alias: Optional[torch.Tensor] = None  # padded_unsharded_flat.data, made once: what the all-gather writes
+    has_pieces: bool = False  # some parameter is a tensor-parallel piece (its views are DTensors)
+    shard_split_sizes: List[int] = field(default_factory=list)  # per orig param its slice's numel, then the padding:
+    # one split of a gradient shard gives every parameter's slice (see shard_split_sizes_of)
 
     @property
     def sharded_grad(self) -> Optional[torch.Tensor]:
@@ -386,6 +394,20 @@ def set_grad_of_any_shape(p: nn.Parameter, grad: torch.Tensor, like: Optional[to
     return p.grad  # type: ignore[return-value]  # set above
 
 
+def shard_split_sizes_of(slices: Sequence[_shard_math.ParamSlice], shard_numel: int) -> List[int]:
+    """The sizes that split a rank's shard into each parameter's slice (empty for a parameter it
+    holds nothing of) and the padding after them: the slices a rank holds are consecutive, in
+    parameter order, from the shard's start."""
+    sizes = [s.numel for s in slices]
+    offset = 0
+    for s, size in zip(slices, sizes):
+        if size:
+            if s.shard_start != offset:
+                raise AssertionError(f"composable_shard internal error: shard slices not consecutive: {slices}")
+            offset += size
+    return sizes + [shard_numel - offset]
+
+
 def param_list(module_fqn: str, fqns: Sequence[str]) -> str:
     """Up to three parameter FQNs (``fqns`` relative to the module at ``module_fqn``), for messages."""
     names = [f"{module_fqn}.{f}" if module_fqn else f for f in fqns]
@@ -413,10 +435,12 @@ def norm_groups(shard_group: Any, piece: Optional[Piece]) -> List[Any]:
     return ([shard_group] if shard_group is not None else []) + (shard_groups(piece) if piece is not None else [])
 
 
+# Storage sizes are read with ``nbytes()`` (C), not ``size()`` (a Python wrapper of it): these
+# run several times per module and step.
 def _alloc_storage(tensor: torch.Tensor) -> None:
     nbytes = tensor.numel() * tensor.element_size()
     storage = tensor.untyped_storage()
-    if storage.size() != nbytes:
+    if storage.nbytes() != nbytes:
         storage.resize_(nbytes)
 
 
@@ -428,12 +452,12 @@ def _wider(dtype: torch.dtype, than: torch.dtype) -> bool:
 
 def _free_storage(tensor: torch.Tensor) -> None:
     storage = tensor.untyped_storage()
-    if storage.size() != 0:
+    if storage.nbytes() != 0:
         storage.resize_(0)
 
 
 def _storage_is_allocated(tensor: torch.Tensor) -> bool:
-    return tensor.untyped_storage().size() > 0
+    return tensor.untyped_storage().nbytes() > 0
 
 
 class _SplitBackwardHook:
@@ -580,6 +604,8 @@ class FlatParamHandle:
         group = FlatGroup(flat_param, orig_params, compute_dtype, unsharded, aliases,
                           numels + ([padded - total] if padded > total else []))
         group.float8 = float8
+        group.has_pieces = any(piece is not None for piece in pieces)
+        group.shard_split_sizes = shard_split_sizes_of(flat_param._shard_slices, flat_param.numel())
         group.requires_grad_mask = tuple(p.requires_grad for p in orig_params)
         group.full_precision = full_precision
         group.used = [False] * len(orig_params)
@@ -629,6 +655,7 @@ class FlatParamHandle:
             buffers.append(full)
         self.init_buffers = buffers
         _PENDING_INIT.add(self)
+        _PENDING_INIT_ADDED[0] += 1
 
     def take_init_values(self) -> None:
         """This rank's chunk of what the initialization wrote into the shards; parameters back
@@ -680,13 +707,20 @@ class FlatParamHandle:
         """The first flat parameter (the only one when all parameters share dtype/grad-ness)."""
         return self.groups[0].flat_param
 
+    # The storage checks below run several times per module and step: plain loops, the gathered
+    # buffer read inline (``FlatGroup.gathered_buffer`` is a property), no generator.
     def needs_unshard(self) -> bool:
         """True if some group's unsharded storage is not allocated and filled."""
-        return any(not g.aliases_shard and not _storage_is_allocated(g.gathered_buffer) for g in self.groups)
+        for g in self.groups:
+            if not g.aliases_shard and (g.float8.gathered if g.float8 is not None else g.padded_unsharded_flat
+                                        ).untyped_storage().nbytes() == 0:
+                return True
+        return False
 
     def unsharded_storage_freed(self) -> bool:
         """True if every group that owns an unsharded buffer has freed its storage."""
-        return all(g.aliases_shard or not _storage_is_allocated(g.gathered_buffer) for g in self.groups)
+        return not any(not g.aliases_shard and (g.float8.gathered if g.float8 is not None else g.padded_unsharded_flat
+                                                ).untyped_storage().nbytes() > 0 for g in self.groups)
 
     def shard_metadata(self) -> List[List[Tuple[str, torch.Size, int, int]]]:
         """Per group, per original parameter: ``(fqn, full shape, start, end)`` of the
@@ -717,21 +751,27 @@ class FlatParamHandle:
             group.comm_shard = cast
             group.gathered_at = (self._version_sum(group), self.optimizer_steps.epoch)
             return group.float8.gathered, cast
-        _alloc_storage(group.padded_unsharded_flat)
+        output = group.gather_alias
+        if output is None:  # the buffer and its data are never replaced: one alias for the group's life
+            output = group.gather_alias = group.padded_unsharded_flat.data
+        _alloc_storage(output)
         shard = group.flat_param.data
         if shard.dtype != group.compute_dtype or shard.device != self.compute_device:
             shard = shard.to(device=self.compute_device, dtype=group.compute_dtype, non_blocking=True)
         group.comm_shard = shard
-        group.gathered_at = (self._version_sum(group), self.optimizer_steps.epoch)
-        return group.padded_unsharded_flat.data, shard
+        group.gathered_at = (versions_sum(group.orig_params), self.optimizer_steps.epoch)
+        return output, shard
 
     def is_stale(self) -> bool:
         """True if a kept unsharded buffer may no longer hold the shards' values: an original
         parameter was edited in place, or an optimizer holding one of its parameters stepped,
         since it was gathered."""
         epoch = self.optimizer_steps.epoch
-        return any(not g.aliases_shard and _storage_is_allocated(g.gathered_buffer)
-                   and g.gathered_at != (self._version_sum(g), epoch) for g in self.groups)
+        for g in self.groups:
+            if not g.aliases_shard and _storage_is_allocated(g.gathered_buffer) \
+                    and g.gathered_at != (versions_sum(g.orig_params), epoch):
+                return True
+        return False
 
     @staticmethod
     def _version_sum(group: FlatGroup) -> int:
@@ -750,8 +790,7 @@ class FlatParamHandle:
             views = None if forward or fresh else self._kept_views(group)
             if views is None:
                 views = self._make_views(group, from_forward=forward)
-            for view, info in zip(views, fp._param_infos):
-                set_module_tensor(info.module, info.param_name, view)
+            set_module_tensors(fp._param_infos, views)
             for sinfo in fp._shared_param_infos:
                 set_module_tensor(sinfo.module, sinfo.param_name, views[sinfo.prim_param_index])
         self.is_unsharded = True
@@ -769,15 +808,11 @@ class FlatParamHandle:
         parameter), with the split's backward pre-hook; a grad-mode forward's are kept for its
         backward (see [Note: Kept views])."""
         fp = group.flat_param
-        with torch.enable_grad():  # see [Note: Views made in backward]
-            pieces = group.padded_unsharded_flat.split_with_sizes(group.split_sizes)  # torch.split's op, no wrapper
-            views = [piece.view(shape) if trainable else piece.detach().view(shape)
-                     for piece, shape, trainable in zip(pieces, fp._shapes, group.requires_grad_mask)]
-            views = [view if tp is None else as_dtensor(tp, view) for view, tp in zip(views, fp._pieces)]
-            if group.float8 is not None:  # see [Note: float8 all-gather] in _base/float8.py
-                starts = _float8.offsets(list(fp._numels))
-                views = [_float8.float8_view(group.float8, view, i, start, shape)
-                         for i, (view, start, shape) in enumerate(zip(views, starts, fp._shapes))]
+        if torch.is_grad_enabled():  # a forward's: no context to enter (two Python calls)
+            pieces, views = self._split_views(group, fp)
+        else:
+            with torch.enable_grad():  # see [Note: Views made in backward]
+                pieces, views = self._split_views(group, fp)
         split = pieces[0].grad_fn if pieces else None
         if split is not None:
             split.register_prehook(_SplitBackwardHook(self, group, from_forward))
@@ -787,14 +822,28 @@ class FlatParamHandle:
             group.kept_views = KeptViews(group.padded_unsharded_flat, group.requires_grad_mask, views)
         return views
 
+    @staticmethod
+    def _split_views(group: FlatGroup, fp: FlatParameter) -> Tuple[Sequence[torch.Tensor], List[torch.Tensor]]:
+        """Under grad mode: one split of the group's unsharded buffer, and a full-shape view per
+        parameter (a DTensor for a tensor-parallel piece, a float8 view for a float8 group)."""
+        pieces = group.padded_unsharded_flat.split_with_sizes(group.split_sizes)  # torch.split's op, no wrapper
+        views = [piece.view(shape) if trainable else piece.detach().view(shape)
+                 for piece, shape, trainable in zip(pieces, fp._shapes, group.requires_grad_mask)]
+        if group.has_pieces:
+            views = [view if tp is None else as_dtensor(tp, view) for view, tp in zip(views, fp._pieces)]
+        if group.float8 is not None:  # see [Note: float8 all-gather] in _base/float8.py
+            starts = _float8.offsets(list(fp._numels))
+            views = [_float8.float8_view(group.float8, view, i, start, shape)
+                     for i, (view, start, shape) in enumerate(zip(views, starts, fp._shapes))]
+        return pieces, views
+
     def use_sharded_views(self) -> None:
         """Put the original parameters (views of the shard) back in the module slots, or their
         stand-ins while :meth:`guard_sharded_reads` is on."""
         for index, group in enumerate(self.groups):
             fp = group.flat_param
             params = group.orig_params if self.stand_ins is None else self.stand_ins[index]
-            for p, info in zip(params, fp._param_infos):
-                set_module_tensor(info.module, info.param_name, p)
+            set_module_tensors(fp._param_infos, params)
             for sinfo in fp._shared_param_infos:
                 set_module_tensor(sinfo.module, sinfo.param_name, params[sinfo.prim_param_index])
         self.is_unsharded = False
@@ -823,7 +872,8 @@ class FlatParamHandle:
         for g in self.groups:
             if g.pending_unshard is not None:
                 return False
-            if not needed and not g.aliases_shard and g.gathered_buffer.untyped_storage().size() == 0:
+            if not needed and not g.aliases_shard and (g.float8.gathered if g.float8 is not None
+                                                       else g.padded_unsharded_flat).untyped_storage().nbytes() == 0:
                 needed = True
         return needed
 
@@ -836,18 +886,24 @@ class FlatParamHandle:
         owner = self.owner()
         streams = handle_streams(owner, self.compute_device)
         gathers = [(group, *self.prepare_gather(group)) for group in self.groups if not group.aliases_shard]
+        if streams.all_gather is None:  # CPU: no stream to issue on, no event to record
+            self._issue_gathers(gathers, owner.process_group)
+            return
         with streams.run_on(streams.all_gather):
-            for group, output, shard in gathers:
-                if owner.process_group is None:  # a shard group of one rank (NO_SHARD): the shard, cast
-                    output.copy_(shard)
-                    group.pending_unshard = _collectives.Pending(None, output, "all_gather", tag=self.fqn)
-                else:
-                    group.pending_unshard = _collectives.all_gather_into(output, shard, owner.process_group,
-                                                                         tag=self.fqn, match=self.index + 1)
+            self._issue_gathers(gathers, owner.process_group)
             event = streams.record(streams.all_gather)
         for group in self.groups:
             if group.pending_unshard is not None:
                 group.pending_unshard.event = event
+
+    def _issue_gathers(self, gathers: List[Tuple[FlatGroup, torch.Tensor, torch.Tensor]], process_group: Any) -> None:
+        for group, output, shard in gathers:
+            if process_group is None:  # a shard group of one rank (NO_SHARD): the shard, cast
+                output.copy_(shard)
+                group.pending_unshard = _collectives.Pending(None, output, "all_gather", tag=self.fqn)
+            else:
+                group.pending_unshard = _collectives.all_gather_into(output, shard, process_group,
+                                                                     tag=self.fqn, match=self.index + 1)
 
     def wait_gathers(self) -> None:
         """Wait for the all-gathers in flight (the compute stream waits for their event)."""
@@ -855,7 +911,8 @@ class FlatParamHandle:
             pending = group.pending_unshard
             if pending is not None:
                 pending.wait()
-                Streams.wait(pending.event)
+                if pending.event is not None:
+                    Streams.wait(pending.event)
                 group.pending_unshard = None
                 group.comm_shard = None
 
@@ -871,11 +928,9 @@ class FlatParamHandle:
         gather in flight lands first). Post: ``is_unsharded`` is False."""
         self.wait_gathers()
         self.use_sharded_views()
-        if free:
-            for group in self.groups:
-                if not group.aliases_shard:
-                    _free_storage(group.gathered_buffer)
         for group in self.groups:
+            if free and not group.aliases_shard:
+                _free_storage(group.float8.gathered if group.float8 is not None else group.padded_unsharded_flat)
             group.comm_shard = None
 
     def enter(self, to: HandleTrainingState, where: str,
@@ -884,7 +939,7 @@ class FlatParamHandle:
         both states if :data:`TRANSITIONS` does not allow it, or if ``expect`` is given and the
         current state is not in it."""
         now = self.training_state
-        if (expect is not None and now not in expect) or (to is not now and to not in TRANSITIONS[now]):
+        if (expect is not None and now not in expect) or (to is not now and to not in _ALLOWED[id(now)]):
             wanted = f" (expected {'/'.join(s.name for s in expect)})" if expect is not None else ""
             raise RuntimeError(f"handle of {self.fqn or '<root>'!r}: illegal transition {now.name} -> {to.name} in "
                                f"{where}{wanted}")
@@ -1010,7 +1065,9 @@ class FlatParamHandle:
             group.landing_grad, group.landing_event = host, Streams.record_current(reduced.device)
             group.reduced = True
             return
-        self._accumulate(group, reduced.to(dtype=dtype, device=fp.device))
+        if reduced.dtype is not dtype or reduced.device != fp.device:
+            reduced = reduced.to(dtype=dtype, device=fp.device)
+        self._accumulate(group, reduced)
 
     def land_offloaded_grad(self, group: FlatGroup) -> None:
         """Wait (CPU) for an offloaded group's gradient copy and accumulate it; no-op otherwise."""
@@ -1037,20 +1094,22 @@ class FlatParamHandle:
         group.reduced_grad = reduced
         group.reduced = True
 
-    def attach_grads(self, group: FlatGroup, used: Sequence[bool], shard_group: Any, collective_device: torch.device) -> None:
+    def attach_grads(self, group: FlatGroup, used: Sequence[int], shard_group: Any, collective_device: torch.device) -> None:
         """After a synced backward: each original parameter's ``.grad`` is its view of the
         sharded gradient if it requires grad and had a gradient before or got one on some rank
-        in this backward (``used``); otherwise ``None``, as local training leaves it. With a
+        in this backward (``used``: per parameter, the number of ranks it was used on); otherwise
+        ``None``, as local training leaves it. With a
         ``shard_group`` (one of several ranks) the views are ShardedGrad tensors over it, so
         torch's ``clip_grad_norm_`` sees the global norm ([Note: torch's clip_grad_norm_ on
         sharded gradients] in ``_runtime/interop.py``)."""
         sharded_grad = group.reduced_grad
-        fp = group.flat_param
         sources = self._grad_sources(group, shard_group, collective_device)
-        for i, (p, s) in enumerate(zip(group.orig_params, fp._shard_slices)):
-            keep = sharded_grad is not None and group.requires_grad_mask[i] and (group.had_grad[i] or used[i])
-            if keep:
-                view = sharded_grad[s.shard_start:s.shard_start + s.numel]  # type: ignore[index]  # checked
+        # every parameter's slice in one split (a slice per parameter costs an index parse each)
+        views = sharded_grad.split_with_sizes(group.shard_split_sizes) if sharded_grad is not None else None
+        mask, had = group.requires_grad_mask, group.had_grad
+        for i, p in enumerate(group.orig_params):
+            if views is not None and mask[i] and (had[i] or used[i]):
+                view = views[i]
                 source = sources[i]
                 set_grad_of_any_shape(p, as_sharded_grad(view, (), collective_device, source) if source else view,
                                       like=view)
@@ -1098,13 +1157,16 @@ class FlatParamHandle:
     def reduce(self, group: FlatGroup, unsharded_grad: torch.Tensor) -> None:
         """Release every earlier handle's reduction input, then issue this group's reduction
         (see [Note: Reductions in flight]); the root waits for it at the end of backward."""
-        root = self.owner().root
+        owner = self.owner()
+        root = owner.root
         if root is None:
             raise AssertionError(f"{self!r}: a reduction before lazy init")
-        self.release_earlier_reductions()
+        ctx = root.ctx
+        if ctx.pending_reductions and owner.sync_gradients:
+            self.release_earlier_reductions()
         reduction = Reduction(self, group, unsharded_grad)
         reduction.issue()
-        root.ctx.pending_reductions.append(reduction)
+        ctx.pending_reductions.append(reduction)
 
     def release_earlier_reductions(self) -> None:
         """Wait for the reductions of other handles and drop their inputs (see [Note: Reductions
@@ -1112,33 +1174,38 @@ class FlatParamHandle:
         backward pre-hook), and again when its reduction is issued."""
         owner = self.owner()
         root = owner.root
-        if root is None or not root.ctx.pending_reductions or not owner.sync_gradients:
+        ctx = root._ctx if root is not None else None
+        if ctx is None or not ctx.pending_reductions or not owner.sync_gradients:
             return
         still_pending: List[Reduction] = []
-        for earlier in root.ctx.pending_reductions:
+        for earlier in ctx.pending_reductions:
             if earlier.handle is not self:
-                earlier.release_input()
+                if earlier.stage == ISSUED:
+                    earlier.release_input()
                 if earlier.stage == REDUCED:
                     earlier.finish()
             if earlier.stage != DONE:
                 still_pending.append(earlier)
-        root.ctx.pending_reductions = still_pending
+        ctx.pending_reductions = still_pending
 
     def __repr__(self) -> str:
         return f"FlatParamHandle({self.fqn or '<root>'}, groups={len(self.groups)}, state={self.training_state.name})"
 
 
 # Handles whose full parameters an initialization after ``to_empty`` is writing (see [Note:
-# Initialization after to_empty]); usually empty, so checking it costs nothing per step.
+# Initialization after to_empty]); usually empty. Whether it may hold one is read from a plain
+# counter first (a WeakSet's truth value is a Python call, and this runs at every module's forward).
 _PENDING_INIT: "weakref.WeakSet[FlatParamHandle]" = weakref.WeakSet()
+_PENDING_INIT_ADDED = [0]  # at least len(_PENDING_INIT): added since it was last seen empty
 
 
 def take_pending_init_values() -> None:
     """Before any use of a model: finish every initialization after ``to_empty`` (per process:
     handles of any model; no collective)."""
-    if _PENDING_INIT:
+    if _PENDING_INIT_ADDED[0]:
         for handle in list(_PENDING_INIT):
             handle.take_init_values()
+        _PENDING_INIT_ADDED[0] = len(_PENDING_INIT)
 
 
 # ---------------------------------------------------------------------------- reductions
@@ -1174,6 +1241,7 @@ class Reduction:
         self.group: FlatGroup = group
         self.unsharded_grad: Optional[torch.Tensor] = unsharded_grad  # the collective's input until it lands
         self.pending: Optional[_collectives.Pending] = None  # the collective in flight
+        self.reduced: Optional[torch.Tensor] = None  # the shard, once REDUCED with nothing left in flight
         self.stage: str = ISSUED
         self.reduce_dtype: torch.dtype = handle.reduce_dtype(group)
         self.event: Optional[Any] = None  # CUDA: recorded on the reduce-scatter stream after issuing
@@ -1209,13 +1277,20 @@ class Reduction:
         self.unsharded_grad = grad
         output = torch.empty(grad.numel() // state.world_size, dtype=grad.dtype, device=grad.device) \
             if state.world_size > 1 else grad  # allocated on the compute stream, which frees it
+        if streams.reduce_scatter is None:  # CPU: no stream to issue on, no event to record
+            self._issue(output, grad)
+            return
         with streams.run_on(streams.reduce_scatter):
-            if state.world_size > 1:
-                self.pending = _collectives.reduce_scatter_into(output, grad, state.process_group, tag=self.handle.fqn,
-                                                                match=self.handle.index + 1, average=self.averaged)
-            else:
-                self._replicate(grad)
+            self._issue(output, grad)
             self.event = streams.record(streams.reduce_scatter)
+
+    def _issue(self, output: torch.Tensor, grad: torch.Tensor) -> None:
+        state = self.state
+        if state.world_size > 1:
+            self.pending = _collectives.reduce_scatter_into(output, grad, state.process_group, tag=self.handle.fqn,
+                                                            match=self.handle.index + 1, average=self.averaged)
+        else:
+            self._replicate(grad)
 
     def _replicate(self, shard: torch.Tensor) -> None:
         group = self.state.replicate_group
@@ -1224,7 +1299,7 @@ class Reduction:
             self.pending = _collectives.all_reduce(shard, group, tag=self.handle.fqn, op=op)
             self.stage = REPLICATING
         else:
-            self.pending = _collectives.Pending(None, shard, "none", tag=self.handle.fqn)
+            self.pending, self.reduced = None, shard
             self.stage = REDUCED
 
     def release_input(self) -> None:
@@ -1236,6 +1311,9 @@ class Reduction:
         Streams.wait(self.event)
         self.unsharded_grad = None
         streams = handle_streams(self.state, self.handle.compute_device)
+        if streams.reduce_scatter is None:  # CPU: see issue
+            self._replicate(output)
+            return
         with streams.run_on(streams.reduce_scatter):
             self._replicate(output)
             self.event = streams.record(streams.reduce_scatter)
@@ -1244,10 +1322,10 @@ class Reduction:
         """Wait for everything, average, accumulate into the group's sharded gradient.
         Post: DONE."""
         self.release_input()
-        output = self._pending().wait()
+        output = self.reduced if self.pending is None and self.reduced is not None else self._pending().wait()
         Streams.wait(self.event)
         self.unsharded_grad = None
-        self.pending = None
+        self.pending = self.reduced = None
         if not self.averaged and self.reduce_dtype in (torch.float32, torch.float64) and self.state.gradient_divisor != 1:
             output.div_(self.state.gradient_divisor)
         self.handle.accumulate_sharded_grad(self.group, output)
@@ -1258,7 +1336,7 @@ class Reduction:
         if self.pending is not None:
             self.pending.wait()
             Streams.wait(self.event)
-        self.pending = None
+        self.pending = self.reduced = None
         self.unsharded_grad = None
         self.stage = DISCARDED
 

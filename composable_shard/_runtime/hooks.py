@@ -102,11 +102,11 @@ def _profiled(name: str) -> Callable[[_F], _F]:
     in ``_base/torch_compat.py``)."""
     def decorate(fn: _F) -> _F:
         @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
+        def wrapper(*args: Any) -> Any:  # hooks are called with positional arguments only
             if not profiler_enabled():
-                return fn(*args, **kwargs)
+                return fn(*args)
             with torch.profiler.record_function(name):
-                return fn(*args, **kwargs)
+                return fn(*args)
 
         return wrapper  # type: ignore[return-value]  # same signature as fn
 
@@ -187,8 +187,9 @@ def _issue_gathers(state: _FSDPState, handle: FlatParamHandle) -> None:
     """The ranks agree on the gather first (first iteration, debug mode: see [Note: Agreement]
     in ``_runtime/agreement.py``), then the handle issues it."""
     root = state.root
-    if root is not None and (root.ctx.check_order or root.ctx.debug_checks) and handle.will_gather():
-        _agreement.agree_before_gather(root, state, handle)
+    ctx = root._ctx if root is not None else None
+    if ctx is not None and (ctx.check_order or ctx.debug_checks) and handle.will_gather():
+        _agreement.agree_before_gather(root, state, handle)  # type: ignore[arg-type]  # not None: ctx is its
     handle.issue_gathers()
 
 
@@ -258,7 +259,7 @@ def _prefetch(root: _FSDPState, order: List[FlatParamHandle], index: int) -> Opt
         target = order[index]
         if target.training_state in (HandleTrainingState.IDLE, HandleTrainingState.BACKWARD_PRE) and target.needs_unshard():
             _collectives.trace("prefetch", target.fqn)
-            _issue_gathers(_state_of(target), target)
+            _issue_gathers(target.owner(), target)  # type: ignore[arg-type]  # the owner is a _FSDPState
             return target
     return None
 
@@ -437,17 +438,17 @@ def _cast_inputs(state: _FSDPState, args: Tuple[Any, ...], kwargs: Dict[str, Any
 def _record_exec_order(state: _FSDPState, handle: FlatParamHandle) -> bool:
     """Record (first iteration) or check (later ones) ``handle``'s place in the pre-forward
     order; False when it already ran its forward in this iteration (see [Note: Handle order])."""
-    root = _root_of(state)
-    if id(handle) in root.ctx.forward_seen:
+    ctx = _root_of(state).ctx
+    if id(handle) in ctx.forward_seen:
         return False
-    root.ctx.forward_seen.add(id(handle))
-    if not root.ctx.exec_order_recorded:
-        handle.exec_index = len(root.ctx.exec_order)
-        root.ctx.exec_order.append(handle)
+    ctx.forward_seen.add(id(handle))
+    if not ctx.exec_order_recorded:
+        handle.exec_index = len(ctx.exec_order)
+        ctx.exec_order.append(handle)
         return True
-    expected = root.ctx.exec_order[root.ctx.exec_index] if root.ctx.exec_index < len(root.ctx.exec_order) else None
-    if expected is not handle and not root.ctx.warned_order_change:
-        root.ctx.warned_order_change = True
+    expected = ctx.exec_order[ctx.exec_index] if ctx.exec_index < len(ctx.exec_order) else None
+    if expected is not handle and not ctx.warned_order_change:
+        ctx.warned_order_change = True
         warnings.warn(
             f"fully_shard: forward order changed after the first iteration (expected "
             f"{expected.fqn if expected else 'no more handles'!r}, got {handle.fqn!r}); prefetching "
@@ -455,7 +456,7 @@ def _record_exec_order(state: _FSDPState, handle: FlatParamHandle) -> bool:
             "between ranks, collectives mismatch: run with COMPOSABLE_SHARD_DEBUG=1 to check every step.",
             stacklevel=3,
         )
-    root.ctx.exec_index += 1
+    ctx.exec_index += 1
     return True
 
 
@@ -485,12 +486,15 @@ def _post_forward(state: _FSDPState, module: nn.Module, args: Tuple[Any, ...], o
     needs_backward = torch.is_grad_enabled()
     tensors: List[torch.Tensor] = []
     if needs_backward:
-        try:
-            tensors = [t for t in tensors_in(output, lambda: f"{state.describe()} ({type(module).__name__})")
-                       if t.requires_grad]
-        except TypeError:
-            _abort_forward(state)
-            raise
+        if isinstance(output, torch.Tensor):  # the usual output: no traversal
+            tensors = [output] if output.requires_grad else []
+        else:
+            try:
+                tensors = [t for t in tensors_in(output, lambda: f"{state.describe()} ({type(module).__name__})")
+                           if t.requires_grad]
+            except TypeError:
+                _abort_forward(state)
+                raise
         needs_backward = bool(tensors)
     handle = state.handle
     if handle is not None:
@@ -499,7 +503,7 @@ def _post_forward(state: _FSDPState, module: nn.Module, args: Tuple[Any, ...], o
         _record_post_forward_order(state, handle)
         handle.reshard(free=(frees_after_forward(state) or not needs_backward) and not others_pending)
         if needs_backward:
-            hook = functools.partial(_pre_backward_hook, state, handle)
+            hook = functools.partial(_pre_backward, state, handle)
             for tensor in tensors:
                 tensor.register_hook(hook)
     if state.is_root:
@@ -591,7 +595,7 @@ def _post_recompute(state: _FSDPState, output: Any) -> Any:
                     f"handle of {handle.fqn!r}: post-forward of a recomputation without its pre-forward")
     handle.enter(handle.states_before_recompute.pop(), "post_recompute")
     if handle.training_state is HandleTrainingState.IDLE and output is not None and torch.is_grad_enabled():
-        hook = functools.partial(_pre_backward_hook, state, handle)
+        hook = functools.partial(_pre_backward, state, handle)
         try:
             tensors = tensors_in(output, f"{state.describe()} (recomputed)")
         except TypeError:
@@ -628,13 +632,10 @@ def _end_iteration(root: _FSDPState) -> None:
 
 
 # ---------------------------------------------------------------------------- backward
-def _pre_backward_hook(state: _FSDPState, handle: FlatParamHandle, grad: torch.Tensor) -> None:
-    _pre_backward(state, handle)
-
-
 @_profiled("cs::pre_backward")
-def _pre_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
-    """Runs once per handle per backward, before its gradient computation.
+def _pre_backward(state: _FSDPState, handle: FlatParamHandle, grad: Optional[torch.Tensor] = None) -> None:
+    """Runs once per handle per backward, before its gradient computation (the hook on each
+    forward output, ``functools.partial(_pre_backward, state, handle)``: ``grad`` is the output's).
     Pre: handle IDLE. Post: handle BACKWARD_PRE with unsharded views; the previous handle in
     forward order is being gathered (BACKWARD_PRE prefetch)."""
     if not handle.needs_pre_backward:
@@ -675,8 +676,9 @@ def _refuse_graph_of_the_gradient(handle: FlatParamHandle) -> None:
 
 
 @_profiled("cs::post_backward")
-def _post_backward(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup) -> None:
-    """Runs when autograd has accumulated ``group``'s unsharded gradient.
+def _post_backward(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup, _: Optional[torch.Tensor] = None) -> None:
+    """Runs when autograd has accumulated ``group``'s unsharded gradient (the unsharded buffer's
+    post-accumulate-grad hook passes the buffer as ``_``).
     Pre: handle BACKWARD_PRE/POST. Post: reduction issued (or gradient kept when not syncing);
     once every trainable group is done, handle BACKWARD_POST and resharded if it frees after
     backward."""
@@ -696,13 +698,14 @@ def _post_backward(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup)
     unsharded_grad = handle.take_unsharded_grad(group)
     group.grad_ready = True
     if unsharded_grad is not None:
-        if root.ctx.check_order or root.ctx.debug_checks:  # see [Note: Agreement] in _runtime/agreement.py
+        ctx = root.ctx
+        if ctx.check_order or ctx.debug_checks:  # see [Note: Agreement] in _runtime/agreement.py
             _agreement.agree_before_reduction(root, state, handle, group.index, state.sync_gradients)
         if state.sync_gradients:
             handle.reduce(group, unsharded_grad)
         else:
             handle.keep_unreduced(group, unsharded_grad, handle.reduce_dtype(group))
-    if all(g.grad_ready for g in handle.groups if g.requires_grad):
+    if len(handle.groups) == 1 or all(g.grad_ready for g in handle.groups if g.requires_grad):
         handle.enter(HandleTrainingState.BACKWARD_POST, "post_backward")
         if frees_after_backward(state):
             handle.reshard(free=True)
@@ -858,10 +861,13 @@ def attach_reduced_grads(root: _FSDPState) -> Optional[str]:
     batches: Dict[Tuple[int, int], List[Tuple[_FSDPState, FlatParamHandle, FlatGroup]]] = {}
     for handle in root._all_handles:
         state = _state_of(handle)
+        key: Optional[Tuple[int, int]] = None
         for group in handle.groups:
             if group.reduced:
-                handle.land_offloaded_grad(group)
-                key = (id(state.process_group), id(state.replicate_group))
+                if group.landing_grad is not None:
+                    handle.land_offloaded_grad(group)
+                if key is None:
+                    key = (id(state.process_group), id(state.replicate_group))
                 batches.setdefault(key, []).append((state, handle, group))
     disagreement = take_step_verdicts(root) if batches else None
     steps = root.ctx.step_counter.take() if batches and root.ctx.step_counter is not None else []
@@ -875,10 +881,10 @@ def attach_reduced_grads(root: _FSDPState) -> Optional[str]:
             root.ctx.step_verdicts[key] = verdict
         offset = 0
         for state, handle, group in members:
-            shard_group = state.process_group if state.process_group is not None and state.world_size > 1 else None
-            handle.attach_grads(group, [bool(u) for u in used[offset:offset + len(group.orig_params)]],
-                                shard_group, state.compute_device)
-            offset += len(group.orig_params)
+            shard_group = state.process_group if state.world_size > 1 else None
+            count = len(group.orig_params)
+            handle.attach_grads(group, used[offset:offset + count], shard_group, state.compute_device)
+            offset += count
     return disagreement
 
 
@@ -1014,11 +1020,7 @@ def _check_called_unsharded(state: _FSDPState, name: str, module: nn.Module, arg
 def _register_post_backward(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup) -> None:
     if group.post_backward_hook is None:
         group.post_backward_hook = group.padded_unsharded_flat.register_post_accumulate_grad_hook(
-            WeakHook(_post_backward_hook, state, handle, group))  # see [Note: Hooks on tensors hold weakly]
-
-
-def _post_backward_hook(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup, _: torch.Tensor) -> None:
-    _post_backward(state, handle, group)
+            WeakHook(_post_backward, state, handle, group))  # see [Note: Hooks on tensors hold weakly]
 
 
 def _track_modules(state: _FSDPState, module: nn.Module) -> None:

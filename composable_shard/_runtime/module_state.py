@@ -95,9 +95,10 @@ class WeakHook:
         self.refs = tuple(weakref.ref(o) for o in objects)
 
     def __call__(self, *args: Any) -> Any:
-        objects = tuple(r() for r in self.refs)
-        if any(o is None for o in objects):
-            return None
+        objects = [r() for r in self.refs]  # a loop, not generators: once per group and backward
+        for o in objects:
+            if o is None:
+                return None
         return self.fn(*objects, *args)
 
 

@@ -322,11 +322,27 @@ def _is_dtensor(p: Any) -> bool:
     return isinstance(p, DTensor)
 
 
+# optimizer -> (its groups_size, _watches_made, weak references to the watches that count its steps):
+# worked out at its first step and again when its groups or the set of watches change, so that a
+# step costs one increment per watch holding it (there are two per fully sharded module).
+_holders: "weakref.WeakKeyDictionary[Any, Tuple[Tuple[int, int], int, List[Any]]]" = weakref.WeakKeyDictionary()
+_watches_made = [0]  # OptimizerSteps created so far in this process
+
+
 def _on_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     with _hook_running():
-        size = groups_size(optimizer)  # once, not once per watch (one per fully sharded module)
-        for watch in list(_step_watches):
-            watch.count(optimizer, size)
+        size = groups_size(optimizer)
+        known = _holders.get(optimizer)
+        fresh = known is None or known[0] != size or known[1] != _watches_made[0]
+        if fresh:
+            known = (size, _watches_made[0], [weakref.ref(w) for w in list(_step_watches) if w.holds(optimizer)])
+            _holders[optimizer] = known
+        for ref in known[2]:  # type: ignore[index]  # set above when None
+            watch = ref()
+            if watch is not None:
+                watch.epoch += 1
+                if fresh or watch.every_step:
+                    watch.stepped(optimizer)
 
 
 def groups_size(optimizer: Optimizer) -> Tuple[int, int]:
@@ -455,8 +471,8 @@ STEP_AGREEMENT_INTS = 2  # what StepCounter.take() adds to a used-flags all-redu
 class OptimizerSteps:
     """The steps of the optimizers that hold one of ``params``, as a monotonic ``epoch`` (a
     handle's kept unsharded buffers are gathered again after one). An optimizer counts if one
-    of its parameter groups holds one of ``params``; which optimizers do is cached per
-    optimizer until its groups change size.
+    of its parameter groups holds one of ``params``; which optimizers do is worked out again
+    when an optimizer's groups change size or a new watch is made.
 
     Example::
 
@@ -465,29 +481,22 @@ class OptimizerSteps:
         assert steps.epoch == 1
     """
 
+    every_step: bool = True  # False: :meth:`stepped` is only needed at the first step after a change
+
     def __init__(self, params: Iterable[Any]) -> None:
         self.param_ids: Set[int] = {id(p) for p in params}
-        self.holds: "weakref.WeakKeyDictionary[Optimizer, Tuple[Tuple[int, int], bool]]" = weakref.WeakKeyDictionary()
         self.epoch: int = 0  # steps counted so far
         _use_hooks(self)
         _step_watches.add(self)
+        _watches_made[0] += 1
 
-    def count(self, optimizer: Optimizer, size: Optional[Tuple[int, int]] = None) -> None:
-        """Called for every optimizer step in the process: count it if it holds our parameters.
-        ``size``: :func:`groups_size` of ``optimizer`` if the caller has it."""
-        groups = optimizer.param_groups
-        if size is None:
-            size = groups_size(optimizer)
-        cached = self.holds.get(optimizer)
-        if cached is None or cached[0] != size:
-            cached = (size, any(id(p) in self.param_ids for g in groups for p in g["params"]))
-            self.holds[optimizer] = cached
-        if cached[1]:
-            self.epoch += 1
-            self.stepped(optimizer)
+    def holds(self, optimizer: Optimizer) -> bool:
+        """Whether one of ``optimizer``'s parameter groups holds one of our parameters."""
+        return any(id(p) in self.param_ids for g in optimizer.param_groups for p in g["params"])
 
     def stepped(self, optimizer: Optimizer) -> None:
-        """Called once per counted step of ``optimizer`` (after ``epoch`` was bumped)."""
+        """Called once per counted step of ``optimizer`` (after ``epoch`` was bumped); only at
+        the first step after a change of its groups or of the watches if not ``every_step``."""
 
 
 class StepCounter(OptimizerSteps):

@@ -415,7 +415,10 @@ def _link(optimizer: Optimizer, state: _FSDPState) -> None:
 
 class OptimizerStateDictWatch(_watch.OptimizerSteps):
     """Links every optimizer that steps one of ``state``'s parameters to it, at its steps (see
-    [Note: torch's state-dict API])."""
+    [Note: torch's state-dict API]). Linking is idempotent, so it is done at an optimizer's first
+    step after its groups (or the set of watches) changed, not at every step."""
+
+    every_step = False
 
     def __init__(self, state: _FSDPState) -> None:
         self.state_ref: "weakref.ReferenceType[_FSDPState]" = weakref.ref(state)
