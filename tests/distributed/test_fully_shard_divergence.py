@@ -361,6 +361,8 @@ def _steps_on_some_ranks(api: str, cause: str) -> None:
     own = nn.Linear(3, 3)  # a model of rank 0's own, stepped on rank 0 alone: not counted
     own_optim = torch.optim.SGD(own.parameters(), lr=0.1)
     scaler = None
+    if cause == "stepped_before_first_forward":  # a step before the step counter exists (made at the first
+        optim.step()  # forward): which optimizers hold which watches must be worked out again after it
     if cause in ("grad_scaler", "sharded_grad_scaler"):
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
         scaler = torch.amp.GradScaler("cpu") if cause == "grad_scaler" else ShardedGradScaler("cpu")
@@ -374,7 +376,7 @@ def _steps_on_some_ranks(api: str, cause: str) -> None:
         if scaler is None:
             if step == 0:  # every rank steps twice in the first window (two optimizers over one model, as
                 optim.step()  # Muon's and AdamW's): equal counts, so nothing is raised for it
-            if cause == "rank_condition" and step == 1 and rank == 1:
+            if cause in ("rank_condition", "stepped_before_first_forward") and step == 1 and rank == 1:
                 continue  # `if torch.isfinite(loss): optim.step()` with a loss that is inf on rank 1
             if cause == "extra_step" and step == 1 and rank == 0:
                 optim.step()  # one step too many on rank 0 (a per-rank accumulation count): 2 against 1
@@ -568,7 +570,7 @@ _AGREED: Dict[str, Callable[[], None]] = {
         _output_used_on_some_ranks(aux_first=True, sync=True, eval_first=True)),
     "optimizer stepped on some ranks": lambda: run_subtests(_steps_on_some_ranks, {
         "api": ["fully_shard", "replicate"],
-        "cause": ["rank_condition", "grad_scaler", "sharded_grad_scaler", "extra_step"]}),
+        "cause": ["rank_condition", "grad_scaler", "sharded_grad_scaler", "extra_step", "stepped_before_first_forward"]}),
     "optimizer stepped on some ranks before a state dict": lambda: run_subtests(_skip_before_a_state_dict, {
         "way": ["get_model_state_dict", "state_dict", "unshard_params"]}),
     "optimizer stepped on some ranks after the last backward": lambda: (run_subtests(_skip_then_read_or_saved, {
@@ -621,7 +623,8 @@ def test_disagreement_raises_on_every_rank(world_size: int) -> None:
     what to use instead, from the used-parameter all-reduce (no extra collective), whose verdict is
     read one synced backward later (no host read in the step that issued it), and not before. torch's
     ``ShardedGradScaler`` (skipping on every rank) and an optimizer of a rank's own model are
-    not reported (2 ranks). At 4 ranks on a 2 x 2 mesh: the agreement sums over both groups.
+    not reported (2 ranks); nor is a step taken before the first forward, and the skipped one after it
+    is. At 4 ranks on a 2 x 2 mesh: the agreement sums over both groups.
 
     optimizer stepped on some ranks before a state dict (2 ranks): the verdict no later backward
     read is read when the state dict is taken, and raises there.

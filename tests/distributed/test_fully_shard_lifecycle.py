@@ -220,12 +220,37 @@ def _uneven_in_place_edits() -> None:
         f"a forward after uneven in-place edits computed on a stale buffer: {(after_edits - from_scratch).abs().max()}"
 
 
+def _optimizer_grown_after_its_first_step() -> None:
+    """A fused optimizer (no version bump) built on blocks.0 alone steps once, then is given the
+    other parameters with ``add_param_group``: its next step must count for the other handles
+    too, so the buffers SHARD_GRAD_OP kept from a grad-mode forward before it are gathered again
+    (whether an optimizer holds a handle's parameters is worked out again when its groups grow)."""
+    rank = dist.get_rank()
+    model = _shard(make_model(), strategy=ShardingStrategy.SHARD_GRAD_OP)
+    optim = torch.optim.AdamW(model.blocks[0].parameters(), lr=1e-2, fused=True)
+    _local_step(model, 0)
+    optim.step()
+    optim.zero_grad()
+    optim.add_param_group({"params": [p for n, p in model.named_parameters()
+                                      if not n.startswith("blocks.0.") and p.requires_grad]})
+    _local_step(model, 1)
+    inputs = local_rows(batch(2, dist.get_world_size())[0], rank)
+    model(inputs).sum()  # grad on, no backward: gathered now and kept
+    optim.step()
+    with torch.no_grad():
+        after_step = model(inputs)
+        from_scratch = model(inputs)  # the no-grad forward before freed every buffer: gathered anew
+    assert torch.equal(after_step, from_scratch), \
+        f"a forward after a grown optimizer's step computed on a stale buffer: {(after_step - from_scratch).abs().max()}"
+
+
 def test_updates_are_visible_after_a_forward_without_backward() -> None:
     """Eval forward with grad on, then optimizer.step() (foreach, fused) or an in-place edit,
     under every strategy, fp32 and bf16 (``_stale_cases``): the next forward computes on the
     updated shards (SHARD_GRAD_OP used to keep the stale unsharded buffer; fused optimizers
     bump no version counter); also after in-place edits a different number of times per
-    parameter (``_uneven_in_place_edits``)."""
+    parameter (``_uneven_in_place_edits``), and after the step of an optimizer given the other
+    handles' parameters after its first step (``_optimizer_grown_after_its_first_step``)."""
     run_distributed(_all_world_sizes_entry, 2, "stale", timeout=240)
 
 
@@ -785,7 +810,8 @@ def _groups_released_when_destroyed() -> None:
 _GRIDS: Dict[str, Callable[[], None]] = {
     "failed_backward": lambda: (run_subtests(_failed_backward, {"strategy": _STRATEGIES}),
                                 run_subtests(_failed_backward, {"strategy": _STRATEGIES[:2]}, after_unsynced=True)),
-    "stale": lambda: (run_subtests(_stale_case, {"case": _stale_cases()}), _uneven_in_place_edits()),
+    "stale": lambda: (run_subtests(_stale_case, {"case": _stale_cases()}), _uneven_in_place_edits(),
+                      _optimizer_grown_after_its_first_step()),
     "freeze": lambda: run_subtests(_freeze_unfreeze, {"strategy": _STRATEGIES}),
     "unused": lambda: (_unit_used_only_unsynced(), _unit_used_only_unsynced(heads_sharded=False),
                        run_subtests(_unused_parameters, {"strategy": _STRATEGIES, "sometimes_on": ["all", "none", "rank0"]}),

@@ -221,3 +221,35 @@ def test_rank_out_of_range_raises(rank: int) -> None:
         chunk_bounds(10, 4, rank)
     with pytest.raises(ValueError):
         rank_param_slices([10], 4, rank)
+
+
+# --------------------------------------------------------------------------- one split of a shard
+def test_one_split_of_a_shard_gives_each_parameters_slice() -> None:
+    """``shard_split_sizes_of`` (flat_param.py) lets the runtime cut a gradient shard into every
+    parameter's slice with one split instead of a slice per parameter. A wrong size hands a
+    parameter another's gradient elements, or shifts every later one. The oracle here does not use
+    ``rank_param_slices``: the flat range is numbered, each rank's chunk cut from it, and each
+    parameter's elements in the chunk found by value; random layouts (empty parameters, parameters
+    spanning several chunks, more ranks than elements) at every world size and rank."""
+    import torch
+    from composable_shard._runtime.flat_param import shard_split_sizes_of
+
+    rng = random.Random(5)
+    layouts = [[0], [5], [0, 3, 0], [1, 1, 1, 1, 1, 1, 1, 1, 1], [7, 0, 2, 0, 0, 9]]
+    layouts += [[rng.choice([0, 0, 1, 2, 3, 5, 8, 13, 40]) for _ in range(rng.randint(1, 7))] for _ in range(40)]
+    for numels in layouts:
+        total = sum(numels)
+        owner = torch.tensor([i for i, n in enumerate(numels) for _ in range(n)], dtype=torch.long)  # per element
+        for world_size in WORLD_SIZES:
+            padded = padded_numel(total, world_size)
+            flat = torch.cat([owner, torch.full((padded - total,), -1, dtype=torch.long)])
+            chunk = padded // world_size
+            for rank in range(world_size):
+                shard = flat[rank * chunk:(rank + 1) * chunk]
+                sizes = shard_split_sizes_of(rank_param_slices(numels, world_size, rank), chunk)
+                pieces = shard.split(sizes)
+                assert len(pieces) == len(numels) + 1, (numels, world_size, rank, sizes)
+                for i, piece in enumerate(pieces[:-1]):
+                    assert piece.numel() == int((shard == i).sum()), (numels, world_size, rank, sizes)
+                    assert bool((piece == i).all()), (numels, world_size, rank, i, piece.tolist())
+                assert bool((pieces[-1] == -1).all()), (numels, world_size, rank, sizes)  # the padding alone
