@@ -16,7 +16,9 @@ few integers the runtime sends with a collective go through this module:
   values are read later (:meth:`HostMirror.values`), by which time the copy has long finished
   (the end-of-backward agreement reads them one synced backward later: [Note: Step agreement]
   in ``_runtime/watch.py``, its ``StepVerdict``). On the CPU the "device" tensor is host memory
-  already: the mirror is the tensor itself, read once its collective is done.
+  already: the mirror is the tensor itself, read once its collective is done, and let go at the
+  next forward (:meth:`HostMirror.settle`: a tensor held from one step into the next would add
+  its bytes to every step's peak, which torch's FSDP2, holding none, does not have).
 
 A read through a mirror is a read of host memory the copy has filled, not of a device tensor:
 tests that count host reads of device values in a step (``test_host_reads.py``) leave this
@@ -56,6 +58,8 @@ class HostMirror:
     def __init__(self, source: torch.Tensor, pending: Waitable) -> None:
         self._pending: Optional[Waitable] = pending
         self._event: Optional[torch.Event] = None
+        self._values: Optional[List[int]] = None  # read already
+        self._host: Optional[torch.Tensor]
         if source.device.type == "cpu":
             self._host = source  # host memory: ready when the collective is (gloo finishes it in its thread)
             return
@@ -68,10 +72,22 @@ class HostMirror:
 
     def values(self) -> List[int]:
         """The values, waiting for the copy (or, on the CPU, the collective) if it has not finished."""
+        if self._values is not None:
+            return self._values
         if self._event is not None:
             self._event.synchronize()
         elif self._pending is not None:
             self._pending.wait()
             self._pending = None
-        out: List[int] = self._host.tolist()
-        return out
+        assert self._host is not None  # dropped only once read
+        self._values = self._host.tolist()
+        self._host = None
+        return self._values
+
+    def settle(self) -> None:
+        """On the CPU: read the values now and let the tensor go (its collective, issued a step
+        earlier, has long finished: the wait returns at once). A device's mirror is pinned host
+        memory, not the device's, and its values are read only when asked (reading them is what
+        would wait for the device)."""
+        if self._event is None and self._host is not None:
+            self.values()

@@ -327,6 +327,8 @@ def _root_pre_forward(root: _FSDPState, args: Tuple[Any, ...], kwargs: Dict[str,
     if root.ctx.changes_to_check:
         _watch.raise_on_model_change(root._all_fsdp_states)
         root.ctx.changes_to_check = False
+    for verdict in root.ctx.step_verdicts.values():  # read at the next synced backward; held as values only
+        verdict.settle()
     _follow_user_changes(root)
     root.ctx.forward_in_progress = True
     root.ctx.exec_index = 0

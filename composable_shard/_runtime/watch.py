@@ -546,6 +546,10 @@ class StepVerdict:
         self._mirror, self._steps, self._num_ranks = mirror, list(steps), num_ranks
         self._api, self._consequence = api, consequence
 
+    def settle(self) -> None:
+        """Let go of the agreement's tensor once its values are in (CPU; see :meth:`HostMirror.settle`)."""
+        self._mirror.settle()
+
     def disagreement(self) -> Optional[str]:
         """The error message if the ranks took different numbers of optimizer steps in the window
         this agreement covered, else ``None``."""
