@@ -509,6 +509,16 @@ def profile(rank: int, args: argparse.Namespace, c: Contender, batches: List[Tup
 
 
 # ---------------------------------------------------------------------------- memory ranks
+def memory_step(c: Contender, tokens: torch.Tensor, targets: torch.Tensor) -> None:
+    """The step whose peak the memory spawn measures: forward + loss with no reference to the
+    logits kept, backward, optimizer step, ``zero_grad(set_to_none=True)``."""
+    loss = F.cross_entropy(c.module(tokens).reshape(-1, VOCAB), targets.reshape(-1))
+    loss.backward()
+    del loss
+    c.optim.step()
+    c.optim.zero_grad(set_to_none=True)
+
+
 def memory_worker(rank: int, args: argparse.Namespace, cfg: Dict[str, Any], so_path: str, port: int,
                   names: List[str], outdir: str) -> None:
     """[Note: Memory spawn]: one contender at a time under the counting allocator."""
@@ -537,11 +547,7 @@ def memory_worker(rank: int, args: argparse.Namespace, cfg: Dict[str, Any], so_p
                 dist.barrier()
                 start = ca.live()
                 ca.reset_peak()
-                loss = F.cross_entropy(c.module(tokens).reshape(-1, VOCAB), targets.reshape(-1))
-                loss.backward()
-                del loss
-                c.optim.step()
-                c.optim.zero_grad(set_to_none=True)
+                memory_step(c, tokens, targets)
                 if i >= args.memory_warmup:
                     peaks.append(ca.peak() - before)
                     starts.append(start - before)

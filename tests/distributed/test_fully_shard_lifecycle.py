@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from composable_shard import MixedPrecision, ShardingStrategy, fully_shard, get_model_state_dict, unshard_params
+from composable_shard._runtime.traversal import _get_fsdp_handles
 from tests._harness import assert_close_ranks, run_distributed, run_subtests
 from tests._models import (arm_backward_failure, assert_params_close, batch, expect_backward_failure, local_rows,
                            loss_fn, make_model, zip_same)
@@ -289,11 +290,44 @@ def _freeze_unfreeze(strategy: ShardingStrategy) -> None:
     assert_params_close(_full_params(model), list(reference.named_parameters()), what=what)
 
 
+def _frozen_module_first(strategy: ShardingStrategy) -> None:
+    """A frozen fully sharded module first in the model (its input needs no gradient either) returns
+    a tensor that needs none: its forward neither hooks that output for a backward (torch refuses a
+    hook on such a tensor) nor keeps its parameters gathered for one; the head after it trains as in
+    one process, and the frozen module keeps ``.grad`` None."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+        m[0].requires_grad_(False)
+        return m
+
+    reference, model = build(), build()
+    kwargs = _strategy_kwargs(strategy)
+    fully_shard(model[0], **kwargs)
+    fully_shard(model[2], **kwargs)
+    fully_shard(model, **kwargs)
+    for step in range(2):
+        torch.manual_seed(100 + step)
+        inputs = torch.randn(4 * world, 6)
+        reference.zero_grad()
+        reference(inputs).pow(2).mean().backward()
+        out = model(inputs.view(world, 4, 6)[rank])
+        frozen_handles = _get_fsdp_handles(model[0])
+        assert frozen_handles and all(h.unsharded_storage_freed() for h in frozen_handles), \
+            f"[{strategy.name}] the frozen first module kept its parameters gathered after its forward"
+        out.pow(2).mean().backward()
+        _assert_grads_equal(model, reference, f"[{strategy.name}] frozen first module, step {step}")
+        model.zero_grad()
+
+
 def test_freeze_and_unfreeze_after_fully_shard() -> None:
     """requires_grad changed after fully_shard (a block, one parameter, a group built frozen)
     is honoured from the next forward: frozen parameters get .grad None and are not updated,
     unfrozen ones train; gradients equal local training at every step. Every strategy at 2
-    ranks; the hybrid ones on a 2 x 2 mesh in test_hybrid_sharding_at_four_ranks."""
+    ranks; the hybrid ones on a 2 x 2 mesh in test_hybrid_sharding_at_four_ranks. Also a frozen
+    module first in the model, whose output needs no gradient (``_frozen_module_first``)."""
     run_distributed(_all_world_sizes_entry, 2, "freeze", timeout=240)
 
 
@@ -812,7 +846,8 @@ _GRIDS: Dict[str, Callable[[], None]] = {
                                 run_subtests(_failed_backward, {"strategy": _STRATEGIES[:2]}, after_unsynced=True)),
     "stale": lambda: (run_subtests(_stale_case, {"case": _stale_cases()}), _uneven_in_place_edits(),
                       _optimizer_grown_after_its_first_step()),
-    "freeze": lambda: run_subtests(_freeze_unfreeze, {"strategy": _STRATEGIES}),
+    "freeze": lambda: (run_subtests(_freeze_unfreeze, {"strategy": _STRATEGIES}),
+                       run_subtests(_frozen_module_first, {"strategy": _STRATEGIES})),
     "unused": lambda: (_unit_used_only_unsynced(), _unit_used_only_unsynced(heads_sharded=False),
                        run_subtests(_unused_parameters, {"strategy": _STRATEGIES, "sometimes_on": ["all", "none", "rank0"]}),
                        _partial_grad_reset()),

@@ -178,9 +178,8 @@ def test_sharded_gradients_follow_zero_grad() -> None:
 # ---------------------------------------------------------------------------- peak against FSDP2
 def _peak_against_fsdp2(so_path: str) -> None:
     from benchmarks import counting_allocator as ca
-    from benchmarks.run import DATA_SEED, SEQ, VOCAB, build_contender, make_batch
+    from benchmarks.run import DATA_SEED, SEQ, VOCAB, build_contender, make_batch, memory_step
     from torch.distributed.device_mesh import init_device_mesh
-    import torch.nn.functional as F
 
     ca.install(so_path)  # tensors made before are invisible to it; each figure counts from its own baseline
     assert ca.validate()["ok"]
@@ -198,11 +197,7 @@ def _peak_against_fsdp2(so_path: str) -> None:
         for i, (tokens, targets) in enumerate(batches):
             dist.barrier()
             ca.reset_peak()
-            loss = F.cross_entropy(contender.module(tokens).reshape(-1, VOCAB), targets.reshape(-1))
-            loss.backward()
-            del loss
-            contender.optim.step()
-            contender.optim.zero_grad(set_to_none=True)
+            memory_step(contender, tokens, targets)  # the benchmark's measured step
             if i > 0:  # the first step makes AdamW's state and the runtime's lazy state
                 peaks.append(ca.peak() - before)
         del contender
