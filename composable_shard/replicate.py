@@ -289,8 +289,6 @@ def replicate(
 # broadcast after those too). Without it each rank kept statistics of its own data: eval outputs
 # differed between ranks and from DDP's. One broadcast per dtype of buffers, none without buffers.
 def _broadcast_buffers(state: _ReplicateState, module: nn.Module, args: Tuple[Any, ...]) -> None:
-    if state.step_verdict is not None:  # read at the next synced backward; held as values only (host_mirror.py)
-        state.step_verdict.settle()
     if not state.sync_buffers or state.world_size == 1:
         return
     buffers = [b for _, m in _managed_modules(module, state.skipped) for b in m.buffers(recurse=False)

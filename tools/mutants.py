@@ -2813,7 +2813,7 @@ MUTANTS: List[Mutant] = [
     _m("own17_pending_init_not_counted", "A handle initialized after to_empty is put among the pending ones without raising the counter checked first, so its initialized values are never taken into the shards and training starts from uninitialized memory",
        "composable_shard/_runtime/flat_param.py", "        _PENDING_INIT_ADDED[0] += 1", "        pass",
        "tests/distributed/test_meta_init.py", "tests/distributed/test_fully_shard_init.py"),
-    _m("own17_verdict_not_settled", "The end-of-backward agreement's tensor is not let go at the next forward, so it stays allocated through the next step and the step's peak is 220 B above torch FSDP2's on the benchmark model",
+    _m("own17_verdict_not_settled", "The end-of-backward agreement's tensor is not let go at the end of the next forward, so it stays allocated through the next step and the step's peak is 220 B above torch FSDP2's on the benchmark model",
        "composable_shard/_runtime/hooks.py", "        verdict.settle()", "        pass",
        "tests/distributed/test_fully_shard_memory.py::test_peak_of_a_step_at_most_fsdp2s_to_the_byte"),
     _m("own17_mirror_keeps_its_tensor", "A host mirror read (settled) keeps its tensor as well as the values, so settling frees nothing",

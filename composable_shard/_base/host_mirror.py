@@ -16,9 +16,10 @@ few integers the runtime sends with a collective go through this module:
   values are read later (:meth:`HostMirror.values`), by which time the copy has long finished
   (the end-of-backward agreement reads them one synced backward later: [Note: Step agreement]
   in ``_runtime/watch.py``, its ``StepVerdict``). On the CPU the "device" tensor is host memory
-  already: the mirror is the tensor itself, read once its collective is done, and let go at the
-  next forward (:meth:`HostMirror.settle`: a tensor held from one step into the next would add
-  its bytes to every step's peak, which torch's FSDP2, holding none, does not have).
+  already: the mirror is the tensor itself, read once its collective is done; ``fully_shard`` lets
+  it go at the end of the next forward (:meth:`HostMirror.settle`: held through the loss and the
+  backward it would add its bytes to every step's peak, which torch's FSDP2, holding none, does not
+  have).
 
 A read through a mirror is a read of host memory the copy has filled, not of a device tensor:
 tests that count host reads of device values in a step (``test_host_reads.py``) leave this

@@ -327,8 +327,6 @@ def _root_pre_forward(root: _FSDPState, args: Tuple[Any, ...], kwargs: Dict[str,
     if root.ctx.changes_to_check:
         _watch.raise_on_model_change(root._all_fsdp_states)
         root.ctx.changes_to_check = False
-    for verdict in root.ctx.step_verdicts.values():  # read at the next synced backward; held as values only
-        verdict.settle()
     _follow_user_changes(root)
     root.ctx.forward_in_progress = True
     root.ctx.exec_index = 0
@@ -511,6 +509,12 @@ def _post_forward(state: _FSDPState, module: nn.Module, args: Tuple[Any, ...], o
     if state.is_root:
         state.ctx.forward_in_progress = False
         _release_unused_prefetches(state)
+        # The last agreement's values are read at the next synced backward's end; held as values from
+        # here on, so its tensor is under neither the loss nor the backward (the step's peak). Its
+        # all-reduce finished long ago (this forward's gathers needed every rank past it): the wait
+        # returns at once (host_mirror.py).
+        for verdict in state.ctx.step_verdicts.values():
+            verdict.settle()
         if not needs_backward:  # nothing to differentiate: the iteration ends here
             _end_iteration(state)
     return output
