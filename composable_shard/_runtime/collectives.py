@@ -284,20 +284,15 @@ def group_size(group: Optional[dist.ProcessGroup]) -> int:
 
 
 def _report(kind: str, nbytes: int, group: Optional[dist.ProcessGroup], tag: str,
-            input: Optional[torch.Tensor] = None) -> int:
-    """Report a collective to the active recorders; returns the group's size."""
-    world_size = _group_facts(group)[0]
-    if _ACTIVE:
-        _record(kind, nbytes, world_size, tag, input)
-    return world_size
-
-
-def _record(kind: str, nbytes: int, world_size: int, tag: str, input: Optional[torch.Tensor]) -> None:
-    if _local.recorders:
-        rec = CollectiveRecord(kind, nbytes, world_size, tag, weakref.ref(input) if input is not None else None)
+            input: Optional[torch.Tensor] = None) -> Tuple[int, str]:
+    """Report a collective to the active recorders; returns the group's ``(size, backend)``."""
+    facts = _group_facts(group)
+    if _ACTIVE and _local.recorders:
+        rec = CollectiveRecord(kind, nbytes, facts[0], tag, weakref.ref(input) if input is not None else None)
         for r in _local.recorders:
             r.records.append(rec)
             r._add_event(("collective", kind, tag))
+    return facts
 
 
 def _copy_alone(output: torch.Tensor, input: torch.Tensor, kind: str, tag: str, hint: str = "") -> Pending:
@@ -324,9 +319,7 @@ def all_gather_into(
     with another handle's (see [Note: Collectives on gloo]). ``hint``: the advice of the error
     raised if it does not complete (default :data:`TRAINING_HINT`), and of the warning once it
     has waited :data:`STUCK_WARNING_AFTER_S` (see [Note: Stuck waits])."""
-    world_size, backend = _group_facts(group)  # inline _report: one facts lookup for both questions
-    if _ACTIVE:
-        _record("all_gather", input.numel() * input.element_size(), world_size, tag, input)
+    world_size, backend = _report("all_gather", input.numel() * input.element_size(), group, tag, input)
     if world_size == 1:
         return _copy_alone(output, input, "all_gather", tag, hint)
     if backend == "gloo" and input.device.type == "cpu":
@@ -346,9 +339,7 @@ def reduce_scatter_into(
     contents are undefined afterwards. ``match`` as for :func:`all_gather_into`.
 
     On gloo it runs point to point (see [Note: Collectives on gloo])."""
-    world_size, backend = _group_facts(group)  # as in all_gather_into
-    if _ACTIVE:
-        _record("reduce_scatter", input.numel() * input.element_size(), world_size, tag, input)
+    world_size, backend = _report("reduce_scatter", input.numel() * input.element_size(), group, tag, input)
     if world_size == 1:
         return _copy_alone(output, input, "reduce_scatter", tag)
     if backend == "gloo" and input.device.type == "cpu":
@@ -371,9 +362,6 @@ def averages_natively(group: Optional[dist.ProcessGroup], dtype: torch.dtype) ->
     size, backend = _group_facts(group)
     return size > 1 and backend not in ("gloo", "mpi")
 
-
-def _is_gloo(group: Optional[dist.ProcessGroup]) -> bool:
-    return _group_facts(group)[1] == "gloo"
 
 
 # [Note: Collectives on gloo]  gloo's all-gather and reduce-scatter run on the process group's
@@ -461,7 +449,7 @@ def all_reduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], *, tag:
                op: Any = dist.ReduceOp.SUM, hint: str = "") -> Pending:
     """Reduce ``tensor`` in place across the group (sum unless ``op`` says otherwise), async.
     ``hint`` as for :func:`all_gather_into`."""
-    if _report("all_reduce", tensor.numel() * tensor.element_size(), group, tag, tensor) == 1:
+    if _report("all_reduce", tensor.numel() * tensor.element_size(), group, tag, tensor)[0] == 1:
         return Pending(None, tensor, "all_reduce", tag=tag, hint=hint)
     work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
     return Pending(work, tensor, "all_reduce", tag=tag, hint=hint)
@@ -469,7 +457,7 @@ def all_reduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], *, tag:
 
 def broadcast(tensor: torch.Tensor, src_rank: int, group: Optional[dist.ProcessGroup], *, tag: str = "") -> None:
     """Broadcast ``tensor`` in place from group rank ``src_rank`` (synchronous)."""
-    if _report("broadcast", tensor.numel() * tensor.element_size(), group, tag) == 1:
+    if _report("broadcast", tensor.numel() * tensor.element_size(), group, tag)[0] == 1:
         return
     global_src = dist.get_global_rank(group, src_rank) if group is not None else src_rank
     dist.broadcast(tensor, src=global_src, group=group)
@@ -493,7 +481,7 @@ def exchange(values: List[int], group: Optional[dist.ProcessGroup], *, tag: str 
     the cross-rank agreement checks use it before collectives that must match. ``hint``: what
     the stuck-wait warning and the error of ranks exchanging different things advise (see [Note:
     Stuck waits] and [Note: Exchanges name themselves])."""
-    world_size = _report("exchange", 8 * _FRAME_WORDS, group, tag)
+    world_size = _report("exchange", 8 * _FRAME_WORDS, group, tag)[0]
     if world_size == 1:
         return [list(values)]
     rows = _framed_gather(values, group, "exchange", tag, hint)
@@ -537,7 +525,7 @@ def all_gather_json(obj: Any, group: Optional[dist.ProcessGroup], *, tag: str = 
     JSON, not pickle: what a peer sends is decoded as data and can never run code here
     (``dist.all_gather_object`` unpickles, and needs numpy). Two tensor all-gathers: lengths
     (in an exchange's frame, [Note: Exchanges name themselves]), then padded bytes."""
-    world_size = _report("all_gather_json", 0, group, tag)
+    world_size = _report("all_gather_json", 0, group, tag)[0]
     encoded = json.dumps(obj, allow_nan=False).encode("utf-8")
     if world_size == 1:
         return [json.loads(encoded)]

@@ -287,6 +287,7 @@ class FlatGroup:
     grad_sources: Optional[Tuple[Any, torch.device, List[Any]]] = None  # see FlatParamHandle._grad_sources
     averages: Optional[Tuple[Any, bool]] = None  # (divisor, world, dtype) -> whether its reductions average natively
     gather_alias: Optional[torch.Tensor] = None  # padded_unsharded_flat.data, made once: what the all-gather writes
+    gathered: torch.Tensor = field(init=False)  # see gathered_buffer (set by FlatParamHandle._build_group)
     has_pieces: bool = False  # some parameter is a tensor-parallel piece (its views are DTensors)
     shard_split_sizes: List[int] = field(default_factory=list)  # per orig param its slice's numel, then the padding:
     # one split of a gradient shard gives every parameter's slice (see shard_split_sizes_of)
@@ -315,8 +316,9 @@ class FlatGroup:
     @property
     def gathered_buffer(self) -> torch.Tensor:
         """The buffer the all-gather fills, whose storage is allocated exactly while the group is
-        unsharded: ``padded_unsharded_flat``, or a float8 group's bytes."""
-        return self.float8.gathered if self.float8 is not None else self.padded_unsharded_flat
+        unsharded: ``padded_unsharded_flat``, or a float8 group's bytes (both set at build, never
+        replaced: kept in ``gathered``, a plain attribute the per-step checks read)."""
+        return self.gathered
 
     @property
     def padded_numel(self) -> int:
@@ -604,6 +606,7 @@ class FlatParamHandle:
         group = FlatGroup(flat_param, orig_params, compute_dtype, unsharded, aliases,
                           numels + ([padded - total] if padded > total else []))
         group.float8 = float8
+        group.gathered = float8.gathered if float8 is not None else unsharded
         group.has_pieces = any(piece is not None for piece in pieces)
         group.shard_split_sizes = shard_split_sizes_of(flat_param._shard_slices, flat_param.numel())
         group.requires_grad_mask = tuple(p.requires_grad for p in orig_params)
@@ -707,20 +710,17 @@ class FlatParamHandle:
         """The first flat parameter (the only one when all parameters share dtype/grad-ness)."""
         return self.groups[0].flat_param
 
-    # The storage checks below run several times per module and step: plain loops, the gathered
-    # buffer read inline (``FlatGroup.gathered_buffer`` is a property), no generator.
+    # The storage checks below run several times per module and step: plain loops, no generator.
     def needs_unshard(self) -> bool:
         """True if some group's unsharded storage is not allocated and filled."""
         for g in self.groups:
-            if not g.aliases_shard and (g.float8.gathered if g.float8 is not None else g.padded_unsharded_flat
-                                        ).untyped_storage().nbytes() == 0:
+            if not g.aliases_shard and g.gathered.untyped_storage().nbytes() == 0:
                 return True
         return False
 
     def unsharded_storage_freed(self) -> bool:
         """True if every group that owns an unsharded buffer has freed its storage."""
-        return not any(not g.aliases_shard and (g.float8.gathered if g.float8 is not None else g.padded_unsharded_flat
-                                                ).untyped_storage().nbytes() > 0 for g in self.groups)
+        return not any(not g.aliases_shard and g.gathered.untyped_storage().nbytes() > 0 for g in self.groups)
 
     def shard_metadata(self) -> List[List[Tuple[str, torch.Size, int, int]]]:
         """Per group, per original parameter: ``(fqn, full shape, start, end)`` of the
@@ -749,7 +749,7 @@ class FlatParamHandle:
             cast = _float8.cast_shard(group.float8, shard, group.flat_param._shard_slices,
                                       agree if shard_group is not None else None)
             group.comm_shard = cast
-            group.gathered_at = (self._version_sum(group), self.optimizer_steps.epoch)
+            group.gathered_at = (versions_sum(group.orig_params), self.optimizer_steps.epoch)
             return group.float8.gathered, cast
         output = group.gather_alias
         if output is None:  # the buffer and its data are never replaced: one alias for the group's life
@@ -768,14 +768,10 @@ class FlatParamHandle:
         since it was gathered."""
         epoch = self.optimizer_steps.epoch
         for g in self.groups:
-            if not g.aliases_shard and _storage_is_allocated(g.gathered_buffer) \
+            if not g.aliases_shard and _storage_is_allocated(g.gathered) \
                     and g.gathered_at != (versions_sum(g.orig_params), epoch):
                 return True
         return False
-
-    @staticmethod
-    def _version_sum(group: FlatGroup) -> int:
-        return versions_sum(group.orig_params)
 
     def use_unsharded_views(self, forward: bool = False, fresh: bool = False) -> None:
         """Install full-shape views of the unsharded buffers in the module slots. Pre: every
@@ -872,8 +868,7 @@ class FlatParamHandle:
         for g in self.groups:
             if g.pending_unshard is not None:
                 return False
-            if not needed and not g.aliases_shard and (g.float8.gathered if g.float8 is not None
-                                                       else g.padded_unsharded_flat).untyped_storage().nbytes() == 0:
+            if not needed and not g.aliases_shard and g.gathered.untyped_storage().nbytes() == 0:
                 needed = True
         return needed
 
@@ -887,16 +882,16 @@ class FlatParamHandle:
         streams = handle_streams(owner, self.compute_device)
         gathers = [(group, *self.prepare_gather(group)) for group in self.groups if not group.aliases_shard]
         if streams.all_gather is None:  # CPU: no stream to issue on, no event to record
-            self._issue_gathers(gathers, owner.process_group)
+            self._gather_each(gathers, owner.process_group)
             return
         with streams.run_on(streams.all_gather):
-            self._issue_gathers(gathers, owner.process_group)
+            self._gather_each(gathers, owner.process_group)
             event = streams.record(streams.all_gather)
         for group in self.groups:
             if group.pending_unshard is not None:
                 group.pending_unshard.event = event
 
-    def _issue_gathers(self, gathers: List[Tuple[FlatGroup, torch.Tensor, torch.Tensor]], process_group: Any) -> None:
+    def _gather_each(self, gathers: List[Tuple[FlatGroup, torch.Tensor, torch.Tensor]], process_group: Any) -> None:
         for group, output, shard in gathers:
             if process_group is None:  # a shard group of one rank (NO_SHARD): the shard, cast
                 output.copy_(shard)
@@ -930,7 +925,7 @@ class FlatParamHandle:
         self.use_sharded_views()
         for group in self.groups:
             if free and not group.aliases_shard:
-                _free_storage(group.float8.gathered if group.float8 is not None else group.padded_unsharded_flat)
+                _free_storage(group.gathered)
             group.comm_shard = None
 
     def enter(self, to: HandleTrainingState, where: str,
