@@ -288,9 +288,14 @@ class FlatGroup:
     averages: Optional[Tuple[Any, bool]] = None  # (divisor, world, dtype) -> whether its reductions average natively
     gather_alias: Optional[torch.Tensor] = None  # padded_unsharded_flat.data, made once: what the all-gather writes
     gathered: torch.Tensor = field(init=False)  # see gathered_buffer (set by FlatParamHandle._build_group)
+    storage: Any = field(init=False)  # gathered's storage, one Python object for the group's life (see gathered_buffer)
+    gathered_nbytes: int = 0  # its size while allocated
     has_pieces: bool = False  # some parameter is a tensor-parallel piece (its views are DTensors)
     shard_split_sizes: List[int] = field(default_factory=list)  # per orig param its slice's numel, then the padding:
     # one split of a gradient shard gives every parameter's slice (see shard_split_sizes_of)
+    slices_are_params: bool = False  # the original parameters are 1-D slices of the shard (no stand-ins)
+    view_shapes: Tuple[Optional[torch.Size], ...] = ()  # per orig param: its shape, None where its piece of a split has it
+    split_hooks: Dict[bool, Any] = field(default_factory=dict)  # from_forward -> the split's _SplitBackwardHook, made once
 
     @property
     def sharded_grad(self) -> Optional[torch.Tensor]:
@@ -317,7 +322,9 @@ class FlatGroup:
     def gathered_buffer(self) -> torch.Tensor:
         """The buffer the all-gather fills, whose storage is allocated exactly while the group is
         unsharded: ``padded_unsharded_flat``, or a float8 group's bytes (both set at build, never
-        replaced: kept in ``gathered``, a plain attribute the per-step checks read)."""
+        replaced: kept in ``gathered``, a plain attribute, and its storage in ``storage``: resizing
+        keeps a storage's identity, so the per-step checks and resizes use that one Python object
+        instead of making one per ``untyped_storage()`` call)."""
         return self.gathered
 
     @property
@@ -437,15 +444,6 @@ def norm_groups(shard_group: Any, piece: Optional[Piece]) -> List[Any]:
     return ([shard_group] if shard_group is not None else []) + (shard_groups(piece) if piece is not None else [])
 
 
-# Storage sizes are read with ``nbytes()`` (C), not ``size()`` (a Python wrapper of it): these
-# run several times per module and step.
-def _alloc_storage(tensor: torch.Tensor) -> None:
-    nbytes = tensor.numel() * tensor.element_size()
-    storage = tensor.untyped_storage()
-    if storage.nbytes() != nbytes:
-        storage.resize_(nbytes)
-
-
 def _wider(dtype: torch.dtype, than: torch.dtype) -> bool:
     """Whether floating ``dtype`` has more mantissa bits than floating ``than``."""
     return (dtype.is_floating_point and than.is_floating_point
@@ -456,10 +454,6 @@ def _free_storage(tensor: torch.Tensor) -> None:
     storage = tensor.untyped_storage()
     if storage.nbytes() != 0:
         storage.resize_(0)
-
-
-def _storage_is_allocated(tensor: torch.Tensor) -> bool:
-    return tensor.untyped_storage().nbytes() > 0
 
 
 class _SplitBackwardHook:
@@ -607,8 +601,12 @@ class FlatParamHandle:
                           numels + ([padded - total] if padded > total else []))
         group.float8 = float8
         group.gathered = float8.gathered if float8 is not None else unsharded
+        group.storage = group.gathered.untyped_storage()
+        group.gathered_nbytes = group.gathered.numel() * group.gathered.element_size()
         group.has_pieces = any(piece is not None for piece in pieces)
         group.shard_split_sizes = shard_split_sizes_of(flat_param._shard_slices, flat_param.numel())
+        group.view_shapes = tuple(None if len(shape) == 1 else shape for shape in flat_param._shapes)
+        group.slices_are_params = all(p is orig for (p, _), orig in zip(members, orig_params))
         group.requires_grad_mask = tuple(p.requires_grad for p in orig_params)
         group.full_precision = full_precision
         group.used = [False] * len(orig_params)
@@ -714,13 +712,16 @@ class FlatParamHandle:
     def needs_unshard(self) -> bool:
         """True if some group's unsharded storage is not allocated and filled."""
         for g in self.groups:
-            if not g.aliases_shard and g.gathered.untyped_storage().nbytes() == 0:
+            if not g.aliases_shard and g.storage.nbytes() == 0:
                 return True
         return False
 
     def unsharded_storage_freed(self) -> bool:
         """True if every group that owns an unsharded buffer has freed its storage."""
-        return not any(not g.aliases_shard and g.gathered.untyped_storage().nbytes() > 0 for g in self.groups)
+        for g in self.groups:
+            if not g.aliases_shard and g.storage.nbytes() > 0:
+                return False
+        return True
 
     def shard_metadata(self) -> List[List[Tuple[str, torch.Size, int, int]]]:
         """Per group, per original parameter: ``(fqn, full shape, start, end)`` of the
@@ -736,8 +737,10 @@ class FlatParamHandle:
         compute dtype/device (kept alive on the group until the gather is waited). Records
         what the buffer is gathered from (see :meth:`is_stale`). A float8 group gathers its
         weights cast to float8 bytes (see [Note: float8 all-gather] in ``_base/float8.py``)."""
+        storage = group.storage
+        if storage.nbytes() != group.gathered_nbytes:
+            storage.resize_(group.gathered_nbytes)
         if group.float8 is not None:
-            _alloc_storage(group.float8.gathered)
             shard = self.on_compute_device(group.flat_param.data)
             owner = self.owner()
             shard_group = owner.process_group if owner.world_size > 1 else None
@@ -754,7 +757,6 @@ class FlatParamHandle:
         output = group.gather_alias
         if output is None:  # the buffer and its data are never replaced: one alias for the group's life
             output = group.gather_alias = group.padded_unsharded_flat.data
-        _alloc_storage(output)
         shard = group.flat_param.data
         if shard.dtype != group.compute_dtype or shard.device != self.compute_device:
             shard = shard.to(device=self.compute_device, dtype=group.compute_dtype, non_blocking=True)
@@ -768,7 +770,7 @@ class FlatParamHandle:
         since it was gathered."""
         epoch = self.optimizer_steps.epoch
         for g in self.groups:
-            if not g.aliases_shard and _storage_is_allocated(g.gathered) \
+            if not g.aliases_shard and g.storage.nbytes() > 0 \
                     and g.gathered_at != (versions_sum(g.orig_params), epoch):
                 return True
         return False
@@ -811,7 +813,10 @@ class FlatParamHandle:
                 pieces, views = self._split_views(group, fp)
         split = pieces[0].grad_fn if pieces else None
         if split is not None:
-            split.register_prehook(_SplitBackwardHook(self, group, from_forward))
+            hook = group.split_hooks.get(from_forward)
+            if hook is None:  # it holds nothing of a step: one per group and kind, reused
+                hook = group.split_hooks[from_forward] = _SplitBackwardHook(self, group, from_forward)
+            split.register_prehook(hook)
             if from_forward:
                 group.forward_grad_due = True
         if from_forward and not torch.is_inference_mode_enabled():
@@ -823,8 +828,10 @@ class FlatParamHandle:
         """Under grad mode: one split of the group's unsharded buffer, and a full-shape view per
         parameter (a DTensor for a tensor-parallel piece, a float8 view for a float8 group)."""
         pieces = group.padded_unsharded_flat.split_with_sizes(group.split_sizes)  # torch.split's op, no wrapper
-        views = [piece.view(shape) if trainable else piece.detach().view(shape)
-                 for piece, shape, trainable in zip(pieces, fp._shapes, group.requires_grad_mask)]
+        # a 1-D parameter's piece has its shape already: no view of it (a view op costs microseconds)
+        views = [(piece if trainable else piece.detach()) if shape is None
+                 else piece.view(shape) if trainable else piece.detach().view(shape)
+                 for piece, shape, trainable in zip(pieces, group.view_shapes, group.requires_grad_mask)]
         if group.has_pieces:
             views = [view if tp is None else as_dtensor(tp, view) for view, tp in zip(views, fp._pieces)]
         if group.float8 is not None:  # see [Note: float8 all-gather] in _base/float8.py
@@ -868,7 +875,7 @@ class FlatParamHandle:
         for g in self.groups:
             if g.pending_unshard is not None:
                 return False
-            if not needed and not g.aliases_shard and g.gathered.untyped_storage().nbytes() == 0:
+            if not needed and not g.aliases_shard and g.storage.nbytes() == 0:
                 needed = True
         return needed
 
@@ -924,8 +931,8 @@ class FlatParamHandle:
         self.wait_gathers()
         self.use_sharded_views()
         for group in self.groups:
-            if free and not group.aliases_shard:
-                _free_storage(group.gathered)
+            if free and not group.aliases_shard and group.storage.nbytes() != 0:
+                group.storage.resize_(0)
             group.comm_shard = None
 
     def enter(self, to: HandleTrainingState, where: str,
@@ -1077,7 +1084,11 @@ class FlatParamHandle:
     def _accumulate(self, group: FlatGroup, reduced: torch.Tensor) -> None:
         fp = group.flat_param
         grads = [p.grad for p in group.orig_params]
-        group.had_grad = [g is not None for g in grads]
+        group.had_grad = had = [g is not None for g in grads]
+        if not any(had):  # the usual step (zero_grad set every .grad to None): nothing to add
+            group.reduced_grad = reduced
+            group.reduced = True
+            return
         old = group.sharded_grad
         if old is not None and all(g is not None and is_view_of(g, old) for g in grads):
             old.add_(reduced)  # every .grad is still our view: accumulate in place
@@ -1101,13 +1112,20 @@ class FlatParamHandle:
         sources = self._grad_sources(group, shard_group, collective_device)
         # every parameter's slice in one split (a slice per parameter costs an index parse each)
         views = sharded_grad.split_with_sizes(group.shard_split_sizes) if sharded_grad is not None else None
+        # each slice has its parameter's shape (both are the parameter's elements on this rank), so
+        # autograd's setter takes it as is when dtype and device agree too (one check for the group)
+        fits = (sharded_grad is not None and group.slices_are_params and sharded_grad.dtype is group.flat_param.dtype
+                and sharded_grad.device == group.flat_param.device)
         mask, had = group.requires_grad_mask, group.had_grad
         for i, p in enumerate(group.orig_params):
             if views is not None and mask[i] and (had[i] or used[i]):
                 view = views[i]
                 source = sources[i]
-                set_grad_of_any_shape(p, as_sharded_grad(view, (), collective_device, source) if source else view,
-                                      like=view)
+                shown = as_sharded_grad(view, (), collective_device, source) if source else view
+                if fits:
+                    p.grad = shown
+                else:
+                    set_grad_of_any_shape(p, shown, like=view)
             else:
                 p.grad = None
         group.sharded_grad_ref = weakref.ref(sharded_grad) if sharded_grad is not None else None

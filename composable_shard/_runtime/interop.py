@@ -103,6 +103,10 @@ class ShardedGrad(torch.Tensor):
     clip_grad_norm_ on sharded gradients])."""
 
     _cs_source: Tuple[Tuple["weakref.ReferenceType[Any]", ...], torch.device]  # see shard_source
+    # Every operation on a ShardedGrad runs __torch_function__ (about a microsecond), reading a
+    # property too. Optimizers read ``grad.is_sparse`` for every gradient of every step; a
+    # ShardedGrad is always a strided view of a dense shard, so it answers from the class.
+    is_sparse = False
 
     @classmethod
     def __torch_function__(cls, func: Callable[..., Any], types: Any, args: Sequence[Any] = (),

@@ -273,6 +273,15 @@ def _freeze_unfreeze(strategy: ShardingStrategy) -> None:
         m.frozen.weight.requires_grad_(step >= 3)
         m.frozen.bias.requires_grad_(step >= 4)
 
+    # what each Linear's forward sees: a frozen parameter's unsharded view (a 1-D bias's too) must not
+    # require grad, or its module computes a gradient for it and code branching on requires_grad misreads it
+    seen: Dict[int, Dict[str, bool]] = {id(model): {}, id(reference): {}}
+    for m, _ in pairs:
+        for name, sub in m.named_modules():
+            if isinstance(sub, nn.Linear):
+                sub.register_forward_hook(lambda mod, args, out, name=name, into=seen[id(m)]: into.update(
+                    {f"{name}.{p}": t.requires_grad for p, t in mod.named_parameters(recurse=False)}))
+
     for step in range(5):
         for m, _ in pairs:
             set_trainable(m, step)
@@ -280,6 +289,8 @@ def _freeze_unfreeze(strategy: ShardingStrategy) -> None:
         _local_step(model, step)
         _global_step(reference, step)
         _assert_grads_equal(model, reference, f"{what} step {step}")
+        assert seen[id(model)] == seen[id(reference)] and seen[id(model)], \
+            f"{what} step {step}: requires_grad seen in forward {seen[id(model)]} != local {seen[id(reference)]}"
         if step in (1, 2):
             assert model.blocks[0].fc1.weight.grad is None and model.blocks[1].fc2.bias.grad is None
         for m, optim in pairs:
