@@ -960,7 +960,7 @@ class FlatParamHandle:
         parameter of its group does. Returns the groups that became trainable."""
         became_trainable: List[FlatGroup] = []
         for group in self.groups:
-            mask = tuple(p.requires_grad for p in group.orig_params)
+            mask = tuple([p.requires_grad for p in group.orig_params])
             if mask == group.requires_grad_mask:
                 continue
             if any(mask) and not group.requires_grad:

@@ -529,8 +529,10 @@ def _guard_sharded_reads(root: _FSDPState, on: bool) -> None:
 
 
 def _record_post_forward_order(state: _FSDPState, handle: FlatParamHandle) -> None:
+    if handle.post_forward_index is not None:  # recorded (every later iteration)
+        return
     root = _root_of(state)
-    if not root.ctx.exec_order_recorded and handle.post_forward_index is None:
+    if not root.ctx.exec_order_recorded:
         handle.post_forward_index = len(root.ctx.post_forward_order)
         root.ctx.post_forward_order.append(handle)
 
@@ -864,30 +866,34 @@ def attach_reduced_grads(root: _FSDPState) -> Optional[str]:
     all-reduce agrees on the optimizer steps taken since the last one ([Note: Step agreement] in
     ``_runtime/watch.py``), read at the next synced backward: returns the error to raise if the
     ranks differed in the window the previous agreement covered, else ``None``."""
-    batches: Dict[Tuple[int, int], List[Tuple[_FSDPState, FlatParamHandle, FlatGroup]]] = {}
+    # per batch: (state, handle, group, the group's shard group: None for one rank); each state's
+    # process groups read once (each read dereferences a weak reference, see WeakGroup)
+    batches: Dict[Tuple[int, int], List[Tuple[_FSDPState, FlatParamHandle, FlatGroup, Any]]] = {}
     for handle in root._all_handles:
         state = _state_of(handle)
         key: Optional[Tuple[int, int]] = None
+        shard_group = None
         for group in handle.groups:
             if group.reduced:
                 if group.landing_grad is not None:
                     handle.land_offloaded_grad(group)
                 if key is None:
-                    key = (id(state.process_group), id(state.replicate_group))
-                batches.setdefault(key, []).append((state, handle, group))
+                    process_group = state.process_group
+                    key = (id(process_group), id(state.replicate_group))
+                    shard_group = process_group if state.world_size > 1 else None
+                batches.setdefault(key, []).append((state, handle, group, shard_group))
     disagreement = take_step_verdicts(root) if batches else None
     steps = root.ctx.step_counter.take() if batches and root.ctx.step_counter is not None else []
     for key, members in batches.items():
         first = members[0][0]
-        local = [u for _, _, g in members for u in g.used]
+        local = [u for _, _, g, _ in members for u in g.used]
         used, verdict = agree_used_and_steps(local, steps, [first.process_group, first.replicate_group],
                                              first.compute_device, api="fully_shard", consequence=_SKIPPED,
                                              tag="used_params")
         if verdict is not None:
             root.ctx.step_verdicts[key] = verdict
         offset = 0
-        for state, handle, group in members:
-            shard_group = state.process_group if state.world_size > 1 else None
+        for state, handle, group, shard_group in members:
             count = len(group.orig_params)
             handle.attach_grads(group, used[offset:offset + count], shard_group, state.compute_device)
             offset += count

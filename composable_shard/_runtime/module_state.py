@@ -95,10 +95,12 @@ class WeakHook:
         self.refs = tuple(weakref.ref(o) for o in objects)
 
     def __call__(self, *args: Any) -> Any:
-        objects = [r() for r in self.refs]  # a loop, not generators: once per group and backward
-        for o in objects:
+        objects = []  # a plain loop, no comprehension: once per group and backward
+        for ref in self.refs:
+            o = ref()
             if o is None:
                 return None
+            objects.append(o)
         return self.fn(*objects, *args)
 
 
