@@ -34,7 +34,7 @@ returned work's ``wait()`` makes the waiting stream wait on an event recorded af
 as NCCL's does, so the library's own streams and events are exercised as with NCCL, minus the
 network. On the CPU every work is complete when it is returned.
 
-Each group adds the CPU time spent in its collectives to ``cpu_seconds`` (and counts them in
+Each group adds the time spent in its collectives to ``cpu_seconds`` (and counts them in
 ``calls``): NCCL or gloo do that work in C++ threads, so a benchmark of the caller's CPU cost can
 report its figures with and without it.
 
@@ -66,15 +66,19 @@ _WorkBase: Any = dist.Work
 
 
 def _accounted(method: _F) -> _F:
-    """Add the CPU time of each call to the group's ``cpu_seconds`` (and count it in ``calls``):
-    what a real backend does in C++ is done here in Python, so a benchmark can tell it apart."""
+    """Add the time of each call to the group's ``cpu_seconds`` (and count it in ``calls``):
+    what a real backend does in C++ is done here in Python, so a benchmark can tell it apart.
+    Timed with ``perf_counter``: the call runs on this thread from start to end (its copies are
+    synchronous), so its wall time is its CPU time but for preemption, and the clock costs 40 ns
+    here; ``process_time`` (a system call, 460 ns) read twice per collective added about 3 us per
+    fully sharded module and step to every contender's CPU time in ``benchmarks/overhead.py``."""
     @functools.wraps(method)
     def wrapper(self: "SimulatedProcessGroup", *args: Any, **kwargs: Any) -> Any:
-        start = time.process_time()
+        start = time.perf_counter()
         try:
             return method(self, *args, **kwargs)
         finally:
-            self.cpu_seconds += time.process_time() - start
+            self.cpu_seconds += time.perf_counter() - start
             self.calls += 1
 
     return wrapper  # type: ignore[return-value]  # same signature as method
@@ -175,7 +179,7 @@ class SimulatedProcessGroup(_ProcessGroupBase):
         self._world_size = world_size
         self._group_name = ""  # set by torch.distributed when it registers the group
         self._group_desc = ""
-        self.cpu_seconds = 0.0  # CPU time spent inside this group's collectives (see _accounted)
+        self.cpu_seconds = 0.0  # time spent inside this group's collectives (see _accounted)
         self.calls = 0  # collectives run
         self.reduce_ops: List[Tuple[str, str]] = []  # (collective, reduction asked for) per reduce-scatter and all-reduce
 

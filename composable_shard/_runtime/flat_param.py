@@ -179,6 +179,7 @@ class _Owner(Protocol):
     rank: int
     world_size: int  # shard group size
     dp_world_size: int  # data-parallel world size
+    gradient_divide_factor: Optional[float]  # set_gradient_divide_factor's (None: divide by dp_world_size)
 
     @property
     def gradient_divisor(self) -> float:  # what reduced gradients are divided by (dp_world_size unless set otherwise)
@@ -285,7 +286,7 @@ class FlatGroup:
     kept_views: Optional["KeptViews"] = None  # this step's forward views, for its backward (see [Note: Kept views])
     float8: Optional[_float8.Float8Group] = None  # float8-gathered weights (see [Note: float8 all-gather] in _base/float8.py)
     grad_sources: Optional[Tuple[Any, torch.device, List[Any]]] = None  # see FlatParamHandle._grad_sources
-    averages: Optional[Tuple[Any, bool]] = None  # (divisor, world, dtype) -> whether its reductions average natively
+    averages: Optional[Tuple[Any, Tuple[torch.dtype, bool]]] = None  # see Reduction._plan: its key and result
     gather_alias: Optional[torch.Tensor] = None  # padded_unsharded_flat.data, made once: what the all-gather writes
     gathered: torch.Tensor = field(init=False)  # see gathered_buffer (set by FlatParamHandle._build_group)
     storage: Any = field(init=False)  # gathered's storage, one Python object for the group's life (see gathered_buffer)
@@ -1256,25 +1257,28 @@ class Reduction:
         self.pending: Optional[_collectives.Pending] = None  # the collective in flight
         self.reduced: Optional[torch.Tensor] = None  # the shard, once REDUCED with nothing left in flight
         self.stage: str = ISSUED
-        self.reduce_dtype: torch.dtype = handle.reduce_dtype(group)
         self.event: Optional[Any] = None  # CUDA: recorded on the reduce-scatter stream after issuing
-        self.averaged: bool = self._averages_natively()  # the collectives divide (ReduceOp.AVG), not finish
+        # the dtype it is reduced in, and whether the collectives divide (ReduceOp.AVG), not finish
+        self.reduce_dtype, self.averaged = self._plan()
 
-    def _averages_natively(self) -> bool:
-        """Whether the collectives themselves average (FSDP2's choice for float32 and bfloat16 on
-        NCCL, saving a division kernel per reduction): every group with several ranks averages
-        natively and the divisor is the data-parallel world (not a custom divide factor)."""
+    def _plan(self) -> Tuple[torch.dtype, bool]:
+        """``(reduce dtype, averages natively)`` for the group, worked out again only when the
+        state's mixed precision, divide factor or data-parallel world changes. The collectives
+        average themselves (FSDP2's choice for float32 and bfloat16 on NCCL, saving a division
+        kernel per reduction) when every group with several ranks averages natively and the
+        divisor is the data-parallel world (not a custom divide factor)."""
         state = self.state
-        key = (state.gradient_divisor, state.dp_world_size, self.reduce_dtype)
+        key = (state.mixed_precision, state.gradient_divide_factor, state.dp_world_size)
         known = self.group.averages
         if known is not None and known[0] == key:
             return known[1]
+        reduce_dtype = self.handle.reduce_dtype(self.group)
         groups = [g for g in (state.process_group if state.world_size > 1 else None, state.replicate_group)
                   if g is not None and _collectives.group_size(g) > 1]
         averages = (state.dp_world_size > 1 and state.gradient_divisor == state.dp_world_size and bool(groups)
-                    and all(_collectives.averages_natively(g, self.reduce_dtype) for g in groups))
-        self.group.averages = (key, averages)
-        return averages
+                    and all(_collectives.averages_natively(g, reduce_dtype) for g in groups))
+        self.group.averages = (key, (reduce_dtype, averages))
+        return reduce_dtype, averages
 
     def issue(self) -> None:
         """Start the reduce-scatter (or, for a shard group of one rank, the replica all-reduce)."""

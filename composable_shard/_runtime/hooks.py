@@ -258,7 +258,8 @@ def _prefetch(root: _FSDPState, order: List[FlatParamHandle], index: int) -> Opt
     if 0 <= index < len(order):
         target = order[index]
         if target.training_state in (HandleTrainingState.IDLE, HandleTrainingState.BACKWARD_PRE) and target.needs_unshard():
-            _collectives.trace("prefetch", target.fqn)
+            if _collectives._ACTIVE:
+                _collectives.trace("prefetch", target.fqn)
             _issue_gathers(target.owner(), target)  # type: ignore[arg-type]  # the owner is a _FSDPState
             return target
     return None
@@ -280,7 +281,8 @@ def _pre_forward(state: _FSDPState, module: nn.Module, args: Tuple[Any, ...], kw
     """Pre: handle IDLE (its storage possibly kept). Post: handle FORWARD, unsharded views in
     place, next handle's all-gather issued when forward prefetch is on."""
     take_pending_init_values()  # see [Note: Initialization after to_empty] in _runtime/flat_param.py
-    lazy_init(state)
+    if state.is_root is None:
+        lazy_init(state)
     if _recomputing(state):
         return _pre_recompute(state, args, kwargs)
     if state.training_state is TrainingState.SUMMON_FULL_PARAMS:
@@ -294,11 +296,13 @@ def _pre_forward(state: _FSDPState, module: nn.Module, args: Tuple[Any, ...], kw
             state.group_pending = {id(m) for m in state.members}
     if state.is_root:
         args, kwargs = _root_pre_forward(state, args, kwargs)
-    args, kwargs = _cast_inputs(state, args, kwargs)
+    if state.mixed_precision is not None:
+        args, kwargs = _cast_inputs(state, args, kwargs)
     handle = state.handle
     if handle is None:
         return args, kwargs
-    _collectives.trace("pre_forward", handle.fqn)
+    if _collectives._ACTIVE:  # a recorder is active (tests): report the hook
+        _collectives.trace("pre_forward", handle.fqn)
     handle.enter(HandleTrainingState.FORWARD, "pre_forward", expect=(HandleTrainingState.IDLE,))
     handle.prefetched_for_forward = False  # this forward uses it
     first_use = _record_exec_order(state, handle)
@@ -498,7 +502,8 @@ def _post_forward(state: _FSDPState, module: nn.Module, args: Tuple[Any, ...], o
         needs_backward = bool(tensors)
     handle = state.handle
     if handle is not None:
-        _collectives.trace("post_forward", handle.fqn)
+        if _collectives._ACTIVE:
+            _collectives.trace("post_forward", handle.fqn)
         handle.enter(HandleTrainingState.IDLE, "post_forward", expect=(HandleTrainingState.FORWARD,))
         _record_post_forward_order(state, handle)
         handle.reshard(free=(frees_after_forward(state) or not needs_backward) and not others_pending)
@@ -655,7 +660,8 @@ def _pre_backward(state: _FSDPState, handle: FlatParamHandle, grad: Optional[tor
     if not root.ctx.final_callback_queued:
         root.ctx.final_callback_queued = True
         queue_backward_callback(functools.partial(_finalize_backward, root))
-    _collectives.trace("pre_backward", handle.fqn)
+    if _collectives._ACTIVE:
+        _collectives.trace("pre_backward", handle.fqn)
     handle.enter(HandleTrainingState.BACKWARD_PRE, "pre_backward", expect=(HandleTrainingState.IDLE,))
     handle.backward_task = current_graph_task()
     if handle.recomputes_in_backward:
@@ -690,7 +696,8 @@ def _post_backward(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup,
     Pre: handle BACKWARD_PRE/POST. Post: reduction issued (or gradient kept when not syncing);
     once every trainable group is done, handle BACKWARD_POST and resharded if it frees after
     backward."""
-    _collectives.trace("post_backward", handle.fqn)
+    if _collectives._ACTIVE:
+        _collectives.trace("post_backward", handle.fqn)
     if handle.training_state is HandleTrainingState.IDLE:
         raise RuntimeError(
             f"{state.describe()}: a gradient reached its parameters in backward, but its forward returned no tensor "
