@@ -2853,10 +2853,6 @@ MUTANTS: List[Mutant] = [
        "composable_shard/_runtime/hooks.py", "                    shard_group = process_group if state.world_size > 1 else None",
        "                    shard_group = state.replicate_group if state.world_size > 1 else None",
        "tests/distributed/test_clip_grad_norm.py", "tests/distributed/test_fully_shard_lifecycle.py"),
-    _m("own18_reduce_plan_ignores_mixed_precision", "The cached reduce dtype ignores the state's mixed precision: a policy changed after the first backward (or a state whose reduce_dtype differs) keeps reducing in the first one's dtype",
-       "composable_shard/_runtime/flat_param.py", "        key = (state.mixed_precision, state.gradient_divide_factor, state.dp_world_size)",
-       "        key = (state.gradient_divide_factor, state.dp_world_size)",
-       "tests/distributed/test_fully_shard_mixed_precision.py", "tests/distributed/test_mixed_precision_options.py", "tests/unit/test_simulated_backend.py"),
     _m("describe_aliasing_per_handle", "at one rank describe() counts an all-gather for every group of a handle with a float8 (or cast) group, also for the groups that alias their shard",
        'composable_shard/_planning/describe.py', 'if h.gathers_in_group and not g.aliases_shard:', 'if h.gathers_in_group:', 'tests/distributed/test_float8.py', 'tests/unit/test_describe.py'),
 ]
