@@ -39,8 +39,9 @@
              The target is judged on ``cpu``; ``wall`` is printed beside it. W > 1 real: a barrier
              before each contender's steps, outside the timing, so the ranks start together; the
              figures are rank 0's (wall: waiting for the peer included; cpu: not).
-  backend    simulated: the backend's own CPU time inside each contender's collectives (its
-             Python methods and copies, ``SimulatedProcessGroup.cpu_seconds``) is also recorded; the
+  backend    simulated: the backend's own time inside each contender's collectives (its Python
+             methods and copies, ``SimulatedProcessGroup.cpu_seconds``, timed with ``perf_counter``:
+             ``process_time``, a system call, cost every contender 3 us per module) is also recorded; the
              row ``cpu-b`` gives the figures without it, i.e. with collectives that cost the caller
              only torch.distributed's Python API, as NCCL's (whose work runs in C++ threads) nearly do.
   rounds     ``--warmup`` rounds untimed, then ``--rounds`` timed rounds (``--gpt-rounds`` for gpt).

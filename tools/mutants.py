@@ -2853,6 +2853,16 @@ MUTANTS: List[Mutant] = [
        "composable_shard/_runtime/hooks.py", "                    shard_group = process_group if state.world_size > 1 else None",
        "                    shard_group = state.replicate_group if state.world_size > 1 else None",
        "tests/distributed/test_clip_grad_norm.py", "tests/distributed/test_fully_shard_lifecycle.py"),
+    _m("own18_guard_stays_in_forward", "The call guard is never taken away when the handle unshards: every call of a module holding its parameters runs the check, on torch's slow path, inside the forward too",
+       "composable_shard/_runtime/flat_param.py", '            elif slots.get("forward") is guard:', '            elif False:', "tests/distributed/test_called_while_sharded.py"),
+    _m("own18_guard_not_put_back", "The call guard is put in place at fully_shard only, never again after a reshard: after the first forward a module holding sharded parameters computes on its 1-D slices",
+       "composable_shard/_runtime/flat_param.py", """        self.is_unsharded = False
+        if self.call_guards:""", """        self.is_unsharded = False
+        if False:""", "tests/distributed/test_called_while_sharded.py"),
+    _m("own18_users_forward_overwritten", "A forward the user set on a module holding sharded parameters is overwritten by the call guard at the next reshard (and then deleted at the next unshard)",
+       "composable_shard/_runtime/flat_param.py", "                if forward is None:", "                if forward is not guard:", "tests/distributed/test_called_while_sharded.py"),
+    _m("own18_displaced_guard_checks_nothing", "A guard whose module got a forward of its own registers no hook instead: that module computes on its 1-D slices when called while sharded",
+       "composable_shard/_runtime/flat_param.py", "                    guard.displaced()", "                    pass", "tests/distributed/test_called_while_sharded.py"),
     _m("describe_aliasing_per_handle", "at one rank describe() counts an all-gather for every group of a handle with a float8 (or cast) group, also for the groups that alias their shard",
        'composable_shard/_planning/describe.py', 'if h.gathers_in_group and not g.aliases_shard:', 'if h.gathers_in_group:', 'tests/distributed/test_float8.py', 'tests/unit/test_describe.py'),
 ]

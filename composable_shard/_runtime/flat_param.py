@@ -538,6 +538,9 @@ class FlatParamHandle:
         self.init_buffers: Optional[List[torch.Tensor]] = None  # after to_empty: full buffers being initialized
         # first forwards: what each group's sharded slots hold (see [Note: Sharded parameters read in forward])
         self.stand_ins: Optional[List[List[torch.Tensor]]] = None
+        # (module holding parameters of this handle, its guard): the guard is its forward while the
+        # handle is sharded (see [Note: Calls while sharded] in _runtime/hooks.py)
+        self.call_guards: List[Tuple[nn.Module, Any]] = []
         self._build(params, module, module_fqn, param_dtype, tuple(full_precision_classes))
         # The steps of the optimizers holding its parameters (not another model's): see is_stale.
         self.optimizer_steps: _watch.OptimizerSteps = _watch.OptimizerSteps(
@@ -793,6 +796,8 @@ class FlatParamHandle:
             for sinfo in fp._shared_param_infos:
                 set_module_tensor(sinfo.module, sinfo.param_name, views[sinfo.prim_param_index])
         self.is_unsharded = True
+        if self.call_guards:
+            self.guard_calls(False)
 
     def _kept_views(self, group: FlatGroup) -> Optional[List[torch.Tensor]]:
         """The views this step's forward kept, if they still describe the group's buffer (same
@@ -851,6 +856,27 @@ class FlatParamHandle:
             for sinfo in fp._shared_param_infos:
                 set_module_tensor(sinfo.module, sinfo.param_name, params[sinfo.prim_param_index])
         self.is_unsharded = False
+        if self.call_guards:
+            self.guard_calls(True)
+
+    def guard_calls(self, on: bool) -> None:
+        """Make each guard the forward of its module (``on``: the handle is sharded), or take it
+        away again; a forward the module got from elsewhere is left alone (see [Note: Calls while
+        sharded] in ``_runtime/hooks.py``)."""
+        displaced = False
+        for holder, guard in self.call_guards:
+            slots = holder.__dict__
+            if on:
+                forward = slots.get("forward")
+                if forward is None:
+                    slots["forward"] = guard
+                elif forward is not guard:  # set on the module since: the guard gives way to a hook
+                    guard.displaced()
+                    displaced = True
+            elif slots.get("forward") is guard:
+                del slots["forward"]
+        if displaced:
+            self.call_guards = [(h, g) for h, g in self.call_guards if not g.is_displaced]
 
     def guard_sharded_reads(self, on: bool) -> None:
         """While ``on``, the sharded slots hold stand-ins that refuse computation (see [Note:

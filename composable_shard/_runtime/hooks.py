@@ -68,6 +68,7 @@ import functools
 import logging
 import sys
 import warnings
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar, cast
 
 import torch
@@ -985,8 +986,67 @@ def register_runtime_hooks(state: _FSDPState, module: nn.Module) -> None:
                 _register_post_backward(state, handle, group)
         for name, holder in _param_holders(handle):
             if all(holder is not m for m in members):
-                holder.register_forward_pre_hook(functools.partial(_check_called_unsharded, state, name))
+                _guard_calls_of(state, handle, name, holder)
+        if not handle.is_unsharded:
+            handle.guard_calls(True)
     _track_modules(state, module)
+
+
+# [Note: Calls while sharded]  A module holding parameters of a handle (other than the fully sharded
+# module itself) must not be called while the handle is sharded: see _check_called_unsharded. The
+# check was a forward pre-hook on each such module, and any hook sends torch's Module.__call__ down
+# its slow path (about 2 us a call, 15,000 instructions per module and step measured under
+# callgrind on the overhead benchmark; a transformer block holds about seven such modules). It is
+# now the module's forward while, and only while, the handle is sharded: a _CallGuard in the
+# module's instance __dict__ (which Module.__call__ reads as self.forward) runs the check and then
+# the class's forward; the handle puts it there when it reshards and takes it away when it
+# unshards (use_sharded_views / use_unsharded_views: two dict operations), so a call inside the
+# fully sharded module's forward or backward finds no guard and takes torch's fast path. A module
+# that already has a forward of its own in its __dict__ (a wrapper's patched forward), or holds
+# parameters of another handle that guards it already, gets the forward pre-hook instead; so does
+# one given a forward of its own later (the next reshard finds it there, leaves it, and registers
+# the hook).
+_GUARDED: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+class _CallGuard:
+    """A module's forward while the handle holding its parameters is sharded ([Note: Calls while
+    sharded]): the check of :func:`_check_called_unsharded`, then the class's forward."""
+
+    def __init__(self, state: _FSDPState, name: str, holder: nn.Module) -> None:
+        self.state = state
+        self.name = name
+        self.holder = weakref.ref(holder)
+        self.is_displaced = False  # the module got a forward of its own: the hook checks instead
+
+    def displaced(self) -> None:
+        """The module's forward is someone else's now: check its calls with the pre-hook."""
+        holder = self.holder()
+        if holder is not None and not self.is_displaced:
+            holder.register_forward_pre_hook(functools.partial(_check_called_unsharded, self.state, self.name))
+        self.is_displaced = True
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        holder = self.holder()
+        if holder is None:
+            raise RuntimeError(f"composable_shard: the module {self.name!r} this forward belonged to is gone")
+        _check_called_unsharded(self.state, self.name, holder, args)
+        return type(holder).forward(holder, *args, **kwargs)
+
+    @property
+    def __wrapped__(self) -> Any:
+        """The class's forward, bound (what ``inspect.signature`` reports)."""
+        holder = self.holder()
+        return None if holder is None else type(holder).forward.__get__(holder)
+
+
+def _guard_calls_of(state: _FSDPState, handle: FlatParamHandle, name: str, holder: nn.Module) -> None:
+    """Refuse calls of ``holder`` while ``handle`` is sharded ([Note: Calls while sharded])."""
+    if holder in _GUARDED or "forward" in holder.__dict__:
+        holder.register_forward_pre_hook(functools.partial(_check_called_unsharded, state, name))
+        return
+    _GUARDED[holder] = True
+    handle.call_guards.append((holder, _CallGuard(state, name, holder)))
 
 
 def _param_holders(handle: FlatParamHandle) -> List[Tuple[str, nn.Module]]:
@@ -1000,8 +1060,9 @@ def _param_holders(handle: FlatParamHandle) -> List[Tuple[str, nn.Module]]:
 
 
 def _check_called_unsharded(state: _FSDPState, name: str, module: nn.Module, args: Tuple[Any, ...]) -> None:
-    """Forward pre-hook of every module that holds parameters of ``state``'s handle, other
-    than the fully sharded module itself (whose own pre-forward unshards).
+    """Run by every call of a module that holds parameters of ``state``'s handle, other than the
+    fully sharded module itself (whose own pre-forward unshards), while the handle is sharded
+    (see [Note: Calls while sharded]).
 
     Such a module is meant to run inside the fully sharded module's forward or backward, when
     its slots hold full-shape views of the unsharded buffer, or inside ``unshard_params``. Called

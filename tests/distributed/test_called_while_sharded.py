@@ -97,6 +97,23 @@ def _called_while_sharded() -> None:
         model(mine)
     _raises(lambda: model.scale(x), "has them sharded")
 
+    # Inside the owner's forward the module is called as any other (no guard: torch's fast path,
+    # [Note: Calls while sharded]); a forward the user sets on it between steps is kept and used,
+    # and calls while sharded still raise.
+    guarded: List[bool] = []
+    seen = model.scale.register_forward_pre_hook(lambda m, args: guarded.append("forward" in m.__dict__))
+    model(mine)
+    seen.remove()
+    assert guarded == [False], guarded
+    calls: List[int] = []
+    model.scale.forward = lambda t: (calls.append(1), _Scale.forward(model.scale, t))[1]  # type: ignore[method-assign]
+    users = model.scale.__dict__["forward"]
+    with torch.no_grad():
+        assert torch.allclose(model(mine), reference(mine)), "the user's forward computed something else"
+    assert calls == [1] and model.scale.__dict__.get("forward") is users, "the user's forward was not kept"
+    _raises(lambda: model.scale(x), "has them sharded")
+    assert calls == [1], "the user's forward ran on sharded parameters"
+
     # Inside unshard_params under no_grad the full parameters are used; with grad on it raises,
     # since the gradients would be dropped on exit.
     with unshard_params(model, writeback=False):
