@@ -1001,7 +1001,8 @@ def register_runtime_hooks(state: _FSDPState, module: nn.Module) -> None:
 # module's instance __dict__ (which Module.__call__ reads as self.forward) runs the check and then
 # the class's forward; the handle puts it there when it reshards and takes it away when it
 # unshards (use_sharded_views / use_unsharded_views: two dict operations), so a call inside the
-# fully sharded module's forward or backward finds no guard and takes torch's fast path. A module
+# fully sharded module's forward or backward finds no guard and takes torch's fast path (and a direct
+# module.forward(...) call while sharded, which the hook never saw, is checked too). A module
 # that already has a forward of its own in its __dict__ (a wrapper's patched forward), or holds
 # parameters of another handle that guards it already, gets the forward pre-hook instead; so does
 # one given a forward of its own later (the next reshard finds it there, leaves it, and registers

@@ -81,6 +81,7 @@ def _called_while_sharded() -> None:
     _raises(lambda: model.scale(x), "_Scale 'scale'", "fully_shard(<root>)", "has them sharded",
             "unshard_params(model), torch.no_grad()", "apply fully_shard to 'scale'")
     _raises(lambda: model.out(x), "Linear 'out'")
+    _raises(lambda: model.scale.forward(x), "_Scale 'scale'", "has them sharded")  # a direct forward call too
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(before, _state(model)))
 
     # A training step still gives local training's gradients (the failed calls built nothing).
