@@ -1024,7 +1024,7 @@ class _CallGuard:
         """The module's forward is someone else's now: check its calls with the pre-hook."""
         holder = self.holder()
         if holder is not None and not self.is_displaced:
-            holder.register_forward_pre_hook(functools.partial(_check_called_unsharded, self.state, self.name))
+            _check_calls_by_hook(self.state, self.name, holder)
         self.is_displaced = True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -1042,12 +1042,19 @@ class _CallGuard:
 
 
 def _guard_calls_of(state: _FSDPState, handle: FlatParamHandle, name: str, holder: nn.Module) -> None:
-    """Refuse calls of ``holder`` while ``handle`` is sharded ([Note: Calls while sharded])."""
-    if holder in _GUARDED or "forward" in holder.__dict__:
-        holder.register_forward_pre_hook(functools.partial(_check_called_unsharded, state, name))
+    """Refuse calls of ``holder`` while ``handle`` is sharded ([Note: Calls while sharded]). A
+    forward of the module's own is found by the first install (``guard_calls``), which hands the
+    check to the hook."""
+    if holder in _GUARDED:  # it holds parameters of another handle, whose guard it has
+        _check_calls_by_hook(state, name, holder)
         return
     _GUARDED[holder] = True
     handle.call_guards.append((holder, _CallGuard(state, name, holder)))
+
+
+def _check_calls_by_hook(state: _FSDPState, name: str, holder: nn.Module) -> None:
+    """The check as a forward pre-hook on ``holder`` (every call, on torch's slow call path)."""
+    holder.register_forward_pre_hook(functools.partial(_check_called_unsharded, state, name))
 
 
 def _param_holders(handle: FlatParamHandle) -> List[Tuple[str, nn.Module]]:
