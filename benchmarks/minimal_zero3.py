@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from composable_shard._base.torch_compat import ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE  # torch 2.12's names
+from composable_shard._base.torch_compat import all_gather_work, reduce_scatter_work  # the runtime's own calls
 
 __all__ = ["MinimalShard", "apply_minimal"]
 
@@ -41,7 +41,7 @@ class MinimalShard:
     ``nn.Parameter`` an optimizer steps."""
 
     def __init__(self, module: nn.Module, group: Any, owned: List[Tuple[nn.Module, str]]) -> None:
-        self.group = group
+        self.group = group if group is not None else dist.group.WORLD  # the collectives go straight to it
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.slots = [(m, name, tuple(getattr(m, name).shape)) for m, name in owned]
@@ -67,7 +67,7 @@ class MinimalShard:
 
     def _gather(self) -> None:
         self.full.untyped_storage().resize_(self.nbytes)
-        ALL_GATHER_SINGLE(self.writer, self.shard.detach(), group=self.group)
+        all_gather_work(self.writer, self.shard.detach(), self.group).wait()
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         self._gather()
@@ -84,7 +84,7 @@ class MinimalShard:
 
     def _post_backward(self, full: torch.Tensor) -> None:
         grad = torch.empty_like(self.shard)
-        REDUCE_SCATTER_SINGLE(grad, full.grad, op=dist.ReduceOp.AVG, group=self.group)  # type: ignore[arg-type]
+        reduce_scatter_work(grad, full.grad, True, self.group).wait()  # type: ignore[arg-type]  # AVG
         self.shard.grad = grad if self.shard.grad is None else self.shard.grad.add_(grad)
         full.grad = None
         self.full.untyped_storage().resize_(0)

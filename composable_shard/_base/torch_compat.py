@@ -49,7 +49,9 @@ versions checked (2.6, 2.11, 2.13, unless an entry says otherwise).
   an operation without re-entering the subclass and getting plain results is what
   ``torch._C.DisableTorchFunctionSubclass`` does (the context torch's own
   ``Tensor.__torch_function__`` and its "extending torch" documentation use; unchanged in 2.6
-  through 2.13); there is no public name for it.
+  through 2.13); there is no public name for it. ``PLAIN_TORCH_FUNCTION_IMPL``
+  (``torch._C._disabled_torch_function_impl``, same arguments as ``__torch_function__``) does the
+  same in C, for the per-operation fallback (unchanged in 2.6 through 2.13).
 * ``FOREACH_NORM``: torch's ``clip_grad_norm_``/``get_total_norm`` take the norms of a
   device's gradients with ``torch._foreach_norm`` when asked for ``foreach`` (and per tensor with
   ``torch.linalg.vector_norm`` otherwise); ``interop.ShardedGrad`` must recognise that call to
@@ -149,6 +151,16 @@ versions checked (2.6, 2.11, 2.13, unless an entry says otherwise).
   torch 2.13 names the single-tensor collectives ``all_gather_single``/``reduce_scatter_single``
   and deprecates ``all_gather_into_tensor``/``reduce_scatter_tensor`` (a ``FutureWarning``);
   older versions have only the old names.
+* ``all_gather_work``, ``reduce_scatter_work``: the runtime's all-gathers and reduce-scatters
+  on a given process group call the group's own method (``ProcessGroup.all_gather_single`` /
+  ``reduce_scatter_single`` in 2.12 and 2.13, ``_allgather_base``/``_reduce_scatter_base``
+  before) with a prebuilt options object (``AllgatherOptions``, ``ReduceScatterOptions``: no
+  public name), which is what ``torch.distributed``'s functions end in. Those functions first
+  check their arguments for things the runtime's own buffers never are (a tensor subclass with
+  ``__torch_function__``, a rank outside the group, a coalescing context, a non-tensor), and wrap
+  the call in an exception logger: about 1.5 us of Python per collective, three collectives per
+  fully sharded module and step (issue 56). Complex tensors are viewed as real, as the
+  functions do. Read in the 2.6 and 2.13 sources.
 * ``fake_tensor_mode``, ``is_fake``, ``without_fake_mode``, ``TorchDispatchMode``, ``storage_id``: ``plan`` runs a model's forward and
   backward on fake tensors (shapes and storage sizes, no memory) to measure its activations
   without holding them ([Note: Planning on fake tensors] in ``_planning/plan_profile.py``). torch's fake
@@ -175,7 +187,7 @@ __all__ = ["queue_backward_callback", "set_module_tensor", "is_in_backward", "cu
            "float8_weight_parts", "float8_bytes", "tensor_version", "versions_sum", "make_wrapper_tensor",
            "is_compiled_module", "plain_torch_function", "as_plain", "FOREACH_NORM", "BATCH_NORM", "tensor_slots",
            "is_view_of", "DCPTensorHooks", "DCP_METADATA_GLOBALS", "GuardedApplyHook", "ALL_GATHER_SINGLE",
-           "REDUCE_SCATTER_SINGLE", "FSDP2_MODULE_MARKER", "TORCH_FSDP_PACKAGE", "torch_state_dict_request", "TorchLoad", "torch_state_dict_load", "UNKNOWN_REQUEST", "RunningFunction", "running_functions", "TORCH_STATE_DICT_MODULE", "TO_COPY", "fake_tensor_mode", "is_fake", "without_fake_mode", "TorchDispatchMode", "storage_id", "profiler_enabled"]
+           "REDUCE_SCATTER_SINGLE", "PLAIN_TORCH_FUNCTION_IMPL", "all_gather_work", "reduce_scatter_work", "FSDP2_MODULE_MARKER", "TORCH_FSDP_PACKAGE", "torch_state_dict_request", "TorchLoad", "torch_state_dict_load", "UNKNOWN_REQUEST", "RunningFunction", "running_functions", "TORCH_STATE_DICT_MODULE", "TO_COPY", "fake_tensor_mode", "is_fake", "without_fake_mode", "TorchDispatchMode", "storage_id", "profiler_enabled"]
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:
@@ -271,6 +283,13 @@ def plain_torch_function(func: Callable[..., Any], args: Any, kwargs: Any) -> An
     a gradient to)."""
     with torch._C.DisableTorchFunctionSubclass():  # private, see module docstring
         return func(*args, **kwargs)
+
+
+# ``plain_torch_function`` with the ``(func, types, args, kwargs)`` of ``__torch_function__``, in C:
+# torch's own ``_disabled_torch_function_impl`` sets the same state around the call (private, see
+# module docstring). A ``ShardedGrad`` hands every operation but clipping's norms to it (optimizers'
+# ``add_`` of each gradient, every step): a Python frame and a context manager less per operation.
+PLAIN_TORCH_FUNCTION_IMPL: Callable[..., Any] = torch._C._disabled_torch_function_impl
 
 
 def as_plain(tensor: "torch.Tensor") -> "torch.Tensor":
@@ -441,6 +460,38 @@ _OPTIONS_ARGUMENT_FUNCTIONS = frozenset({"get_state_dict", "get_model_state_dict
 # See module docstring: torch 2.13's names, else the older ones.
 ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _collective_options(options_class: Any, **values: Any) -> Any:
+    options = options_class()
+    if hasattr(options, "asyncOp"):  # torch >= 2.8: the work is waited by the caller
+        options.asyncOp = True
+    for name, value in values.items():
+        setattr(options, name, value)
+    return options
+
+
+_GATHER_OPTIONS = _collective_options(dist.distributed_c10d.AllgatherOptions)
+_SCATTER_OPTIONS = tuple(_collective_options(dist.distributed_c10d.ReduceScatterOptions, reduceOp=op)
+                         for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG))  # indexed by ``average``
+_GATHER_METHOD = "all_gather_single" if hasattr(dist.ProcessGroup, "all_gather_single") else "_allgather_base"
+_SCATTER_METHOD = "reduce_scatter_single" if hasattr(dist.ProcessGroup, "reduce_scatter_single") else "_reduce_scatter_base"
+
+
+def all_gather_work(output: "torch.Tensor", input: "torch.Tensor", group: "dist.ProcessGroup") -> Any:
+    """``dist.all_gather_single(output, input, group=group, async_op=True)`` for the runtime's own
+    buffers on a group this rank belongs to, straight to the group (see module docstring)."""
+    if input.is_complex():
+        output, input = torch.view_as_real(output), torch.view_as_real(input)
+    return getattr(group, _GATHER_METHOD)(output, input, _GATHER_OPTIONS)
+
+
+def reduce_scatter_work(output: "torch.Tensor", input: "torch.Tensor", average: bool, group: "dist.ProcessGroup") -> Any:
+    """``dist.reduce_scatter_single(output, input, op=AVG if average else SUM, group=group,
+    async_op=True)`` for the runtime's own buffers, straight to the group (see module docstring)."""
+    if input.is_complex():
+        output, input = torch.view_as_real(output), torch.view_as_real(input)
+    return getattr(group, _SCATTER_METHOD)(output, input, _SCATTER_OPTIONS[average])
 
 
 TORCH_FSDP_PACKAGE = "torch.distributed.fsdp"  # FSDP2's arguments (MixedPrecisionPolicy, ...) are recognised by module name

@@ -69,7 +69,7 @@ import logging
 import sys
 import warnings
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar, cast
+from typing import Any, Callable, Dict, List, Optional, Tuple, cast
 
 import torch
 import torch.nn as nn
@@ -94,24 +94,16 @@ __all__ = ["register_runtime_hooks", "lazy_init", "wait_unshard", "issue_unshard
 
 log = logging.getLogger("composable_shard")
 
-_F = TypeVar("_F", bound=Callable[..., Any])
 
-
-def _profiled(name: str) -> Callable[[_F], _F]:
-    """Give a transition a profiler range named after it (``cs::post_backward``), while a
-    profiler records (a range costs tens of microseconds even when none does: ``profiler_enabled``
-    in ``_base/torch_compat.py``)."""
-    def decorate(fn: _F) -> _F:
-        @functools.wraps(fn)
-        def wrapper(*args: Any) -> Any:  # hooks are called with positional arguments only
-            if not profiler_enabled():
-                return fn(*args)
-            with torch.profiler.record_function(name):
-                return fn(*args)
-
-        return wrapper  # type: ignore[return-value]  # same signature as fn
-
-    return decorate
+def _in_profiler_range(name: str, hook: Callable[..., Any], *args: Any) -> Any:
+    """[Note: Profiler ranges]  Each transition runs in a profiler range named after it
+    (``cs::post_backward``) while a profiler records; a range costs tens of microseconds even when
+    none does, so each hook first asks ``profiler_enabled`` (``_base/torch_compat.py``) and, only
+    when one records, calls itself again inside the range with ``in_range=True`` (its last
+    parameter). The check sits in the hook itself rather than in a wrapper around it: a Python
+    frame less per hook call, four per fully sharded module and step."""
+    with torch.profiler.record_function(name):
+        return hook(*args, True)
 
 
 # ---------------------------------------------------------------------------- predicates
@@ -277,10 +269,12 @@ def _prefetch(root: _FSDPState, order: List[FlatParamHandle], index: int) -> Opt
 # member called several times (a loss
 # applying ``output`` chunk by chunk) starts a new round each time the previous one ended; its
 # gathers are no-ops while the storage is kept (``set_reshard_after_forward(False)``).
-@_profiled("cs::pre_forward")
-def _pre_forward(state: _FSDPState, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+def _pre_forward(state: _FSDPState, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                 in_range: bool = False) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
     """Pre: handle IDLE (its storage possibly kept). Post: handle FORWARD, unsharded views in
     place, next handle's all-gather issued when forward prefetch is on."""
+    if not in_range and profiler_enabled():  # see [Note: Profiler ranges]
+        return _in_profiler_range("cs::pre_forward", _pre_forward, state, module, args, kwargs)
     take_pending_init_values()  # see [Note: Initialization after to_empty] in _runtime/flat_param.py
     if state.is_root is None:
         lazy_init(state)
@@ -465,11 +459,12 @@ def _record_exec_order(state: _FSDPState, handle: FlatParamHandle) -> bool:
     return True
 
 
-@_profiled("cs::post_forward")
-def _post_forward(state: _FSDPState, module: nn.Module, args: Tuple[Any, ...], output: Any) -> Any:
+def _post_forward(state: _FSDPState, module: nn.Module, args: Tuple[Any, ...], output: Any, in_range: bool = False) -> Any:
     """Pre: handle FORWARD. Post: handle IDLE, resharded unless a backward will need it next
     (SHARD_GRAD_OP, NO_SHARD, the root), pre-backward hooks on the outputs. Also runs when the
     forward raised (``always_call``): then everything of this forward is undone."""
+    if not in_range and profiler_enabled():  # see [Note: Profiler ranges]
+        return _in_profiler_range("cs::post_forward", _post_forward, state, module, args, output)
     if _recomputing(state):
         return _post_recompute(state, output)
     if state.training_state is TrainingState.SUMMON_FULL_PARAMS:
@@ -646,12 +641,14 @@ def _end_iteration(root: _FSDPState) -> None:
 
 
 # ---------------------------------------------------------------------------- backward
-@_profiled("cs::pre_backward")
-def _pre_backward(state: _FSDPState, handle: FlatParamHandle, grad: Optional[torch.Tensor] = None) -> None:
+def _pre_backward(state: _FSDPState, handle: FlatParamHandle, grad: Optional[torch.Tensor] = None,
+                  in_range: bool = False) -> None:
     """Runs once per handle per backward, before its gradient computation (the hook on each
     forward output, ``functools.partial(_pre_backward, state, handle)``: ``grad`` is the output's).
     Pre: handle IDLE. Post: handle BACKWARD_PRE with unsharded views; the previous handle in
     forward order is being gathered (BACKWARD_PRE prefetch)."""
+    if not in_range and profiler_enabled():  # see [Note: Profiler ranges]
+        return _in_profiler_range("cs::pre_backward", _pre_backward, state, handle, grad)
     if not handle.needs_pre_backward:
         return
     if torch.is_grad_enabled() and not all(g.aliases_shard for g in handle.groups):
@@ -690,13 +687,15 @@ def _refuse_graph_of_the_gradient(handle: FlatParamHandle) -> None:
         "strategy=ShardingStrategy.NO_SHARD, to the modules the penalty goes through.")
 
 
-@_profiled("cs::post_backward")
-def _post_backward(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup, _: Optional[torch.Tensor] = None) -> None:
+def _post_backward(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup, _: Optional[torch.Tensor] = None,
+                   in_range: bool = False) -> None:
     """Runs when autograd has accumulated ``group``'s unsharded gradient (the unsharded buffer's
     post-accumulate-grad hook passes the buffer as ``_``).
     Pre: handle BACKWARD_PRE/POST. Post: reduction issued (or gradient kept when not syncing);
     once every trainable group is done, handle BACKWARD_POST and resharded if it frees after
     backward."""
+    if not in_range and profiler_enabled():  # see [Note: Profiler ranges]
+        return _in_profiler_range("cs::post_backward", _post_backward, state, handle, group, _)
     if _collectives._ACTIVE:
         _collectives.trace("post_backward", handle.fqn)
     if handle.training_state is HandleTrainingState.IDLE:
@@ -729,11 +728,12 @@ def _post_backward(state: _FSDPState, handle: FlatParamHandle, group: FlatGroup,
             _prefetch_backward(state, handle)
 
 
-@_profiled("cs::finalize_backward")
-def _finalize_backward(root: _FSDPState) -> None:
+def _finalize_backward(root: _FSDPState, in_range: bool = False) -> None:
     """End of backward (queued by the first pre-backward): reduce what unsynced backwards kept
     for handles this backward did not reach, wait every reduction, attach gradients, reshard
     every handle, reset per-iteration state. Post: all handles IDLE, all states IDLE."""
+    if not in_range and profiler_enabled():  # see [Note: Profiler ranges]
+        return _in_profiler_range("cs::finalize_backward", _finalize_backward, root)
     _collectives.trace("finalize_backward", root.fqn)
     _take_deferred_arrivals(root)
     _reduce_leftover_unsynced(root)

@@ -79,7 +79,8 @@ from torch.distributed.tensor import DTensor
 from . import collectives as _collectives
 from .._base.callers import check_callers
 from .._base.host_mirror import to_device
-from .._base.torch_compat import FOREACH_NORM as _FOREACH_NORM, RunningFunction, as_plain, plain_torch_function, running_functions
+from .._base.torch_compat import FOREACH_NORM as _FOREACH_NORM, PLAIN_TORCH_FUNCTION_IMPL, RunningFunction, as_plain, \
+    plain_torch_function, running_functions
 from .._base.tree import convert, local_piece
 
 __all__ = ["ShardedGrad", "PartialNorm", "as_sharded_grad", "shard_source", "total_grad_norm", "ForeignWrapperGuard"]
@@ -113,7 +114,9 @@ class ShardedGrad(torch.Tensor):
                            kwargs: Optional[Dict[str, Any]] = None) -> Any:
         if func is _VECTOR_NORM or func is _FOREACH_NORM:
             return _partial_norms(func, args, kwargs or {})
-        return plain_torch_function(func, args, kwargs or {})
+        if kwargs:  # passed only when there are some: a slot wrapper (a property's __get__) takes none
+            return PLAIN_TORCH_FUNCTION_IMPL(func, types, args, kwargs)
+        return PLAIN_TORCH_FUNCTION_IMPL(func, types, args)
 
 
 class PartialNorm(torch.Tensor):
