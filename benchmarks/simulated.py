@@ -92,7 +92,7 @@ class SimulatedWork(_WorkBase):
         super().__init__()
         self._result = result
         self._event: Optional[torch.cuda.Event] = None
-        if any(t.is_cuda for t in result):
+        if result and result[0].is_cuda:  # a collective's tensors are all on one device
             self._event = torch.cuda.Event()
             self._event.record(torch.cuda.current_stream(result[0].device))
 

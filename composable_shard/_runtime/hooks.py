@@ -90,7 +90,7 @@ from ..api import BackwardPrefetch
 
 __all__ = ["register_runtime_hooks", "lazy_init", "wait_unshard", "issue_unshard", "reduce_accumulated",
            "recover_interrupted_backward", "raise_detached", "assert_internal", "begin_weight_pass",
-           "end_weight_pass"]
+           "end_weight_pass", "end_weight_passes"]
 
 log = logging.getLogger("composable_shard")
 
@@ -834,22 +834,43 @@ def end_weight_pass(state: _FSDPState, completed: bool) -> None:
     kept unreduced sum, the original parameters' ``.grad`` the usual full-shape views of it), so
     the step's one reduction (the next synced backward, or :func:`reduce_accumulated`) reduces it
     with the rest; if it raised, that gradient is dropped. Then the handle leaves backward as at
-    the end of any backward. Pre: :func:`begin_weight_pass`. Post: handle IDLE, original
+    the end of any backward (also when taking the gradient raised: see :func:`end_weight_passes`). Pre:
+    :func:`begin_weight_pass`. Post: handle IDLE, original
     parameters in the slots, storage freed if the module frees after backward."""
     handle = state.handle
     if handle is None:
         return
-    for group in handle.groups:
-        if group.padded_unsharded_flat.grad is None:
-            continue
-        if not completed:
-            group.padded_unsharded_flat.grad = None
-            continue
-        unsharded_grad = handle.take_unsharded_grad(group)
-        handle.keep_unreduced(group, unsharded_grad, handle.reduce_dtype(group))  # type: ignore[arg-type]  # not None: checked above
-    handle.reshard(free=frees_after_backward(state))
-    handle.enter(HandleTrainingState.IDLE, "end_weight_pass", expect=(HandleTrainingState.BACKWARD_PRE,))
-    handle.needs_pre_backward = True
+    try:
+        for group in handle.groups:
+            if group.padded_unsharded_flat.grad is None:
+                continue
+            if not completed:
+                group.padded_unsharded_flat.grad = None
+                continue
+            unsharded_grad = handle.take_unsharded_grad(group)
+            handle.keep_unreduced(group, unsharded_grad, handle.reduce_dtype(group))  # type: ignore[arg-type]  # not None: checked above
+    finally:  # the handle leaves backward even after a refusal (see end_weight_passes): the next forward finds it idle
+        handle.reshard(free=frees_after_backward(state))
+        handle.enter(HandleTrainingState.IDLE, "end_weight_pass", expect=(HandleTrainingState.BACKWARD_PRE,))
+        handle.needs_pre_backward = True
+
+
+def end_weight_passes(states: List[_FSDPState], completed: bool) -> None:
+    """:func:`end_weight_pass` for each of ``states`` (a pipeline stage's fully sharded modules),
+    each whatever the ones before did. If one raised (a refusal), the gradients every one of them
+    accumulated since the last synced backward are dropped, as the refusal says (a backward that
+    raises drops them for its whole root), and the first error is raised."""
+    failure: Optional[BaseException] = None
+    for state in states:
+        try:
+            end_weight_pass(state, completed)
+        except BaseException as e:  # noqa: B036  # re-raised below, after the others ended
+            failure = failure or e
+    if failure is not None:
+        for state in states:
+            if state.handle is not None:
+                state.handle.discard_backward()
+        raise failure
 
 
 def finish_reductions(root: _FSDPState) -> None:

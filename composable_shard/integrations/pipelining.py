@@ -79,7 +79,7 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 
 from .. import FSDPModule, ReplicateModule
-from .._runtime.hooks import begin_weight_pass, end_weight_pass
+from .._runtime.hooks import begin_weight_pass, end_weight_passes
 
 __all__ = ["PipelineStage", "check_caller"]
 
@@ -265,8 +265,7 @@ class PipelineStage(_TorchPipelineStage):
         finally:
             self.submod = plain
             if weight_pass:
-                for m in sharded:
-                    end_weight_pass(m._fsdp_state(), completed)
+                end_weight_passes([m._fsdp_state() for m in sharded], completed)
         return result
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:

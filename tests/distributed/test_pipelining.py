@@ -30,7 +30,9 @@ torch's weight pass sets their gradients itself, past replicate's all-reduce. to
 before the stage was built or after), or, where that ran before, at the first backward (it would
 finish the step through FSDP2 internals), before any gradient. Under ``MixedPrecision(param_dtype=
 bfloat16, reduce_dtype=float32)``, ScheduleInterleavedZeroBubble's weight passes sum the micro-batches'
-gradients in float32: its gradients equal ScheduleInterleaved1F1B's on the same stages.
+gradients in float32: its gradients equal ScheduleInterleaved1F1B's on the same stages. A weight pass whose
+end refuses (a ``.grad`` replaced between unsynced backwards) leaves every module of the stage idle and
+resharded, with nothing accumulated since the last sync: the next step is exact.
 """
 
 from __future__ import annotations
@@ -605,6 +607,55 @@ def _failed_weight_pass_leaves_nothing() -> None:
         torch.testing.assert_close(got, want, atol=1e-6, rtol=0, msg=lambda m: f"after a failed weight pass, {name}: {m}")
 
 
+def _refused_weight_pass_leaves_the_module_usable() -> None:
+    """A weight pass whose end refuses (a ``.grad`` the user replaced between unsynced backwards:
+    [Note: A tensor of the user's in place of an unsynced sum] in ``_runtime/flat_param.py``)
+    raises naming the parameter on every rank, leaves every handle of the stage idle and resharded
+    (the refused one and the others the same pass ran on), and drops what was accumulated since
+    the last synced backward, as the refusal says: the next forward runs, and a synced step gives
+    exactly one process's gradients on its batch. Left in backward, the next forward raised an
+    illegal transition on the refused handle."""
+    from composable_shard._runtime.hooks import begin_weight_pass, end_weight_passes
+    from composable_shard._runtime.flat_param import HandleTrainingState
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model, reference = nn.Sequential(Block(), Block()), nn.Sequential(Block(), Block())
+    reference.load_state_dict(model.state_dict())
+    fully_shard(model[0])
+    fully_shard(model[1])
+    x = torch.randn(world_size * 2, 4, WIDTH)
+    model(x[:2]).sum().backward()  # lazy init; then a fresh step
+    model.zero_grad(set_to_none=True)
+    modules = [cast(FSDPModule, model[0]), cast(FSDPModule, model[1])]
+    for m in modules:
+        m.set_requires_gradient_sync(False)
+    model(x[:2]).sum().backward()  # an unsynced backward: .grad shows this rank's sums
+    replaced = model[1].fc1.weight  # type: ignore[union-attr]
+    replaced.grad = torch.zeros_like(replaced)  # this rank's slice: it cannot hold the sum
+    for m in modules:
+        begin_weight_pass(m._fsdp_state())
+    for handle in _get_fsdp_handles(model):  # what torch's weight step adds
+        for group in handle.groups:
+            group.padded_unsharded_flat.grad = torch.ones_like(group.padded_unsharded_flat)
+    try:
+        end_weight_passes([m._fsdp_state() for m in modules], completed=True)  # as the stage ends them
+    except RuntimeError as e:
+        assert "fc1.weight" in str(e) and "replaced" in str(e), e
+    else:
+        raise AssertionError("the .grad replaced between unsynced backwards must be refused")
+    for handle in _get_fsdp_handles(model):
+        assert handle.training_state is HandleTrainingState.IDLE and not handle.is_unsharded, handle
+        assert all(g.unreduced_grad is None for g in handle.groups), f"{handle}: the unsynced sum was kept"
+    for m in modules:
+        m.set_requires_gradient_sync(True)
+    model.zero_grad(set_to_none=True)
+    model(x[rank * 2:(rank + 1) * 2]).pow(2).mean().backward()
+    (sum(reference(x[r * 2:(r + 1) * 2]).pow(2).mean() for r in range(world_size)) / world_size).backward()  # type: ignore[union-attr]
+    for (name, got), (_, want) in zip_same(_full_grads(model), _full_grads(reference), what="gradients"):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0, msg=lambda m: f"after a refused weight pass, {name}: {m}")
+
+
 def _cases(schedules: List[str], zero_bubble: Dict[str, List[str]], refusals: bool) -> None:
     run_subtests(_parity, {"schedule_name": schedules, "how": ["fully_shard", "replicate", "configured"]})
     for schedule_name, hows in zero_bubble.items():
@@ -614,6 +665,7 @@ def _cases(schedules: List[str], zero_bubble: Dict[str, List[str]], refusals: bo
     if refusals:
         _refusals()
         _failed_weight_pass_leaves_nothing()
+        _refused_weight_pass_leaves_the_module_usable()
 
 
 # Zero-bubble schedules (a weight pass apart from each input pass) over fully sharded stage modules: FSDP2's
