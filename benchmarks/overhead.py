@@ -3,8 +3,8 @@
     python benchmarks/overhead.py                         # W = 1 and 2 (gloo), 2 and 8 (simulated); both workloads
     python benchmarks/run.py --workload overhead [...]    # the same, through the benchmark tool
     python benchmarks/overhead.py --profile               # + cProfile of ours and FSDP2 on `small` at the last W
-    options: [--world 1 2 2s 8s] [--workloads small,gpt] [--rounds 10] [--gpt-rounds 3] [--warmup 1]
-             [--steps-per-round 2] [--optim sgd|adamw] [--profile] [--profile-steps 20] [--profile-top 25]
+    options: [--world 1 2 2s 8s] [--workloads small,gpt] [--rounds 40] [--gpt-rounds 3] [--warmup 1]
+             [--steps-per-round 4] [--optim sgd|adamw] [--profile] [--profile-steps 20] [--profile-top 25]
              [--json PATH]
 
 [Note: Overhead protocol]
@@ -578,10 +578,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="world sizes: W = W real gloo ranks, Ws = W simulated ranks in one process "
                         "(default 1 2 2s 8s; the last one is profiled with --profile)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of " + ",".join(WORKLOADS))
-    p.add_argument("--rounds", type=int, default=10, help="timed rounds of `small`")
+    p.add_argument("--rounds", type=int, default=40,
+                   help="timed rounds of `small` (default 40 of 4 steps each: the issue-56 judgment's recipe; 10 rounds "
+                        "of 2 steps read up to 0.02 higher and wider on this machine, see benchmarks/NOTES.md)")
     p.add_argument("--gpt-rounds", type=int, default=3, help="timed rounds of `gpt`")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
-    p.add_argument("--steps-per-round", type=int, default=2, help="steps of each contender per round")
+    p.add_argument("--steps-per-round", type=int, default=4, help="steps of each contender per round")
     p.add_argument("--optim", choices=("sgd", "adamw"), default="sgd")
     p.add_argument("--profile", action="store_true", help="cProfile ours and FSDP2 on `small` at the largest W")
     p.add_argument("--profile-steps", type=int, default=20)

@@ -283,11 +283,16 @@ def group_size(group: Optional[dist.ProcessGroup]) -> int:
     return _group_facts(group)[0]
 
 
+INPUT_BYTES = -1  # ``_report``'s nbytes: those of its input, worked out only when a recorder records
+
+
 def _report(kind: str, nbytes: int, group: Optional[dist.ProcessGroup], tag: str,
             input: Optional[torch.Tensor] = None) -> Tuple[int, str]:
     """Report a collective to the active recorders; returns the group's ``(size, backend)``."""
     facts = _group_facts(group)
     if _ACTIVE and _local.recorders:
+        if nbytes == INPUT_BYTES and input is not None:
+            nbytes = input.numel() * input.element_size()
         rec = CollectiveRecord(kind, nbytes, facts[0], tag, weakref.ref(input) if input is not None else None)
         for r in _local.recorders:
             r.records.append(rec)
@@ -319,7 +324,7 @@ def all_gather_into(
     with another handle's (see [Note: Collectives on gloo]). ``hint``: the advice of the error
     raised if it does not complete (default :data:`TRAINING_HINT`), and of the warning once it
     has waited :data:`STUCK_WARNING_AFTER_S` (see [Note: Stuck waits])."""
-    world_size, backend = _report("all_gather", input.numel() * input.element_size(), group, tag, input)
+    world_size, backend = _report("all_gather", INPUT_BYTES, group, tag, input)
     if world_size == 1:
         return _copy_alone(output, input, "all_gather", tag, hint)
     if backend == "gloo" and input.device.type == "cpu":
@@ -340,7 +345,7 @@ def reduce_scatter_into(
     contents are undefined afterwards. ``match`` as for :func:`all_gather_into`.
 
     On gloo it runs point to point (see [Note: Collectives on gloo])."""
-    world_size, backend = _report("reduce_scatter", input.numel() * input.element_size(), group, tag, input)
+    world_size, backend = _report("reduce_scatter", INPUT_BYTES, group, tag, input)
     if world_size == 1:
         return _copy_alone(output, input, "reduce_scatter", tag)
     if backend == "gloo" and input.device.type == "cpu":
@@ -453,7 +458,7 @@ def all_reduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], *, tag:
                op: Any = dist.ReduceOp.SUM, hint: str = "") -> Pending:
     """Reduce ``tensor`` in place across the group (sum unless ``op`` says otherwise), async.
     ``hint`` as for :func:`all_gather_into`."""
-    if _report("all_reduce", tensor.numel() * tensor.element_size(), group, tag, tensor)[0] == 1:
+    if _report("all_reduce", INPUT_BYTES, group, tag, tensor)[0] == 1:
         return Pending(None, tensor, "all_reduce", tag=tag, hint=hint)
     work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
     return Pending(work, tensor, "all_reduce", tag=tag, hint=hint)
