@@ -834,9 +834,9 @@ def end_weight_pass(state: _FSDPState, completed: bool) -> None:
     kept unreduced sum, the original parameters' ``.grad`` the usual full-shape views of it), so
     the step's one reduction (the next synced backward, or :func:`reduce_accumulated`) reduces it
     with the rest; if it raised, that gradient is dropped. Then the handle leaves backward as at
-    the end of any backward (also when taking the gradient raised: see :func:`end_weight_passes`). Pre:
-    :func:`begin_weight_pass`. Post: handle IDLE, original
-    parameters in the slots, storage freed if the module frees after backward."""
+    the end of any backward, also when taking the gradient raised (see :func:`end_weight_passes`).
+    Pre: :func:`begin_weight_pass`. Post: handle IDLE, original parameters in the slots, storage
+    freed if the module frees after backward."""
     handle = state.handle
     if handle is None:
         return

@@ -197,7 +197,44 @@ def _recorders_nest() -> None:
     # one out of the recording list by equality, and went on recording in its place)
 
 
+def _collectives_straight_to_the_group() -> None:
+    """The runtime's all-gather and reduce-scatter calls made straight to a process group's own
+    method (``torch_compat.all_gather_work``/``reduce_scatter_work``: NCCL's and gloo-on-CUDA's path,
+    and the simulated backend's) give what torch.distributed's functions give, on a real C++ group
+    (gloo, which runs them on the CPU too): the whole group and, at W=4, a subgroup in an order of
+    its own; float32 and complex64 (viewed as real, as torch's functions do); summed and, on the
+    simulated backend where AVG exists, averaged (tests/unit/test_simulated_backend.py)."""
+    from composable_shard._base.torch_compat import (ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE, all_gather_work,
+                                                     reduce_scatter_work)
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    groups = [(dist.group.WORLD, list(range(world_size)))]
+    if world_size == 4:
+        members = [3, 1]
+        groups.append((dist.new_group(members), sorted(members)))
+    for group, members in groups:
+        if rank not in members:
+            continue
+        size = len(members)
+        for dtype in (torch.float32, torch.complex64):
+            shard = (torch.arange(5.0) + 100 * rank).to(dtype) * (1 - 2j if dtype.is_complex else 1)
+            got, want = torch.zeros(5 * size, dtype=dtype), torch.zeros(5 * size, dtype=dtype)
+            all_gather_work(got, shard, group).wait()
+            ALL_GATHER_SINGLE(want, shard, group=group)
+            assert torch.equal(got, want), (members, dtype, got, want)
+            full = (torch.arange(3.0 * size) * (rank + 1)).to(dtype) * (2 + 1j if dtype.is_complex else 1)
+            got, want = torch.zeros(3, dtype=dtype), torch.zeros(3, dtype=dtype)
+            reduce_scatter_work(got, full.clone(), False, group).wait()
+            REDUCE_SCATTER_SINGLE(want, full.clone(), op=dist.ReduceOp.SUM, group=group)
+            assert torch.equal(got, want), (members, dtype, got, want)
+            index = sorted(members).index(rank)  # the chunk this rank keeps: the sum of every member's
+            expected = sum((torch.arange(3.0 * size) * (r + 1)).to(dtype) * (2 + 1j if dtype.is_complex else 1)
+                           for r in members)[3 * index:3 * index + 3]
+            assert torch.equal(got, expected), (members, dtype, got, expected)
+
+
 def _all() -> None:
+    _collectives_straight_to_the_group()
     _recorders_nest()
     if dist.get_world_size() == 4:
         _gather_and_scatter_on_three_ranks()
