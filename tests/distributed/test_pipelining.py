@@ -32,7 +32,9 @@ finish the step through FSDP2 internals), before any gradient. Under ``MixedPrec
 bfloat16, reduce_dtype=float32)``, ScheduleInterleavedZeroBubble's weight passes sum the micro-batches'
 gradients in float32: its gradients equal ScheduleInterleaved1F1B's on the same stages. A weight pass whose
 end refuses (a ``.grad`` replaced between unsynced backwards) leaves every module of the stage idle and
-resharded, with nothing accumulated since the last sync: the next step is exact.
+resharded, with nothing accumulated since the last sync, and raises the first module's error: the next step is
+exact. A weight pass on a handle whose first group is frozen keeps the trainable group's gradient; one whose torch
+weight step fails inside our stage leaves nothing of itself in the step's reduction.
 """
 
 from __future__ import annotations
@@ -467,6 +469,7 @@ def _refusals() -> None:
     solo_group = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]  # one-rank pipelines
     _split_backward_refused_first(solo_group)
     _torch_stage_refused(solo_group)
+    _failed_stage_weight_pass_leaves_nothing(solo_group)
 
 
 def _untouched(module: nn.Module, shards: List[torch.Tensor], what: str) -> None:
@@ -609,8 +612,9 @@ def _failed_weight_pass_leaves_nothing() -> None:
 
 def _refused_weight_pass_leaves_the_module_usable() -> None:
     """A weight pass whose end refuses (a ``.grad`` the user replaced between unsynced backwards:
-    [Note: A tensor of the user's in place of an unsynced sum] in ``_runtime/flat_param.py``)
-    raises naming the parameter on every rank, leaves every handle of the stage idle and resharded
+    [Note: A tensor of the user's in place of an unsynced sum] in ``_runtime/flat_param.py``; here in
+    two modules of the stage) raises the first module's error on every rank, leaves every handle of
+    the stage idle and resharded
     (the refused one and the others the same pass ran on), and drops what was accumulated since
     the last synced backward, as the refusal says: the next forward runs, and a synced step gives
     exactly one process's gradients on its batch. Left in backward, the next forward raised an
@@ -631,8 +635,8 @@ def _refused_weight_pass_leaves_the_module_usable() -> None:
     for m in modules:
         m.set_requires_gradient_sync(False)
     model(x[:2]).sum().backward()  # an unsynced backward: .grad shows this rank's sums
-    replaced = model[1].fc1.weight  # type: ignore[union-attr]
-    replaced.grad = torch.zeros_like(replaced)  # this rank's slice: it cannot hold the sum
+    for replaced in (model[0].fc1.weight, model[1].fc2.weight):  # type: ignore[union-attr]
+        replaced.grad = torch.zeros_like(replaced)  # this rank's slice: it cannot hold the sum
     for m in modules:
         begin_weight_pass(m._fsdp_state())
     for handle in _get_fsdp_handles(model):  # what torch's weight step adds
@@ -640,8 +644,8 @@ def _refused_weight_pass_leaves_the_module_usable() -> None:
             group.padded_unsharded_flat.grad = torch.ones_like(group.padded_unsharded_flat)
     try:
         end_weight_passes([m._fsdp_state() for m in modules], completed=True)  # as the stage ends them
-    except RuntimeError as e:
-        assert "fc1.weight" in str(e) and "replaced" in str(e), e
+    except RuntimeError as e:  # both modules refuse; the first one's error is raised
+        assert "fc1.weight" in str(e) and "fc2.weight" not in str(e) and "replaced" in str(e), e
     else:
         raise AssertionError("the .grad replaced between unsynced backwards must be refused")
     for handle in _get_fsdp_handles(model):
@@ -656,6 +660,77 @@ def _refused_weight_pass_leaves_the_module_usable() -> None:
         torch.testing.assert_close(got, want, atol=1e-6, rtol=0, msg=lambda m: f"after a refused weight pass, {name}: {m}")
 
 
+def _weight_pass_keeps_every_groups_gradient() -> None:
+    """A handle of several groups (a block whose norm is frozen: a frozen group, then a trainable
+    one) whose first group got no gradient in the weight pass: the end of the pass still takes the
+    trainable group's gradient as an unsynced one (kept for the step's one reduction) and leaves the
+    frozen group's parameters without one."""
+    from composable_shard._runtime.hooks import begin_weight_pass, end_weight_passes
+
+    torch.manual_seed(0)
+    model = Block()
+    model.ln.requires_grad_(False)
+    fully_shard(model)
+    model(torch.randn(2, 4, WIDTH)).sum().backward()  # lazy init
+    model.zero_grad(set_to_none=True)
+    sharded = cast(FSDPModule, model)
+    sharded.set_requires_gradient_sync(False)
+    handle = _get_fsdp_handles(model)[0]
+    assert [g.requires_grad for g in handle.groups] == [False, True], [g.requires_grad for g in handle.groups]
+    begin_weight_pass(sharded._fsdp_state())
+    trainable = handle.groups[1]
+    added = torch.randn(trainable.padded_unsharded_flat.shape)
+    trainable.padded_unsharded_flat.grad = added.clone()  # what torch's weight step adds
+    end_weight_passes([sharded._fsdp_state()], completed=True)
+    assert trainable.padded_unsharded_flat.grad is None, "the weight pass's gradient was left on the buffer"
+    assert trainable.unreduced_grad is not None and torch.equal(trainable.unreduced_grad, added), \
+        "the trainable group's weight-pass gradient was not kept for the step's reduction"
+    assert all(p.grad is None for p in model.ln.parameters()), "the frozen norm got a gradient"
+    sharded.set_requires_gradient_sync(True)
+    sharded.reduce_accumulated_gradients()
+
+
+def _failed_stage_weight_pass_leaves_nothing(solo_group: Any) -> None:
+    """Our stage (one rank of the pipeline) over a fully sharded module: a micro-batch's backward
+    (kept unsynced), then a weight step that fails after adding part of its gradient (torch's
+    ``backward_maybe_with_nosync`` made to fail that way for this call): the error comes through,
+    and nothing of the failed pass reaches the step's one reduction: after ``perform_reduce_grad``
+    the gradients equal one process's on the micro-batch alone."""
+    from torch.distributed import pipelining as pp
+
+    from composable_shard.integrations import pipelining as ours
+
+    torch.manual_seed(0)
+    model, reference = nn.Sequential(Block(), Block()), nn.Sequential(Block(), Block())
+    reference.load_state_dict(model.state_dict())
+    fully_shard(model, mesh=_mesh()["dp"])
+    dp_rank, dp_size = _mesh()["dp"].get_local_rank(), _mesh()["dp"].size()
+    x = torch.randn(dp_size * 2, 4, WIDTH)
+    model(x[:2]).sum().backward()  # lazy init; then a fresh step
+    model.zero_grad(set_to_none=True)
+    stage = ours.PipelineStage(model, 0, 1, torch.device("cpu"), group=solo_group)
+    cast(FSDPModule, model).set_requires_gradient_sync(False)  # as the stage has it between micro-batches
+    model(x[dp_rank * 2:(dp_rank + 1) * 2]).pow(2).mean().backward()  # the micro-batch before, kept
+
+    def fails_after_adding(self: Any, backward_type: str, bwd_kwargs: Dict[str, Any], last_backward: bool = False) -> Any:
+        for handle in _get_fsdp_handles(model):
+            for group in handle.groups:
+                group.padded_unsharded_flat.grad = torch.ones_like(group.padded_unsharded_flat)
+        raise RuntimeError("weight step failed")
+
+    original = pp.PipelineStage.backward_maybe_with_nosync
+    setattr(pp.PipelineStage, "backward_maybe_with_nosync", fails_after_adding)
+    try:
+        with pytest.raises(RuntimeError, match="weight step failed"):
+            stage.backward_maybe_with_nosync("weight", {})
+    finally:
+        setattr(pp.PipelineStage, "backward_maybe_with_nosync", original)
+    stage.perform_reduce_grad(1)  # the step's one reduction: the micro-batch before, only
+    (sum(reference(x[r * 2:(r + 1) * 2]).pow(2).mean() for r in range(dp_size)) / dp_size).backward()  # type: ignore[union-attr]
+    for (name, got), (_, want) in zip_same(_full_grads(model), _full_grads(reference), what="gradients"):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0, msg=lambda m: f"after a failed stage weight pass, {name}: {m}")
+
+
 def _cases(schedules: List[str], zero_bubble: Dict[str, List[str]], refusals: bool) -> None:
     run_subtests(_parity, {"schedule_name": schedules, "how": ["fully_shard", "replicate", "configured"]})
     for schedule_name, hows in zero_bubble.items():
@@ -666,6 +741,7 @@ def _cases(schedules: List[str], zero_bubble: Dict[str, List[str]], refusals: bo
         _refusals()
         _failed_weight_pass_leaves_nothing()
         _refused_weight_pass_leaves_the_module_usable()
+        _weight_pass_keeps_every_groups_gradient()
 
 
 # Zero-bubble schedules (a weight pass apart from each input pass) over fully sharded stage modules: FSDP2's
