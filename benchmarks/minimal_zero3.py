@@ -41,7 +41,7 @@ class MinimalShard:
     ``nn.Parameter`` an optimizer steps."""
 
     def __init__(self, module: nn.Module, group: Any, owned: List[Tuple[nn.Module, str]]) -> None:
-        self.group = group if group is not None else dist.group.WORLD  # the collectives go straight to it
+        self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.slots = [(m, name, tuple(getattr(m, name).shape)) for m, name in owned]

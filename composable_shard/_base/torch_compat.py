@@ -150,7 +150,8 @@ versions checked (2.6, 2.11, 2.13, unless an entry says otherwise).
 * ``ALL_GATHER_SINGLE``, ``REDUCE_SCATTER_SINGLE``: not private, but the one version switch:
   torch 2.13 names the single-tensor collectives ``all_gather_single``/``reduce_scatter_single``
   and deprecates ``all_gather_into_tensor``/``reduce_scatter_tensor`` (a ``FutureWarning``);
-  older versions have only the old names.
+  older versions have only the old names. The library calls the groups directly (below); these
+  are torch's functions for the tests to compare with.
 * ``all_gather_work``, ``reduce_scatter_work``: the runtime's all-gathers and reduce-scatters
   on a given process group call the group's own method (``ProcessGroup.all_gather_single`` /
   ``reduce_scatter_single`` in 2.12 and 2.13, ``_allgather_base``/``_reduce_scatter_base``
@@ -481,17 +482,24 @@ _GATHER_METHOD = "all_gather_single" if hasattr(dist.ProcessGroup, "all_gather_s
 _SCATTER_METHOD = "reduce_scatter_single" if hasattr(dist.ProcessGroup, "reduce_scatter_single") else "_reduce_scatter_base"
 
 
-def all_gather_work(output: "torch.Tensor", input: "torch.Tensor", group: "dist.ProcessGroup") -> Any:
+def all_gather_work(output: "torch.Tensor", input: "torch.Tensor", group: Optional["dist.ProcessGroup"]) -> Any:
     """``dist.all_gather_single(output, input, group=group, async_op=True)`` for the runtime's own
-    buffers on a group this rank belongs to, straight to the group (see module docstring)."""
+    buffers on a group this rank belongs to (``None``: the default group), straight to the group
+    (see module docstring)."""
+    if group is None:
+        group = dist.group.WORLD
     if input.is_complex():
         output, input = torch.view_as_real(output), torch.view_as_real(input)
     return getattr(group, _GATHER_METHOD)(output, input, _GATHER_OPTIONS)
 
 
-def reduce_scatter_work(output: "torch.Tensor", input: "torch.Tensor", average: bool, group: "dist.ProcessGroup") -> Any:
+def reduce_scatter_work(output: "torch.Tensor", input: "torch.Tensor", average: bool,
+                        group: Optional["dist.ProcessGroup"]) -> Any:
     """``dist.reduce_scatter_single(output, input, op=AVG if average else SUM, group=group,
-    async_op=True)`` for the runtime's own buffers, straight to the group (see module docstring)."""
+    async_op=True)`` for the runtime's own buffers (``None``: the default group), straight to the
+    group (see module docstring)."""
+    if group is None:
+        group = dist.group.WORLD
     if input.is_complex():
         output, input = torch.view_as_real(output), torch.view_as_real(input)
     return getattr(group, _SCATTER_METHOD)(output, input, _SCATTER_OPTIONS[average])

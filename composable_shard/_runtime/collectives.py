@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .._base.torch_compat import ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE, all_gather_work, reduce_scatter_work
+from .._base.torch_compat import all_gather_work, reduce_scatter_work
 
 __all__ = [
     "Pending",
@@ -310,7 +310,7 @@ def _copy_alone(output: torch.Tensor, input: torch.Tensor, kind: str, tag: str, 
 def _gather_now(output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup], kind: str, tag: str,
                 hint: str = "") -> None:
     """All-gather ``input`` into ``output`` and wait (the synchronous gathers of small data below)."""
-    Pending(ALL_GATHER_SINGLE(output, input, group=group, async_op=True), output, kind, tag=tag, hint=hint).wait()
+    Pending(all_gather_work(output, input, group), output, kind, tag=tag, hint=hint).wait()
 
 
 def all_gather_into(
@@ -330,9 +330,7 @@ def all_gather_into(
     if backend == "gloo" and input.device.type == "cpu":
         return Pending(_gloo_all_gather(output, input, group, _p2p_tag(_TAG_ALL_GATHER, match)), output, "all_gather",
                        tag=tag, hint=hint)
-    work = ALL_GATHER_SINGLE(output, input, group=group, async_op=True) if group is None else \
-        all_gather_work(output, input, group)
-    return Pending(work, output, "all_gather", tag=tag, hint=hint)
+    return Pending(all_gather_work(output, input, group), output, "all_gather", tag=tag, hint=hint)
 
 
 def reduce_scatter_into(
@@ -352,12 +350,7 @@ def reduce_scatter_into(
         if average:
             raise AssertionError("composable_shard internal error: gloo's reduce-scatter cannot average")
         return _gloo_reduce_scatter(output, input, group, tag, _p2p_tag(_TAG_REDUCE_SCATTER, match))
-    if group is None:
-        work = REDUCE_SCATTER_SINGLE(output, input, op=dist.ReduceOp.AVG if average else dist.ReduceOp.SUM,
-                                     group=group, async_op=True)
-    else:
-        work = reduce_scatter_work(output, input, average, group)
-    return Pending(work, output, "reduce_scatter", tag=tag)
+    return Pending(reduce_scatter_work(output, input, average, group), output, "reduce_scatter", tag=tag)
 
 
 def averages_natively(group: Optional[dist.ProcessGroup], dtype: torch.dtype) -> bool:
